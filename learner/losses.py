@@ -1,0 +1,128 @@
+"""Token-level GRPO as in Nemotron-Cascade 2: pure functions of tensors.
+
+The paper trains strictly on-policy (one gradient step per batch of rollouts),
+so the importance ratio is 1 and there is nothing to clip; it also drops the KL
+penalty. What remains is REINFORCE with group-normalised rewards, averaged over
+tokens within a group:
+
+    Â_{g,i} = (r_{g,i} − mean_i r_{g,·}) / (std_i r_{g,·} + eps)     (sample std, correction=1;
+                                                                        Â = 0 if all r_{g,·} are equal)
+    L = (1/num_groups) Σ_g  −(1 / Σ_i |y_{g,i}|) Σ_i Σ_t Â_{g,i} · log π(y_{g,i,t} | ·)
+
+so every token of a group weighs the same, and every group weighs the same.
+Rows are ordered group by group: rows [g·G, (g+1)·G) belong to group g.
+
+``token_logprobs`` turns model logits into the per-token log π above;
+``mismatch_stats`` compares the trainer's log-probs with the inference
+engine's, which differ through kernels and precision even at equal weights:
+
+    d = log π_inf − log π_trainer   (per masked token)
+    abs_diff_mean = mean |d|,  abs_diff_max = max |d|,  kl_k3 = mean (exp(d) − d − 1)
+
+Run the hand-computed checks with ``pytest tests/test_losses.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+
+def group_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
+    """Group-normalised advantages for rewards of shape [num_groups, G]."""
+    if rewards.shape[-1] < 2:
+        # One sample has no baseline to compare against (and its sample std is NaN).
+        return torch.zeros_like(rewards)
+    mean = rewards.mean(dim=-1, keepdim=True)
+    std = rewards.std(dim=-1, correction=1, keepdim=True)
+    adv = (rewards - mean) / (std + eps)
+    # A group whose rewards are all equal carries no signal. Its mean can differ from
+    # the rewards by a rounding error, which eps would then blow up; so zero it exactly.
+    uniform = (rewards == rewards[..., :1]).all(dim=-1, keepdim=True)
+    return torch.where(uniform, torch.zeros_like(adv), adv)
+
+
+def _next_token_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    """log_softmax(logits / T)[targets] for logits [n, L, V], targets [n, L], in float32.
+
+    Computed as logit − logsumexp, so besides the float32 copy of the chunk no second
+    [n, L, V] tensor (the full log_softmax) is built.
+    """
+    scaled = logits.float() / temperature
+    picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def token_logprobs(
+    logits: Tensor, input_ids: Tensor, temperature: float = 1.0, chunk_rows: int | None = None
+) -> Tensor:
+    """Per-token log-probs [N, L]: out[:, t] = log_softmax(logits[:, t-1] / T)[input_ids[:, t]], out[:, 0] = 0.
+
+    Position 0 has no prediction (nothing precedes it); it is set to 0 and must be
+    masked out by the caller, as prompt tokens are.
+
+    Cost: a chunk of n rows needs an n·(L−1)·V float32 temporary (4 bytes each: 2.5 GB
+    per row at L=4096, V=152k), so ``chunk_rows`` bounds the peak at one chunk instead
+    of all N rows. Under autograd each chunk is checkpointed, so that temporary is
+    freed after the forward and rebuilt in the backward (one extra log-softmax per
+    chunk) instead of every chunk's being kept alive until ``backward()``.
+    """
+    n_rows, length = input_ids.shape
+    first = logits.new_zeros((n_rows, 1), dtype=torch.float32)
+    if length < 2:
+        return first[:, :length]
+    step = n_rows if chunk_rows is None else max(1, chunk_rows)
+    recompute = chunk_rows is not None and torch.is_grad_enabled() and logits.requires_grad
+    chunks = []
+    for start in range(0, n_rows, step):
+        rows = slice(start, start + step)
+        args = (logits[rows, :-1], input_ids[rows, 1:], temperature)
+        if recompute:
+            chunks.append(checkpoint(_next_token_logprobs, *args, use_reentrant=False))
+        else:
+            chunks.append(_next_token_logprobs(*args))
+    return torch.cat([first, torch.cat(chunks, dim=0)], dim=1)
+
+
+def grpo_loss(logprobs: Tensor, advantages: Tensor, mask: Tensor, group_size: int) -> Tensor:
+    """Token-level GRPO loss (scalar) for logprobs [N, T], advantages [N], mask [N, T].
+
+    N must be a multiple of ``group_size``; rows are ordered group by group. The
+    gradient wrt logprobs[i, t] is −Â_i · mask[i, t] / (tokens in i's group · num_groups).
+    A group with no tokens contributes 0.
+    """
+    n_rows, length = logprobs.shape
+    if group_size < 1 or n_rows % group_size:
+        raise ValueError(f"{n_rows} rows do not split into groups of {group_size}")
+    num_groups = n_rows // group_size
+    keep = mask.bool()
+    # where(), not multiply: a padded position may hold -inf, and -inf * 0 = NaN.
+    lp = torch.where(keep, logprobs, torch.zeros_like(logprobs))
+    weighted = advantages.to(lp.dtype).unsqueeze(-1) * lp
+    per_group_sum = weighted.reshape(num_groups, group_size * length).sum(dim=-1)
+    per_group_tokens = keep.reshape(num_groups, group_size * length).sum(dim=-1)
+    # An empty group has a zero sum; dividing it by 1 instead of 0 keeps it 0, not NaN.
+    per_group = -per_group_sum / per_group_tokens.clamp(min=1).to(lp.dtype)
+    return per_group.mean()
+
+
+def mismatch_stats(trainer_logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the inference engine's log-probs are from the trainer's, over masked tokens.
+
+    With d = inf − trainer, ``kl_k3`` = mean(exp(d) − d − 1) is Schulman's k3 estimator
+    with ratio π_inf/π_trainer: non-negative per token and ≈ d²/2 for small d. Strictly
+    it is unbiased for KL(π_trainer‖π_inf) under samples from π_trainer; the tokens here
+    were sampled by the inference engine, so read it as a mismatch size, not an exact KL.
+
+    Returns Python floats: each ``.item()`` is a device sync, so call it for logging only.
+    """
+    keep = mask.bool()
+    if not keep.any():
+        return {"abs_diff_mean": 0.0, "abs_diff_max": 0.0, "kl_k3": 0.0}
+    d = (inf_logprobs.detach().float() - trainer_logprobs.detach().float())[keep]
+    return {
+        "abs_diff_mean": d.abs().mean().item(),
+        "abs_diff_max": d.abs().max().item(),
+        "kl_k3": (torch.expm1(d) - d).mean().item(),
+    }

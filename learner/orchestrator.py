@@ -1,0 +1,517 @@
+"""Orchestrator: the hub of the data plane.
+
+    python -m cascade_rl.learner.orchestrator --config RUN_DIR/config.yaml
+
+It binds the one ROUTER every sampler, verifier and the trainer connect to,
+and runs the stage top to bottom (``run``): evaluate the starting policy,
+then for each step sample a batch of groups on the newest weights, score
+them, hand the complete groups to the trainer as a ``TrainBatch`` and wait for
+``StepDone``; evaluate again at the end and write ``summary.json``.
+
+Between those lines ``pump`` serves the sockets: it dispatches queued groups
+to samplers with free slots (credit-based: never more than a sampler's
+``slots`` nor ``max_inflight_groups`` in flight), routes each rollout to a
+verifier of its domain, and re-dispatches any group or score whose deadline
+passed or whose worker vanished. Every rollout ends in exactly one of the
+books' columns: trained, filtered (with a reason) or stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import random
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import zmq
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+
+from cascade_rl.protocol.codec import ProtocolError
+from cascade_rl.protocol.messages import (
+    Heartbeat,
+    PromptRequest,
+    Ready,
+    Rollout,
+    SamplingParams,
+    Score,
+    ScoreRequest,
+    StepDone,
+    TrainBatch,
+    WeightsReady,
+)
+from cascade_rl.protocol.sockets import bind_router, exit_on_sigterm, recv_routed, send
+
+from .tasks import Example, load_task
+
+log = logging.getLogger("orchestrator")
+INBOUND = (Ready, Rollout, Score, StepDone, WeightsReady)
+
+
+@dataclasses.dataclass
+class Group:
+    """One prompt and its n rollouts, from dispatch to training (or filtering)."""
+
+    group_id: str
+    example: Example
+    prompt_ids: np.ndarray
+    n: int
+    sampling: SamplingParams
+    min_version: int
+    train: bool  # False: an evaluation group (outside the books)
+    attempt: int = 0
+    worker: bytes | None = None
+    deadline: float = 0.0
+    rollouts: dict[int, Rollout] = dataclasses.field(default_factory=dict)
+    scores: dict[int, Score] = dataclasses.field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.error) or len(self.scores) == self.n
+
+
+@dataclasses.dataclass
+class Worker:
+    role: str
+    slots: int
+    version: int = 0
+    domains: tuple[str, ...] = ()
+    assigned: set = dataclasses.field(default_factory=set)  # group ids or score keys
+
+
+@dataclasses.dataclass
+class Books:
+    """Rollout accounting. ``dispatched`` counts each requested rollout once, however often it is
+    re-dispatched (``redispatched`` counts those re-sends); late duplicates are dropped."""
+
+    dispatched: int = 0
+    trained: int = 0
+    filtered: int = 0
+    stale: int = 0
+    redispatched: int = 0
+    duplicates_dropped: int = 0
+    filtered_reasons: Counter = dataclasses.field(default_factory=Counter)
+
+    def summary(self, in_flight: int) -> dict:
+        lost = self.dispatched - self.trained - self.filtered - self.stale - in_flight
+        return {
+            "dispatched": self.dispatched,
+            "trained": self.trained,
+            "filtered": self.filtered,
+            "stale": self.stale,
+            "redispatched": self.redispatched,
+            "duplicates_dropped": self.duplicates_dropped,
+            "in_flight": in_flight,
+            "lost": lost,
+            "filtered_reasons": dict(self.filtered_reasons),
+        }
+
+
+class Orchestrator:
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        d = cfg.data
+        self.train_pool, self.heldout = load_task(d.task, d.train_size, d.heldout_size, seed=d.seed)
+        self.rng = random.Random(cfg.orchestrator.seed)
+        self.ctx = zmq.Context.instance()
+        self.router = bind_router(self.ctx, cfg.endpoints.orchestrator)
+        self.beat = None
+        if cfg.endpoints.get("heartbeat"):
+            self.beat = self.ctx.socket(zmq.PUSH)
+            self.beat.setsockopt(zmq.LINGER, 0)
+            self.beat.setsockopt(zmq.SNDHWM, 10)
+            self.beat.connect(cfg.endpoints.heartbeat)
+        self.workers: dict[bytes, Worker] = {}
+        self.groups: dict[str, Group] = {}
+        self.prompt_queue: deque[str] = deque()
+        self.score_queue: deque[tuple[str, int]] = deque()  # (group id, rollout index)
+        self.score_deadlines: dict[str, float] = {}
+        self.version = 0
+        self.weights: WeightsReady | None = None
+        self.step_done: StepDone | None = None
+        self.books = Books()
+        self.malformed = 0
+        self.next_beat = 0.0
+        self.status = {"state": "starting", "step": 0, "steps": cfg.trainer.steps}
+        self.history: list[dict] = []
+        self._seq = 0
+
+    # ------------------------------------------------------------------ the stage, top to bottom
+
+    def run(self) -> dict:
+        t_start = time.perf_counter()
+        steps = self.cfg.trainer.steps
+        self.status["state"] = "waiting for workers"
+        self.pump(lambda: self._have("trainer") and self._have("sampler") and self._have("verifier"))
+        self.status["state"] = "eval"
+        acc_before = self.evaluate()
+        self._log({"step": 0, "heldout_accuracy": acc_before})
+        for step in range(steps):
+            self.status.update(state="sampling", step=step)
+            t0 = time.perf_counter()
+            groups = self.sample_batch(step)
+            t_sample = time.perf_counter() - t0
+            self.status["state"] = "training"
+            self.step_done = None
+            self._to_trainer(self.build_batch(step, groups))
+            self.pump(lambda: self.step_done is not None)
+            metrics = self.step_metrics(step, groups, t_sample, time.perf_counter() - t0)
+            if self.cfg.orchestrator.eval_every and (step + 1) % self.cfg.orchestrator.eval_every == 0 \
+                    and step + 1 < steps:
+                self.status["state"] = "eval"
+                metrics["heldout_accuracy"] = self.evaluate()
+            self._log(metrics)
+        self.status.update(state="eval", step=steps)
+        acc_after = self.evaluate()
+        self._log({"step": steps, "heldout_accuracy": acc_after})
+        books = self.books.summary(in_flight=sum(g.n for g in self.groups.values() if g.train))
+        summary = {
+            "heldout_accuracy_before": acc_before,
+            "heldout_accuracy_after": acc_after,
+            "steps": steps,
+            "policy_version": self.version,
+            "wall_s": time.perf_counter() - t_start,
+            "books": books,
+            "eval": {"n": self.cfg.orchestrator.eval_n, "questions": len(self.heldout),
+                     "temperature": self.cfg.orchestrator.eval_temperature},
+            "malformed_messages": self.malformed,
+            "checkpoint": self.step_done.checkpoint if self.step_done else "",
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.status["state"] = "done"
+        self._heartbeat(force=True)
+        return summary
+
+    def sample_batch(self, step: int) -> list[Group]:
+        """``prompts_per_step`` complete groups sampled on the newest weights (strictly on-policy)."""
+        t = self.cfg.trainer
+        wanted, kept = t.prompts_per_step, []
+        while len(kept) < wanted:
+            batch = [self._new_group(self._next_example(), t.group_size, self._train_sampling(), True)
+                     for _ in range(wanted - len(kept))]
+            self.pump(lambda: all(g.complete for g in batch))
+            for g in batch:
+                del self.groups[g.group_id]
+                reason = self._filter_reason(g)
+                if reason:
+                    self.books.filtered += g.n
+                    self.books.filtered_reasons[reason] += g.n
+                elif self._is_stale(g):
+                    self.books.stale += g.n
+                else:
+                    kept.append(g)
+        return kept
+
+    def evaluate(self) -> float:
+        """avg@eval_n accuracy on the held-out set under the current weights."""
+        o = self.cfg.orchestrator
+        sampling = SamplingParams(temperature=o.eval_temperature, top_p=1.0,
+                                  max_tokens=self.cfg.sampling.max_tokens)
+        groups = [self._new_group(ex, o.eval_n, sampling, False) for ex in self.heldout]
+        self.pump(lambda: all(g.complete for g in groups))
+        rewards = []
+        for g in groups:
+            del self.groups[g.group_id]
+            rewards += [g.scores[i].reward if i in g.scores else 0.0 for i in range(g.n)]
+        return float(np.mean(rewards))
+
+    def build_batch(self, step: int, groups: list[Group]) -> TrainBatch:
+        rows = [(g.rollouts[i], g.scores[i]) for g in groups for i in range(g.n)]
+        width = max(len(r.prompt_ids) + len(r.response_ids) for r, _ in rows)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = np.full((len(rows), width), pad, np.int32)
+        response_mask = np.zeros((len(rows), width), bool)
+        inf_logprobs = np.zeros((len(rows), width), np.float32)
+        for i, (r, _) in enumerate(rows):
+            p, n = len(r.prompt_ids), len(r.response_ids)
+            input_ids[i, :p] = r.prompt_ids
+            input_ids[i, p : p + n] = r.response_ids
+            response_mask[i, p : p + n] = True
+            inf_logprobs[i, p : p + n] = r.inf_logprobs
+        self.books.trained += len(rows)
+        return TrainBatch(
+            step=step,
+            group_size=self.cfg.trainer.group_size,
+            input_ids=input_ids,
+            response_mask=response_mask,
+            inf_logprobs=inf_logprobs,
+            rewards=np.array([s.reward for _, s in rows], np.float32),
+            versions=np.array([r.policy_version for r, _ in rows], np.int32),
+        )
+
+    def step_metrics(self, step: int, groups: list[Group], t_sample: float, t_step: float) -> dict:
+        rollouts = [g.rollouts[i] for g in groups for i in range(g.n)]
+        rewards = [g.scores[i].reward for g in groups for i in range(g.n)]
+        tokens = sum(len(r.response_ids) for r in rollouts)
+        return {
+            "step": step + 1,
+            "version": self.version,
+            "reward_mean": float(np.mean(rewards)),
+            "response_len_mean": tokens / len(rollouts),
+            "truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts])),
+            "staleness_mean": float(np.mean([step - r.policy_version for r in rollouts])),
+            "gen_tokens_per_s": tokens / max(t_sample, 1e-9),
+            "sample_s": t_sample,
+            "step_s": t_step,
+            **{f"trainer/{k}": v for k, v in self.step_done.metrics.items()},
+        }
+
+    # ------------------------------------------------------------------ groups
+
+    def _next_example(self) -> Example:
+        return self.train_pool[self.rng.randrange(len(self.train_pool))]
+
+    def _train_sampling(self) -> SamplingParams:
+        s = self.cfg.sampling
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
+
+    def _new_group(self, ex: Example, n: int, sampling: SamplingParams, train: bool) -> Group:
+        self._seq += 1
+        prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}],
+                                                    add_generation_prompt=True, tokenize=False)
+        ids = np.array(self.tokenizer(prompt, add_special_tokens=False)["input_ids"], np.int32)
+        g = Group(f"{'t' if train else 'e'}{self._seq}", ex, ids, n, sampling, self.version, train)
+        self.groups[g.group_id] = g
+        self.prompt_queue.append(g.group_id)
+        if train:
+            self.books.dispatched += n
+        return g
+
+    def _filter_reason(self, g: Group) -> str:
+        if g.error:
+            return f"sampler_error: {g.error}"
+        return ""
+
+    def _is_stale(self, g: Group) -> bool:
+        return any(self.version - r.policy_version > self.cfg.orchestrator.max_staleness
+                   for r in g.rollouts.values())
+
+    # ------------------------------------------------------------------ the event loop
+
+    def pump(self, until: Callable[[], bool], timeout_s: float | None = None) -> None:
+        """Serve sockets, dispatch and enforce deadlines until ``until()`` holds."""
+        give_up = time.monotonic() + timeout_s if timeout_s else None
+        while not until():
+            self._dispatch_prompts()
+            self._dispatch_scores()
+            self._heartbeat()
+            if self.router.poll(timeout=100):
+                while self.router.poll(0):
+                    self._receive()
+            self._enforce_deadlines()
+            if give_up and time.monotonic() > give_up:
+                raise TimeoutError("orchestrator: condition not reached in time")
+
+    def _receive(self) -> None:
+        try:
+            ident, msg = recv_routed(self.router, INBOUND)
+        except ProtocolError as e:
+            self.malformed += 1
+            log.warning("dropped malformed message: %s", e)
+            return
+        if isinstance(msg, Ready):
+            self._on_ready(ident, msg)
+        elif isinstance(msg, Rollout):
+            self._on_rollout(ident, msg)
+        elif isinstance(msg, Score):
+            self._on_score(ident, msg)
+        elif isinstance(msg, WeightsReady):
+            self.weights = msg
+        elif isinstance(msg, StepDone):
+            self.version = max(self.version, msg.version)
+            self.step_done = msg
+
+    def _on_ready(self, ident: bytes, msg: Ready) -> None:
+        old = self.workers.get(ident)
+        if old is not None:  # a restarted worker: whatever it held is gone with its predecessor
+            self._requeue_worker(ident, old, "worker restarted")
+        self.workers[ident] = Worker(msg.role, msg.slots, msg.version, tuple(msg.domains))
+        log.info("%s joined as %s (%d slots, version %d)", ident.decode(), msg.role, msg.slots, msg.version)
+
+    def _on_rollout(self, ident: bytes, r: Rollout) -> None:
+        g = self.groups.get(r.group_id)
+        if g is None or r.attempt != g.attempt or g.worker != ident:
+            self.books.duplicates_dropped += 1  # a late reply to an attempt already re-dispatched
+            return
+        w = self.workers.get(ident)
+        if w is not None:
+            w.version = max(w.version, r.policy_version)
+        if r.finish_reason == "error":
+            g.error = r.error or "unknown sampler error"
+            self._release(g)
+            return
+        if not 0 <= r.index < g.n or r.index in g.rollouts:
+            self.malformed += 1
+            return
+        g.rollouts[r.index] = r
+        if len(g.rollouts) == g.n:
+            self._release(g)
+        self.score_queue.append((g.group_id, r.index))
+
+    def _on_score(self, ident: bytes, s: Score) -> None:
+        w = self.workers.get(ident)
+        if w is not None:
+            w.assigned.discard(s.key)
+        self.score_deadlines.pop(s.key, None)
+        group_id, index, attempt = s.key.rsplit("/", 2)
+        g = self.groups.get(group_id)
+        if g is None or int(attempt) != g.attempt or int(index) in g.scores:
+            self.books.duplicates_dropped += 1
+            return
+        g.scores[int(index)] = s
+
+    def _release(self, g: Group) -> None:
+        w = self.workers.get(g.worker) if g.worker else None
+        if w is not None:
+            w.assigned.discard(g.group_id)
+
+    def _dispatch_prompts(self) -> None:
+        inflight = sum(len(w.assigned) for w in self.workers.values() if w.role == "sampler")
+        while self.prompt_queue and inflight < self.cfg.orchestrator.max_inflight_groups:
+            free = [(i, w) for i, w in self.workers.items() if w.role == "sampler" and len(w.assigned) < w.slots]
+            if not free:
+                return
+            ident, w = min(free, key=lambda iw: len(iw[1].assigned))
+            g = self.groups.get(self.prompt_queue.popleft())
+            if g is None:
+                continue
+            if w.version < g.min_version and self.weights is not None and self.weights.version >= g.min_version:
+                if not self._send(ident, self.weights):  # a late joiner: hand it the newest weights first
+                    continue
+                w.version = self.weights.version
+            g.worker, g.deadline = ident, time.monotonic() + self.cfg.orchestrator.sampler_timeout_s
+            req = PromptRequest(g.group_id, g.example.domain, g.prompt_ids, g.n, g.sampling, g.min_version,
+                                g.attempt)
+            if self._send(ident, req):
+                w.assigned.add(g.group_id)
+                inflight += 1
+            else:
+                self.prompt_queue.appendleft(g.group_id)
+
+    def _dispatch_scores(self) -> None:
+        while self.score_queue:
+            group_id, index = self.score_queue[0]
+            g = self.groups.get(group_id)
+            if g is None or index not in g.rollouts:
+                self.score_queue.popleft()
+                continue
+            domain = g.example.domain
+            free = [(i, w) for i, w in self.workers.items()
+                    if w.role == "verifier" and domain in w.domains and len(w.assigned) < w.slots]
+            if not free:
+                return
+            ident, w = min(free, key=lambda iw: len(iw[1].assigned))
+            self.score_queue.popleft()
+            key = f"{group_id}/{index}/{g.attempt}"
+            # the prompt ended with the thinking-mode "<think>\n": give the verifier the whole turn
+            text = "<think>\n" + self.tokenizer.decode(g.rollouts[index].response_ids, skip_special_tokens=True)
+            req = ScoreRequest(key, domain, text, g.example.answer, {}, self.cfg.orchestrator.verifier_timeout_s)
+            if self._send(ident, req):
+                w.assigned.add(key)
+                self.score_deadlines[key] = time.monotonic() + self.cfg.orchestrator.verifier_timeout_s
+            else:
+                self.score_queue.appendleft((group_id, index))
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        for g in list(self.groups.values()):
+            if g.worker is not None and len(g.rollouts) < g.n and not g.error and now > g.deadline:
+                log.warning("group %s: sampler %s missed its deadline; re-dispatching", g.group_id, g.worker)
+                self._redispatch(g)
+        for key, deadline in list(self.score_deadlines.items()):
+            if now > deadline:
+                del self.score_deadlines[key]
+                group_id, index, _ = key.rsplit("/", 2)
+                for w in self.workers.values():
+                    w.assigned.discard(key)
+                if group_id in self.groups:
+                    log.warning("score %s missed its deadline; re-requesting", key)
+                    self.score_queue.append((group_id, int(index)))
+
+    def _redispatch(self, g: Group) -> None:
+        self._release(g)
+        g.attempt += 1
+        g.worker, g.rollouts, g.scores = None, {}, {}
+        if g.train:
+            self.books.redispatched += g.n
+        self.prompt_queue.appendleft(g.group_id)
+
+    def _requeue_worker(self, ident: bytes, w: Worker, why: str) -> None:
+        for item in list(w.assigned):
+            if item in self.groups:
+                log.warning("group %s: %s (%s); re-dispatching", item, why, ident.decode())
+                self._redispatch(self.groups[item])
+            else:
+                group_id, index, _ = item.rsplit("/", 2)
+                self.score_deadlines.pop(item, None)
+                if group_id in self.groups:
+                    self.score_queue.append((group_id, int(index)))
+        w.assigned.clear()
+
+    def _send(self, ident: bytes, msg) -> bool:
+        try:
+            send(self.router, msg, identity=ident)
+            return True
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the worker is gone; its work goes back to the queues
+            log.warning("%s unreachable (%s); dropping it", ident.decode(), e)
+            w = self.workers.pop(ident, None)
+            if w is not None:
+                self._requeue_worker(ident, w, "worker unreachable")
+            return False
+
+    def _to_trainer(self, batch: TrainBatch) -> None:
+        self.pump(lambda: self._have("trainer"))
+        ident = next(i for i, w in self.workers.items() if w.role == "trainer")
+        if not self._send(ident, batch):
+            raise RuntimeError("trainer unreachable")
+
+    def _have(self, role: str) -> bool:
+        return any(w.role == role for w in self.workers.values())
+
+    # ------------------------------------------------------------------ reporting
+
+    def _log(self, metrics: dict) -> None:
+        self.history.append(metrics)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        self.status["last"] = {k: v for k, v in metrics.items() if not k.startswith("trainer/")}
+        self._heartbeat(force=True)
+
+    def _heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.beat is None or (now < self.next_beat and not force):
+            return
+        self.next_beat = now + self.cfg.supervisor.heartbeat_s
+        in_flight = sum(g.n for g in self.groups.values() if g.train)
+        counters = {"books": self.books.summary(in_flight), "malformed": self.malformed, **self.status}
+        try:
+            send(self.beat, Heartbeat("orchestrator", "orchestrator", os.getpid(),
+                                      self.status["state"], self.version, counters), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--worker-id", default="orchestrator")
+    args = p.parse_args(argv)
+    exit_on_sigterm()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
+    cfg = OmegaConf.load(args.config)
+    summary = Orchestrator(cfg).run()
+    log.info("done: %s", json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

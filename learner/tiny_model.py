@@ -1,0 +1,127 @@
+"""Build a small, randomly initialised HF model directory entirely offline.
+
+    cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3] [--size tiny|10m|50m]
+
+The tokenizer is a byte-level BPE trained here (``tokenizers``) on the task's
+own text, with digits split one per token (as Qwen does; it makes arithmetic
+learnable). The chat template follows the paper: a generation prompt in
+thinking mode ends with ``<think>\\n``; non-thinking mode (``enable_thinking
+=False``) emits an empty ``<think>\\n\\n</think>\\n\\n`` block. The output is a
+plain HF directory that ``transformers`` and vLLM load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from .tasks import load_task
+
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+THINK, END_THINK = "<think>", "</think>"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}"
+    "{% endif %}"
+)
+
+# name -> (hidden, layers, heads, kv_heads, dense intermediate, expert intermediate)
+SIZES = {
+    "tiny": (128, 4, 4, 2, 384, 128),
+    "10m": (256, 6, 8, 4, 768, 256),
+    "50m": (512, 8, 8, 4, 1536, 512),
+}
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, IM_START, IM_END, THINK, END_THINK],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, bos_token=None, unk_token=None
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def corpus(task: str, size: int) -> list[str]:
+    """Text the tokenizer is trained on: chat-formatted prompts and worked solutions."""
+    train, _ = load_task(task, train_size=size, heldout_size=10)
+    return [
+        f"{IM_START}user\n{ex.prompt}{IM_END}\n{IM_START}assistant\n{THINK}\n{ex.solution}{IM_END}\n" for ex in train
+    ]
+
+
+def model_config(arch: str, size: str, vocab_size: int, pad_id: int, eos_id: int, max_len: int):
+    hidden, layers, heads, kv_heads, ffn, expert_ffn = SIZES[size]
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_len,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+    )
+    if arch == "qwen3":
+        return Qwen3Config(intermediate_size=ffn, **common), Qwen3ForCausalLM
+    if arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(
+            intermediate_size=ffn,
+            moe_intermediate_size=expert_ffn,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            **common,
+        )
+        return cfg, Qwen3MoeForCausalLM
+    raise ValueError(f"unknown arch {arch!r}; choose qwen3 or qwen3_moe")
+
+
+def make_tiny_model(
+    out: str | Path,
+    arch: str = "qwen3_moe",
+    size: str = "tiny",
+    task: str = "arithmetic",
+    vocab_size: int = 512,
+    max_len: int = 512,
+    seed: int = 0,
+) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(corpus(task, 2000), vocab_size)
+    tokenizer.save_pretrained(out)
+    pad_id, eos_id = tokenizer.convert_tokens_to_ids([PAD, IM_END])
+    cfg, cls = model_config(arch, size, len(tokenizer), pad_id, eos_id, max_len)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = pad_id
+    model.save_pretrained(out)
+    n_params = sum(p.numel() for p in model.parameters())
+    (out / "cascade_rl.json").write_text(json.dumps({"task": task, "arch": arch, "size": size, "params": n_params}))
+    return out

@@ -1,0 +1,57 @@
+"""Publishing side of weight transports, registered by name.
+
+``shm`` (default on one machine): the trainer writes the policy as one
+safetensors file under /dev/shm (atomic rename, so a reader never sees a
+partial file), keeps the newest ``keep`` versions, and announces each with a
+``WeightsReady`` carrying size and checksum. Samplers resolve it with
+``cascade_rl.protocol.weights.resolve`` and load it in place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+
+from cascade_rl.protocol.messages import WeightsReady
+from cascade_rl.protocol.weights import file_checksum, shm_dir
+
+TRANSPORTS: dict[str, Callable[..., "ShmTransport"]] = {}
+
+
+def register_transport(name: str):
+    def wrap(cls):
+        if name in TRANSPORTS:
+            raise ValueError(f"weight transport {name!r} registered twice")
+        TRANSPORTS[name] = cls
+        return cls
+
+    return wrap
+
+
+@register_transport("shm")
+class ShmTransport:
+    def __init__(self, run_id: str, keep: int = 2) -> None:
+        self.dir = shm_dir(run_id)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self._published: list[Path] = []
+
+    def publish(self, model: torch.nn.Module, version: int) -> WeightsReady:
+        path = self.dir / f"policy-v{version:06d}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_model(model, str(tmp))  # handles tied embeddings (shared tensors)
+        os.replace(tmp, path)
+        self._published.append(path)
+        while len(self._published) > self.keep:
+            self._published.pop(0).unlink(missing_ok=True)
+        return WeightsReady(
+            version=version, uri=f"file://{path}", nbytes=path.stat().st_size, checksum=file_checksum(path)
+        )
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)

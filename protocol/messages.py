@@ -1,0 +1,192 @@
+"""Every wire type of cascade-rl, each commented ``sender → receiver``.
+
+Fields are the DESIGN.md §3 minimum plus what the implementation needs. Arrays
+are declared with :func:`array` and travel in their own frames. ``validate``
+returns a reason string for semantically impossible values (the codec turns it
+into a ``ProtocolError``); checks that need model knowledge (vocabulary size,
+context length) belong to the receiver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+import numpy as np
+
+from .codec import array, message, struct
+
+# --------------------------------------------------------------------------- data plane
+
+
+@struct
+class SamplingParams:
+    """How to sample one group (part of ``PromptRequest``)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    stop: list[str] = field(default_factory=list)  # stop strings; the response ends after one
+    seed: int | None = None
+
+
+@message("ready")
+class Ready:
+    """worker → orchestrator: I am up, on ``version``, with ``slots`` free work slots."""
+
+    worker_id: str
+    role: str  # sampler | verifier | trainer | teacher
+    slots: int
+    version: int = 0
+    domains: list[str] = field(default_factory=list)  # verifiers/teachers: domains served
+
+    def validate(self) -> str:
+        return "slots must be >= 0" if self.slots < 0 else ""
+
+
+@message("prompt_request")
+class PromptRequest:
+    """orchestrator → sampler: sample ``n`` responses to one prompt."""
+
+    group_id: str
+    domain: str
+    prompt_ids: np.ndarray = array("int32")
+    n: int = 1
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    min_version: int = 0
+    attempt: int = 0
+
+
+@message("rollout")
+class Rollout:
+    """sampler → orchestrator: one sampled response, tagged with inference log-probs."""
+
+    group_id: str
+    index: int
+    domain: str
+    prompt_ids: np.ndarray = array("int32")
+    response_ids: np.ndarray = array("int32")
+    inf_logprobs: np.ndarray = array("float32")
+    finish_reason: str = "stop"  # stop | length | error
+    policy_version: int = 0
+    sampler_id: str = ""
+    t_gen: float = 0.0
+    attempt: int = 0
+    error: str = ""
+
+    def validate(self) -> str:
+        if self.finish_reason not in ("stop", "length", "error"):
+            return f"finish_reason {self.finish_reason!r}"
+        if self.finish_reason != "error" and len(self.response_ids) != len(self.inf_logprobs):
+            return f"{len(self.response_ids)} response ids but {len(self.inf_logprobs)} log-probs"
+        return ""
+
+
+@message("score_request")
+class ScoreRequest:
+    """orchestrator → verifier: score one response of ``domain``."""
+
+    key: str
+    domain: str
+    text: str
+    reference: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    deadline_s: float = 30.0
+
+
+@message("score")
+class Score:
+    """verifier → orchestrator: the reward of one response."""
+
+    key: str
+    reward: float
+    ok: bool
+    reason: str = ""
+    t_verify: float = 0.0
+    worker_id: str = ""
+
+
+@message("train_batch")
+class TrainBatch:
+    """orchestrator → trainer: complete groups, rows ordered group by group, right-padded."""
+
+    step: int
+    group_size: int
+    input_ids: np.ndarray = array("int32", 2)  # [N, L] prompt + response tokens
+    response_mask: np.ndarray = array("bool", 2)  # [N, L] True where input_ids[t] is a response token
+    inf_logprobs: np.ndarray = array("float32", 2)  # [N, L] sampler log-prob of input_ids[t]
+    rewards: np.ndarray = array("float32", 1)  # [N]
+    versions: np.ndarray = array("int32", 1)  # [N] policy version that sampled each row
+    teacher_logprobs: np.ndarray | None = array("float32", 2, default=None)  # [N, L] for MOPD
+
+    def validate(self) -> str:
+        n, length = self.input_ids.shape
+        if self.group_size <= 0 or n % self.group_size:
+            return f"{n} rows is not a whole number of groups of {self.group_size}"
+        for name in ("response_mask", "inf_logprobs"):
+            if getattr(self, name).shape != (n, length):
+                return f"{name} shape {getattr(self, name).shape} != {(n, length)}"
+        if self.rewards.shape != (n,) or self.versions.shape != (n,):
+            return "rewards/versions must have one entry per row"
+        if self.teacher_logprobs is not None and self.teacher_logprobs.shape != (n, length):
+            return "teacher_logprobs shape mismatch"
+        return ""
+
+
+@message("step_done")
+class StepDone:
+    """trainer → orchestrator: optimizer step ``step`` finished; weights ``version`` are published."""
+
+    step: int
+    version: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    checkpoint: str = ""  # HF directory written at this step, if any
+
+
+# --------------------------------------------------------------------------- weights
+
+
+@message("weights_ready")
+class WeightsReady:
+    """trainer → all (PUB; orchestrator re-sends to late samplers): new policy weights."""
+
+    version: int
+    uri: str
+    format: str = "safetensors"
+    nbytes: int = 0
+    checksum: str = ""
+
+
+# --------------------------------------------------------------------------- control plane
+
+
+@message("heartbeat")
+class Heartbeat:
+    """every worker → supervisor: liveness and counters."""
+
+    role: str
+    worker_id: str
+    pid: int
+    state: str
+    version: int = 0
+    counters: dict[str, Any] = field(default_factory=dict)
+
+
+@message("control")
+class Control:
+    """CLI → supervisor: ``op`` is status | scale | swap | stop."""
+
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> str:
+        return "" if self.op in ("status", "scale", "swap", "stop") else f"unknown op {self.op!r}"
+
+
+@message("control_reply")
+class ControlReply:
+    """supervisor → CLI."""
+
+    ok: bool
+    result: Any = None
+    error: str = ""

@@ -1,0 +1,80 @@
+"""The engine interface every sampler backend implements, and its registry.
+
+An engine turns ``GenerationRequest``s into groups of ``Sample``s with the
+per-token log-probs of the sampled tokens, applies new weights at a safe point
+and reports its policy version. The sampler worker (samplers/worker.py) owns
+the sockets; engines never see them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    key: str
+    prompt_ids: np.ndarray  # int32 [P]
+    n: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    stop: list[str]
+    seed: int | None = None
+
+
+@dataclasses.dataclass
+class Sample:
+    response_ids: np.ndarray  # int32 [R]
+    logprobs: np.ndarray  # float32 [R]: log-prob of each sampled token under the temperature-scaled policy
+    finish_reason: str  # stop | length
+
+
+class Engine(Protocol):
+    version: int
+
+    def check(self, request: GenerationRequest) -> str:
+        """Why ``request`` cannot be served ('' if it can)."""
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        """``n`` samples for each request, in request order."""
+
+    def load_weights(self, path: str, version: int) -> None:
+        """Apply the weights file at ``path`` as policy ``version``."""
+
+
+ENGINES: dict[str, Callable[..., Engine]] = {}
+
+
+def register_engine(name: str):
+    def wrap(factory):
+        if name in ENGINES:
+            raise ValueError(f"engine {name!r} registered twice")
+        ENGINES[name] = factory
+        return factory
+
+    return wrap
+
+
+def check_request(request: GenerationRequest, vocab_size: int, max_context: int) -> str:
+    """Checks every engine shares: a bad request is refused with a reason, never crashes a worker."""
+    p = request.prompt_ids
+    if p.ndim != 1 or len(p) == 0:
+        return "empty prompt"
+    if request.n <= 0:
+        return f"n must be positive, got {request.n}"
+    if request.max_tokens <= 0:
+        return f"max_tokens must be positive, got {request.max_tokens}"
+    if len(p) + request.max_tokens > max_context:
+        return f"prompt ({len(p)}) + max_tokens ({request.max_tokens}) exceeds the model context {max_context}"
+    if int(p.min()) < 0 or int(p.max()) >= vocab_size:
+        return f"token id out of range [0, {vocab_size})"
+    if not request.temperature >= 0.0:
+        return f"temperature must be >= 0, got {request.temperature}"
+    if not 0.0 < request.top_p <= 1.0:
+        return f"top_p must be in (0, 1], got {request.top_p}"
+    return ""

@@ -1,0 +1,160 @@
+"""Sampler worker: PromptRequests in, Rollouts (with inference log-probs) out.
+
+    python -m cascade_rl.samplers.worker --config RUN_DIR/config.yaml --worker-id sampler-0
+
+Started by the supervisor. It loads version 0 from ``model.path``, tells the
+orchestrator it is ready, and loops: collect the requests that have arrived,
+apply the newest announced weights at this safe point (between batches), and
+generate every request whose ``min_version`` the engine satisfies. A request
+the engine cannot serve gets ``Rollout(finish_reason="error")`` with the
+reason; the worker lives on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import queue
+import time
+import zlib
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, WeightsReady
+from cascade_rl.protocol.sockets import WorkerLink, exit_on_sigterm
+from cascade_rl.protocol.weights import WeightsError, resolve
+
+from . import torch_engine  # noqa: F401  (registers the torch engine)
+from .engine import ENGINES, GenerationRequest
+
+log = logging.getLogger("sampler")
+
+
+def to_generation(req: PromptRequest) -> GenerationRequest:
+    s = req.sampling
+    return GenerationRequest(
+        key=req.group_id,
+        prompt_ids=np.asarray(req.prompt_ids, dtype=np.int32),
+        n=req.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        max_tokens=s.max_tokens,
+        stop=list(s.stop),
+        seed=s.seed,
+    )
+
+
+def error_rollout(req: PromptRequest, worker_id: str, version: int, reason: str) -> Rollout:
+    empty_i, empty_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
+    return Rollout(req.group_id, -1, req.domain, req.prompt_ids, empty_i, empty_f, "error", version,
+                   worker_id, 0.0, req.attempt, reason)
+
+
+class Sampler:
+    def __init__(self, cfg, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.engine = ENGINES[cfg.workers.sampler_engine](cfg.model.path, dtype=cfg.model.dtype)
+        self.counters = {"rollouts": 0, "tokens": 0, "errors": 0, "weight_loads": 0, "gen_s": 0.0}
+        self.state = "idle"
+        self.latest: WeightsReady | None = None
+        self.pending: list[PromptRequest] = []
+        ep = cfg.endpoints
+        self.link = WorkerLink(worker_id, "sampler", ep.orchestrator, ep.get("heartbeat"), ep.get("weights"),
+                               expect=(PromptRequest, WeightsReady), status=self.status,
+                               heartbeat_s=cfg.supervisor.heartbeat_s)
+        self.slots = cfg.workers.sampler_slots
+
+    def status(self) -> dict:
+        return {"state": self.state, "version": self.engine.version, "counters": dict(self.counters)}
+
+    def run(self) -> None:
+        self.link.start()
+        self.link.send(Ready(self.worker_id, "sampler", self.slots, self.engine.version))
+        while True:
+            self._collect(block=not self.pending)
+            self._maybe_load_weights()
+            ready = [r for r in self.pending if r.min_version <= self.engine.version]
+            if not ready:
+                continue
+            self.pending = [r for r in self.pending if r.min_version > self.engine.version]
+            self._generate(ready)
+
+    def _collect(self, block: bool) -> None:
+        try:
+            msgs = [self.link.inbox.get(timeout=1.0 if block else 0.005)]
+        except queue.Empty:
+            return
+        while True:
+            try:
+                msgs.append(self.link.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for msg in msgs:
+            if isinstance(msg, WeightsReady):
+                if msg.version > max(self.engine.version, self.latest.version if self.latest else -1):
+                    self.latest = msg
+            else:
+                self.pending.append(msg)
+
+    def _maybe_load_weights(self) -> None:
+        if self.latest is None or self.latest.version <= self.engine.version:
+            return
+        self.state = "loading"
+        try:
+            self.engine.load_weights(resolve(self.latest), self.latest.version)
+            self.counters["weight_loads"] += 1
+        except (WeightsError, OSError, RuntimeError) as e:
+            log.error("cannot load weights v%d: %s", self.latest.version, e)  # wait for the next notice
+        self.latest = None
+        self.state = "idle"
+
+    def _generate(self, requests: list[PromptRequest]) -> None:
+        good = []
+        for req in requests:
+            reason = self.engine.check(to_generation(req))
+            if reason:
+                self.counters["errors"] += 1
+                self.link.send(error_rollout(req, self.worker_id, self.engine.version, reason))
+            else:
+                good.append(req)
+        if not good:
+            return
+        self.state = "generating"
+        t0 = time.perf_counter()
+        try:
+            groups = self.engine.generate([to_generation(r) for r in good])
+        except Exception as e:  # an engine failure fails these requests, not the worker
+            log.exception("generation failed")
+            for req in good:
+                self.link.send(error_rollout(req, self.worker_id, self.engine.version, f"engine error: {e}"))
+            self.state = "idle"
+            return
+        t_gen = time.perf_counter() - t0
+        self.counters["gen_s"] += t_gen
+        for req, samples in zip(good, groups):
+            for i, s in enumerate(samples):
+                self.link.send(Rollout(req.group_id, i, req.domain, req.prompt_ids, s.response_ids, s.logprobs,
+                                       s.finish_reason, self.engine.version, self.worker_id, t_gen, req.attempt))
+                self.counters["rollouts"] += 1
+                self.counters["tokens"] += len(s.response_ids)
+        self.state = "idle"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--worker-id", required=True)
+    args = p.parse_args(argv)
+    exit_on_sigterm()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s")
+    cfg = OmegaConf.load(args.config)
+    if cfg.workers.sampler_threads:
+        torch.set_num_threads(cfg.workers.sampler_threads)
+    torch.manual_seed(zlib.crc32(f"{cfg.trainer.seed}:{args.worker_id}".encode()))
+    Sampler(cfg, args.worker_id).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The ``cascade-rl`` command line.
+
+    cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3] [--size tiny|10m|50m]
+    cascade-rl sft [model=DIR] [out=DIR] [steps=N] ...
+    cascade-rl launch PRESET|CONFIG.yaml [hydra overrides]   e.g. launch tiny run_dir=/tmp/r
+    cascade-rl launch PRESET --dry-run                       print the resolved config
+    cascade-rl ctl [--run-dir DIR] status [--json]
+    cascade-rl ctl [--run-dir DIR] stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import zmq
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from cascade_rl.learner.tiny_model import make_tiny_model
+
+    out = make_tiny_model(args.out, arch=args.arch, size=args.size, task=args.task, seed=args.seed)
+    print(json.loads((out / "cascade_rl.json").read_text()) | {"out": str(out)})
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from cascade_rl.learner.sft import SFTConfig, run_sft
+
+    cfg = OmegaConf.merge(OmegaConf.structured(SFTConfig), OmegaConf.from_dotlist(args.overrides))
+    result = run_sft(SFTConfig(**OmegaConf.to_container(cfg)))
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from .config import compose, to_yaml
+
+    cfg = compose(args.preset, args.overrides)
+    if args.dry_run:
+        print(to_yaml(cfg))
+        return 0
+    from .launch import Supervisor
+
+    return Supervisor(cfg).run()
+
+
+def _control_endpoint(run_dir: str | None) -> str:
+    from .launch import state_dir
+
+    if run_dir is None:
+        latest = state_dir() / "latest_run"
+        if not latest.is_file():
+            raise SystemExit("no run recorded yet; pass --run-dir")
+        run_dir = latest.read_text().strip()
+    info = Path(run_dir) / "supervisor.json"
+    if not info.is_file():
+        raise SystemExit(f"{run_dir} has no supervisor.json: not a launch directory")
+    return json.loads(info.read_text())["control"]
+
+
+def cmd_ctl(args: argparse.Namespace) -> int:
+    from cascade_rl.protocol.messages import Control, ControlReply
+    from cascade_rl.protocol.sockets import recv, send
+
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(_control_endpoint(args.run_dir))
+    send(sock, Control(args.op, {}))
+    if not sock.poll(5000):
+        print("supervisor did not answer within 5 s (is the run still going?)", file=sys.stderr)
+        return 2
+    reply = recv(sock, (ControlReply,))
+    if not reply.ok:
+        print(f"error: {reply.error}", file=sys.stderr)
+        return 1
+    if args.op == "status":
+        workers = reply.result["workers"]
+        if args.json:
+            print(json.dumps(workers))
+        else:
+            from rich.console import Console
+            from rich.table import Table
+
+            table = Table("role", "id", "pid", "state", "version", "restarts", "throughput",
+                          title=reply.result["run_dir"])
+            for w in workers:
+                c = w["counters"]
+                rate = c.get("tokens", 0) / c["gen_s"] if c.get("gen_s") else None
+                table.add_row(w["role"], w["id"], str(w["pid"]), w["state"], str(w["version"]), str(w["restarts"]),
+                              f"{rate:.0f} tok/s" if rate else "-")
+            Console().print(table)
+    else:
+        print(json.dumps(reply.result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="cascade-rl", description="Cascade RL + MOPD post-training")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    m = sub.add_parser("make-tiny-model", help="build a small random HF model + tokenizer offline")
+    m.add_argument("--out", required=True)
+    m.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3"])
+    m.add_argument("--size", default="tiny", choices=["tiny", "10m", "50m"])
+    m.add_argument("--task", default="arithmetic")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(fn=cmd_make_tiny_model)
+
+    s = sub.add_parser("sft", help="supervised warm start on the task's worked solutions")
+    s.add_argument("overrides", nargs="*", help="key=value (see learner/sft.py SFTConfig)")
+    s.set_defaults(fn=cmd_sft)
+
+    launch = sub.add_parser("launch", help="start a run: supervisor, orchestrator, trainer, samplers, verifiers")
+    launch.add_argument("preset", help="a preset of configs/run/ (e.g. tiny, demo) or a YAML file")
+    launch.add_argument("overrides", nargs="*", help="hydra overrides, e.g. trainer.steps=5 run_dir=/tmp/r")
+    launch.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    launch.set_defaults(fn=cmd_launch)
+
+    c = sub.add_parser("ctl", help="talk to a running supervisor")
+    c.add_argument("--run-dir", default=None, help="default: the newest run")
+    c.add_argument("op", choices=["status", "stop"])
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_ctl)
+
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

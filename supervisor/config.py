@@ -1,0 +1,206 @@
+"""The launch schema (one dataclass per section) and Hydra composition.
+
+    cascade-rl launch tiny run_dir=/tmp/r trainer.steps=3 workers.samplers=2
+
+``compose`` merges, in order: this schema's defaults, ``configs/config.yaml``,
+the named preset ``configs/run/<name>.yaml`` (or a YAML file path) and the
+command-line overrides; validates cross-process rules once; and returns a
+plain ``DictConfig``. The supervisor writes the resolved config (with the
+run's endpoints) to ``<run_dir>/config.yaml``; every worker reads that file, so
+workers never re-implement defaults.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+if not CONFIG_DIR.is_dir():  # installed as a wheel: configs is the cascade_rl.configs package
+    import cascade_rl.configs as _configs
+
+    CONFIG_DIR = Path(_configs.__file__).parent
+
+
+@dataclass
+class ModelConfig:
+    path: str = "models/tiny-sft"
+    """HF model directory (weights + tokenizer); version 0 of the policy."""
+    dtype: str = "float32"
+    """float32 | bfloat16: parameter dtype in trainer and samplers (fp32 on CPU)."""
+
+
+@dataclass
+class DataConfig:
+    task: str = "arithmetic"
+    """Prompt set, registered in learner/tasks.py (reasoning-gym backed)."""
+    train_size: int = 4000
+    """Size of the training prompt stream drawn from the task."""
+    heldout_size: int = 200
+    """Held-out questions (disjoint from training) for evaluation."""
+    seed: int = 0
+    """Seed of the task stream and of the prompt order."""
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    """Paper: T = 1.0 in every RL stage (DESIGN §4)."""
+    top_p: float = 1.0
+    """Paper: 1.0 (0.95 in code RL)."""
+    max_tokens: int = 64
+    """Maximum response length in tokens."""
+
+
+@dataclass
+class TrainerConfig:
+    algorithm: str = "grpo"
+    """grpo: the update rule (learner/losses.py)."""
+    steps: int = 20
+    """Optimizer steps in this stage; one policy version each."""
+    prompts_per_step: int = 128
+    """Groups per batch (paper: 128)."""
+    group_size: int = 16
+    """Rollouts per prompt, G (paper: 16)."""
+    lr: float = 3e-6
+    """AdamW learning rate (paper: 3e-6)."""
+    warmup_steps: int = 0
+    """Linear warm-up from warmup_start_lr to lr over this many steps."""
+    warmup_start_lr: float = 0.0
+    """First learning rate of the warm-up."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip."""
+    micro_batch_groups: int = 0
+    """Groups per forward/backward pass (0: the whole batch at once)."""
+    save_every: int = 0
+    """Write an HF checkpoint every k steps (0: only the final one)."""
+    seed: int = 0
+    """Torch seed of the trainer."""
+    threads: int = 0
+    """torch.set_num_threads (0: torch's default)."""
+
+
+@dataclass
+class OrchestratorConfig:
+    max_staleness: int = 0
+    """0 = strictly on-policy (the paper): only rollouts of the newest weights are trained on."""
+    max_inflight_groups: int = 256
+    """Credit limit: groups dispatched but not complete, over all samplers."""
+    sampler_timeout_s: float = 300.0
+    """A group not back within this deadline is re-dispatched."""
+    verifier_timeout_s: float = 60.0
+    """A score not back within this deadline is re-requested."""
+    eval_every: int = 0
+    """Evaluate on the held-out set every k steps (0: only before and after)."""
+    eval_n: int = 4
+    """Samples per held-out question (accuracy = avg@eval_n, as the paper reports avg@k)."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of evaluation (paper: 1.0)."""
+    seed: int = 0
+    """Seed of the prompt order."""
+
+
+@dataclass
+class WorkersConfig:
+    samplers: int = 1
+    """Sampler processes."""
+    verifiers: int = 1
+    """Verifier processes."""
+    sampler_engine: str = "torch"
+    """Engine registered in samplers/engine.py."""
+    sampler_slots: int = 64
+    """Groups a sampler generates together in one batch."""
+    sampler_threads: int = 0
+    """torch threads per sampler (0: torch's default)."""
+    verifier_domains: list[str] = field(default_factory=lambda: ["math"])
+    """Reward domains served by the verifier pool (verifiers/registry.py)."""
+
+
+@dataclass
+class SupervisorConfig:
+    heartbeat_s: float = 1.0
+    """Heartbeat period of every worker."""
+    heartbeat_timeout_s: float = 60.0
+    """A worker silent this long is restarted."""
+    max_restarts: int = 3
+    """Restarts per worker before the run fails."""
+    restart_backoff_s: float = 1.0
+    """First restart delay; doubles with each restart of the same worker."""
+    progress: str = "auto"
+    """auto | rich | plain | none: live display (auto: rich on a terminal, plain lines otherwise)."""
+    timeout_s: float = 0.0
+    """Stop the run after this long (0: no limit)."""
+
+
+@dataclass
+class LaunchConfig:
+    run_dir: str = ""
+    """Where logs, checkpoints, metrics and summary go (default runs/<timestamp>)."""
+    run_id: str = ""
+    """Filled by the supervisor: a short unique id (names the shm weights folder and socket dir)."""
+    weights_transport: str = "shm"
+    """WeightTransport registered in learner/weights.py."""
+    endpoints: dict[str, str] = field(default_factory=dict)
+    """Filled by the supervisor at launch (ipc:// under a short temp dir)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+
+
+ConfigStore.instance().store(name="launch_schema", node=LaunchConfig)
+
+
+def compose(preset: str | None, overrides: list[str]) -> DictConfig:
+    """Resolve a launch config from a preset name (configs/run/NAME.yaml) or a YAML path."""
+    overrides = list(overrides)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        if preset and Path(preset).suffix in (".yaml", ".yml") and Path(preset).is_file():
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(preset), OmegaConf.from_dotlist(overrides))
+        else:
+            run = [f"run={preset}"] if preset else []
+            cfg = hydra_compose(config_name="config", overrides=run + overrides)
+    cfg = OmegaConf.merge(OmegaConf.structured(LaunchConfig), cfg)
+    if not cfg.run_dir:
+        cfg.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-process rules, checked once at launch with a message that says what to change."""
+    problems = []
+    t, w, o = cfg.trainer, cfg.workers, cfg.orchestrator
+    if t.group_size < 2 and t.algorithm == "grpo":
+        problems.append("trainer.group_size must be >= 2 for GRPO (advantages are group-normalised)")
+    if t.micro_batch_groups and t.prompts_per_step % t.micro_batch_groups:
+        problems.append("trainer.prompts_per_step must be a multiple of trainer.micro_batch_groups")
+    if o.max_inflight_groups < 1:
+        problems.append("orchestrator.max_inflight_groups must be >= 1")
+    if w.samplers < 1 or w.verifiers < 1:
+        problems.append("workers.samplers and workers.verifiers must be >= 1")
+    if cfg.sampling.max_tokens < 1:
+        problems.append("sampling.max_tokens must be >= 1")
+    if not Path(cfg.model.path).is_dir():
+        problems.append(f"model.path={cfg.model.path} is not a directory (make one: cascade-rl make-tiny-model)")
+    if problems:
+        raise ValueError("invalid launch config:\n  " + "\n  ".join(problems))
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+

@@ -1,0 +1,239 @@
+"""Supervisor: start a run's process groups, watch them, restart crashes, show progress.
+
+    cascade-rl launch tiny run_dir=/tmp/r workers.samplers=2
+
+``launch`` resolves the config, gives the run its endpoints (``ipc://`` under
+a short temp dir), writes ``<run_dir>/config.yaml`` and starts, each as its
+own OS process: the orchestrator, the trainer, the samplers and the
+verifiers. It then serves heartbeats (PULL) and ``cascade-rl ctl`` requests
+(REP) until the orchestrator exits: 0 ends the run, anything else fails it.
+A crashed worker other than the orchestrator is restarted with exponential
+backoff up to ``supervisor.max_restarts`` times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import zmq
+from omegaconf import DictConfig, OmegaConf
+
+from cascade_rl.protocol.codec import ProtocolError
+from cascade_rl.protocol.messages import Control, ControlReply, Heartbeat
+from cascade_rl.protocol.sockets import recv, send
+from cascade_rl.protocol.weights import shm_dir
+
+from .display import Display
+
+MODULES = {
+    "orchestrator": "cascade_rl.learner.orchestrator",
+    "trainer": "cascade_rl.learner.trainer",
+    "sampler": "cascade_rl.samplers.worker",
+    "verifier": "cascade_rl.verifiers.worker",
+}
+
+
+def state_dir() -> Path:
+    """Where the supervisor records the newest run (for ``ctl`` without --run-dir)."""
+    base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
+    return base / "cascade-rl"
+
+
+@dataclasses.dataclass
+class Proc:
+    role: str
+    worker_id: str
+    popen: subprocess.Popen | None = None
+    restarts: int = 0
+    restart_at: float = 0.0
+    last_beat: float = 0.0
+    state: str = "starting"
+    version: int = 0
+    counters: dict = dataclasses.field(default_factory=dict)
+
+    def row(self) -> dict:
+        return {
+            "role": self.role,
+            "id": self.worker_id,
+            "pid": self.popen.pid if self.popen else None,
+            "state": self.state,
+            "version": self.version,
+            "restarts": self.restarts,
+            "counters": self.counters,
+        }
+
+
+class Supervisor:
+    def __init__(self, cfg: DictConfig) -> None:
+        self.run_dir = Path(cfg.run_dir).resolve()
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        run_id = uuid.uuid4().hex[:10]
+        # ipc paths must stay under ~100 bytes, so they live in a short temp dir, not in run_dir
+        self.sock_dir = Path(tempfile.gettempdir()) / f"crl-{run_id}"
+        self.sock_dir.mkdir(parents=True)
+        cfg.run_dir, cfg.run_id = str(self.run_dir), run_id
+        cfg.endpoints = {name: f"ipc://{self.sock_dir}/{name}" for name in
+                         ("orchestrator", "weights", "heartbeat", "control")}
+        cfg.model.path = str(Path(cfg.model.path).resolve())
+        self.cfg = cfg
+        self.config_path = self.run_dir / "config.yaml"
+        self.config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        self.ctx = zmq.Context.instance()
+        self.beats = self.ctx.socket(zmq.PULL)
+        self.beats.bind(cfg.endpoints.heartbeat)
+        self.control = self.ctx.socket(zmq.REP)
+        self.control.bind(cfg.endpoints.control)
+        self.procs: dict[str, Proc] = {}
+        self.started = time.monotonic()
+        self.stop_requested = False
+        info = {"pid": os.getpid(), "control": cfg.endpoints.control, "run_dir": str(self.run_dir)}
+        (self.run_dir / "supervisor.json").write_text(json.dumps(info))
+        state_dir().mkdir(parents=True, exist_ok=True)
+        (state_dir() / "latest_run").write_text(str(self.run_dir))
+
+    # ------------------------------------------------------------------ processes
+
+    def spawn(self, proc: Proc) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        log = open(self.run_dir / "logs" / f"{proc.worker_id}.log", "ab")
+        # -P: never put the cwd on sys.path (a checkout's top-level verifiers/ or kernels/ folders
+        # would shadow the PyPI packages of those names)
+        cmd = [sys.executable, "-P", "-m", MODULES[proc.role], "--config", str(self.config_path),
+               "--worker-id", proc.worker_id]
+        proc.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        proc.state, proc.last_beat = "starting", time.monotonic()
+
+    def start(self) -> None:
+        w = self.cfg.workers
+        groups = [("orchestrator", 1), ("trainer", 1), ("sampler", w.samplers), ("verifier", w.verifiers)]
+        for role, count in groups:
+            for i in range(count):
+                worker_id = role if role == "orchestrator" else f"{role}-{i}"
+                self.procs[worker_id] = Proc(role, worker_id)
+                self.spawn(self.procs[worker_id])
+
+    def watch(self) -> str:
+        """Check every process once; returns 'running', 'done' or a failure reason."""
+        now = time.monotonic()
+        sup = self.cfg.supervisor
+        for p in self.procs.values():
+            if p.popen is None:
+                if now >= p.restart_at:
+                    self.spawn(p)
+                continue
+            rc = p.popen.poll()
+            if p.role == "orchestrator" and rc is not None:
+                return "done" if rc == 0 else f"orchestrator exited with code {rc} (see logs/orchestrator.log)"
+            silent = now - p.last_beat > sup.heartbeat_timeout_s
+            if rc is None and not silent:
+                continue
+            if rc is None:  # hung: no heartbeat for too long
+                self._kill(p.popen)
+            if p.restarts >= sup.max_restarts:
+                return f"{p.worker_id} failed {p.restarts + 1} times (see logs/{p.worker_id}.log)"
+            p.state = f"exited({rc})" if rc is not None else "hung"
+            p.popen = None
+            p.restart_at = now + sup.restart_backoff_s * 2**p.restarts
+            p.restarts += 1
+        if sup.timeout_s and now - self.started > sup.timeout_s:
+            return f"run exceeded supervisor.timeout_s={sup.timeout_s}"
+        if self.stop_requested:
+            return "stopped by ctl stop"
+        return "running"
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.popen is not None and p.popen.poll() is None:
+                os.killpg(p.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in self.procs.values():
+            if p.popen is not None:
+                try:
+                    p.popen.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self._kill(p.popen)
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+        shutil.rmtree(shm_dir(self.cfg.run_id), ignore_errors=True)
+
+    @staticmethod
+    def _kill(popen: subprocess.Popen) -> None:
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        popen.wait()
+
+    # ------------------------------------------------------------------ sockets
+
+    def serve(self, timeout_ms: int) -> None:
+        poller = zmq.Poller()
+        poller.register(self.beats, zmq.POLLIN)
+        poller.register(self.control, zmq.POLLIN)
+        events = dict(poller.poll(timeout_ms))
+        while self.beats in events and self.beats.poll(0):
+            try:
+                self._on_beat(recv(self.beats, (Heartbeat,)))
+            except ProtocolError:
+                pass
+        if self.control in events:
+            try:
+                reply = self._on_control(recv(self.control, (Control,)))
+            except ProtocolError as e:
+                reply = ControlReply(False, None, str(e))
+            send(self.control, reply)
+
+    def _on_beat(self, hb: Heartbeat) -> None:
+        p = self.procs.get(hb.worker_id)
+        if p is None or p.popen is None or p.popen.pid != hb.pid:
+            return  # a beat from a process we already replaced
+        p.last_beat, p.state, p.version, p.counters = time.monotonic(), hb.state, hb.version, hb.counters
+
+    def _on_control(self, msg: Control) -> ControlReply:
+        if msg.op == "status":
+            return ControlReply(True, {"run_dir": str(self.run_dir), "workers": self.table()})
+        if msg.op == "stop":
+            self.stop_requested = True
+            return ControlReply(True, {"stopping": True})
+        return ControlReply(False, None, f"op {msg.op!r} is not available in this version of the supervisor")
+
+    def table(self) -> list[dict]:
+        return [p.row() for p in self.procs.values()]
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> int:
+        display = Display(self.cfg.supervisor.progress, self.cfg.trainer.steps, self.run_dir)
+        self.start()
+        outcome = "running"
+        try:
+            with display:
+                while outcome == "running":
+                    self.serve(timeout_ms=200)
+                    outcome = self.watch()
+                    display.update(self.procs["orchestrator"].counters, self.table())
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+        finally:
+            self.stop_all()
+            for s in (self.beats, self.control):
+                s.close(linger=0)
+        summary_path = self.run_dir / "summary.json"
+        if outcome == "done" and summary_path.is_file():
+            summary = json.loads(summary_path.read_text())
+            summary["restarts"] = {p.worker_id: p.restarts for p in self.procs.values()}
+            summary_path.write_text(json.dumps(summary, indent=2))
+            display.final(summary)
+            return 0
+        display.failed(outcome)
+        return 1

@@ -1,0 +1,757 @@
+"""Wire codec: round trips, ZeroMQ zero-copy, rejection of malformed frames, mutation fuzzing."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from cascade_rl.protocol import codec
+from cascade_rl.protocol.codec import MAX_HEADER_BYTES, PROTOCOL_VERSION, ProtocolError, decode, encode
+from cascade_rl.protocol.messages import (
+    Control,
+    ControlReply,
+    Heartbeat,
+    PromptRequest,
+    Ready,
+    Rollout,
+    SamplingParams,
+    Score,
+    ScoreRequest,
+    StepDone,
+    TrainBatch,
+    WeightsReady,
+)
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _train_batch(n: int = 4, length: int = 6, group_size: int = 2, teacher: bool = True, seed: int = 0) -> TrainBatch:
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((n, length), dtype=bool)
+    mask[:, length // 2 :] = True
+    if n and length:
+        mask[0, -1] = False  # right padding on one row
+    return TrainBatch(
+        step=17,
+        group_size=group_size,
+        input_ids=rng.integers(0, 151_936, size=(n, length), dtype=np.int32),
+        response_mask=mask,
+        inf_logprobs=-rng.random((n, length), dtype=np.float32) * 5,
+        rewards=np.array([1.0, 0.0, 0.5, -1.0][:n] + [0.25] * max(0, n - 4), dtype=np.float32),
+        versions=np.arange(n, dtype=np.int32) + 40,
+        teacher_logprobs=(-rng.random((n, length), dtype=np.float32)) if teacher else None,
+    )
+
+
+def _rollout(n_prompt: int = 9, n_resp: int = 5, **kw: Any) -> Rollout:
+    fields: dict[str, Any] = dict(
+        group_id="g-000042",
+        index=3,
+        domain="math",
+        prompt_ids=np.arange(100, 100 + n_prompt, dtype=np.int32),
+        response_ids=np.arange(7, 7 + n_resp, dtype=np.int32) * 11,
+        inf_logprobs=np.linspace(-3.0, 0.0, n_resp, dtype=np.float32),
+        finish_reason="length",
+        policy_version=12,
+        sampler_id="sampler-1",
+        t_gen=0.731,
+        attempt=1,
+        error="",
+    )
+    fields.update(kw)
+    return Rollout(**fields)
+
+
+def sample_messages() -> list[Any]:
+    """Realistic instances covering every registered type, with edge cases."""
+    return [
+        Ready(worker_id="sampler-0", role="sampler", slots=8, version=3, domains=[]),
+        Ready(worker_id="verifier-2", role="verifier", slots=0, domains=["math", "code", "ifeval"]),
+        PromptRequest(
+            group_id="g-1",
+            domain="math",
+            prompt_ids=np.array([151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30], dtype=np.int32),
+            n=8,
+            sampling=SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512, stop=["</answer>", "\n\n"], seed=1234),
+            min_version=5,
+            attempt=2,
+        ),
+        PromptRequest(group_id="g-empty", domain="code", prompt_ids=np.array([], dtype=np.int32)),  # defaults, 0-length
+        _rollout(),
+        _rollout(n_resp=0, finish_reason="error", error="CUDA OOM"),  # 0-length arrays
+        _rollout(n_resp=3, finish_reason="error", inf_logprobs=np.zeros(0, dtype=np.float32), error="killed"),
+        _rollout(inf_logprobs=np.array([-np.inf, -0.0, np.nan, 1e-30, -1e30], dtype=np.float32)),  # special floats
+        ScoreRequest(
+            key="g-1/3",
+            domain="math",
+            text="The answer is \\boxed{4}. 日本語 ✓",
+            reference="4",
+            metadata={"tolerance": 1e-6, "tags": ["algebra", "easy"], "nested": {"k": [1, 2, None]}, "flag": True},
+            deadline_s=12.5,
+        ),
+        ScoreRequest(key="k", domain="code", text=""),
+        Score(key="g-1/3", reward=1.0, ok=True, reason="match", t_verify=0.012, worker_id="verifier-2"),
+        Score(key="g-1/4", reward=-0.5, ok=False),
+        _train_batch(),
+        _train_batch(teacher=False),
+        _train_batch(n=0, length=7, group_size=4),  # 0 rows, 2-D empty arrays
+        StepDone(step=17, version=18, metrics={"loss": 0.4375, "kl": 1e-3, "grad_norm": 2.0}),
+        StepDone(step=0, version=1),
+        WeightsReady(version=18, uri="file:///tmp/weights/v18", format="safetensors", nbytes=1 << 33, checksum="ab12"),
+        Heartbeat(
+            role="trainer",
+            worker_id="trainer-0",
+            pid=4242,
+            state="running",
+            version=18,
+            counters={"steps": 17, "tokens": 123456789, "lr": 1e-6, "last_error": None},
+        ),
+        Control(op="scale", args={"role": "sampler", "n": 4}),
+        Control(op="status"),
+        ControlReply(ok=True, result={"workers": [{"id": "s0", "state": "up"}], "n": 2}),
+        ControlReply(ok=False, result=None, error="no such role"),
+        ControlReply(ok=True, result=[1, "two", 3.0, None, True]),
+    ]
+
+
+def _assert_same(original: Any, decoded: Any) -> None:
+    assert type(decoded) is type(original)
+    for f in dataclasses.fields(original):
+        a, b = getattr(original, f.name), getattr(decoded, f.name)
+        spec = f.metadata.get("array")
+        if spec is not None:
+            if a is None:
+                assert b is None, f.name
+                continue
+            assert isinstance(b, np.ndarray), f.name
+            assert b.dtype == np.dtype(spec.dtype), (f.name, b.dtype)
+            assert b.ndim == spec.ndim, f.name
+            assert b.shape == np.shape(a), (f.name, b.shape, np.shape(a))
+            np.testing.assert_array_equal(b, np.asarray(a, dtype=spec.dtype), err_msg=f.name)
+            if spec.dtype.startswith("float"):  # bit-exact, including -0.0 and NaN payloads
+                assert np.asarray(a, dtype=spec.dtype).tobytes() == b.tobytes(), f.name
+        else:
+            assert b == a, (f.name, a, b)
+            assert type(b) is type(a), (f.name, type(a), type(b))
+
+
+def _bytes_frames(msg: Any) -> list[bytes]:
+    return [bytes(f) for f in encode(msg)]
+
+
+def _header(frames: list) -> dict:
+    return msgpack.unpackb(bytes(frames[0]), raw=False)
+
+
+def _with_header(frames: list, header: Any) -> list:
+    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+
+
+def _edit(msg: Any, edit: Callable[[dict], Any]) -> list:
+    """Frames of ``msg`` with the header changed in place by ``edit`` (its return value is ignored)."""
+    frames = _bytes_frames(msg)
+    header = _header(frames)
+    edit(header)
+    return _with_header(frames, header)
+
+
+def _reject(frames: list, *fragments: str, expect: tuple | None = None) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode(frames, expect=expect)
+    text = str(info.value)
+    for fragment in fragments:
+        assert fragment in text, (fragment, text)
+    return info.value
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def test_samples_cover_every_registered_type_and_array_dtype():
+    registered = codec.registered_types()
+    assert set(registered.values()) == {type(m) for m in sample_messages()}
+    assert registered == {cls.TYPE: cls for cls in registered.values()}
+    declared = {
+        (f.metadata["array"].dtype, f.metadata["array"].ndim)
+        for cls in registered.values()
+        for f in dataclasses.fields(cls)
+        if "array" in f.metadata
+    }
+    assert declared == {("int32", 1), ("float32", 1), ("int32", 2), ("float32", 2), ("bool", 2)}
+
+
+@pytest.mark.parametrize("msg", sample_messages(), ids=lambda m: m.TYPE)
+def test_round_trip(msg):
+    frames = encode(msg)
+    n_arrays = sum(1 for f in dataclasses.fields(msg) if "array" in f.metadata and getattr(msg, f.name) is not None)
+    assert len(frames) == 1 + n_arrays
+    header = _header(frames)
+    assert header["t"] == msg.TYPE and header["v"] == PROTOCOL_VERSION
+    decoded = decode(frames)
+    _assert_same(msg, decoded)
+    _assert_same(msg, decode(frames, expect=(type(msg),)))  # expect accepts its own type
+    _assert_same(msg, decode(encode(decoded)))  # a decoded message re-encodes identically
+    for f in dataclasses.fields(msg):
+        if "array" in f.metadata and getattr(decoded, f.name) is not None:
+            assert not getattr(decoded, f.name).flags.writeable, f.name
+
+
+def test_train_batch_arrays_keep_dtype_shape_and_optional_teacher():
+    with_teacher, without = _train_batch(), _train_batch(teacher=False)
+    a, b = decode(encode(with_teacher)), decode(encode(without))
+    assert a.response_mask.dtype == np.bool_ and a.response_mask.shape == (4, 6)
+    np.testing.assert_array_equal(a.response_mask, with_teacher.response_mask)
+    assert a.input_ids.dtype == np.int32 and a.input_ids.shape == (4, 6)
+    assert a.teacher_logprobs.dtype == np.float32 and a.teacher_logprobs.shape == (4, 6)
+    np.testing.assert_array_equal(a.teacher_logprobs, with_teacher.teacher_logprobs)
+    assert b.teacher_logprobs is None
+    assert len(encode(without)) == len(encode(with_teacher)) - 1  # no frame for an absent optional array
+    assert _header(encode(without))["teacher_logprobs"] is None
+
+    # An absent key for an optional array decodes to its default, too.
+    frames = _edit(without, lambda h: h.pop("teacher_logprobs"))
+    assert decode(frames).teacher_logprobs is None
+
+
+def test_encode_converts_and_compacts_arrays():
+    # Non-contiguous views and other dtypes/lists are converted to the declared dtype, C order.
+    base = np.arange(48, dtype=np.int64).reshape(6, 8)
+    tb = _train_batch()
+    tb.input_ids = base[::1, ::2][:4, :4].T  # Fortran-ordered, strided view, int64
+    tb.response_mask = np.ones((4, 4), dtype=np.int8)
+    tb.inf_logprobs = np.full((4, 4), -0.5)  # float64
+    tb.teacher_logprobs = None
+    tb.rewards = [1, 0, 1, 0]  # a plain list
+    tb.versions = np.array([1, 1, 2, 2], dtype=np.uint8)
+    out = decode(encode(tb))
+    assert out.input_ids.dtype == np.int32
+    np.testing.assert_array_equal(out.input_ids, base[::1, ::2][:4, :4].T)
+    assert out.response_mask.dtype == np.bool_ and out.response_mask.all()
+    assert out.inf_logprobs.dtype == np.float32 and (out.inf_logprobs == -0.5).all()
+    assert out.rewards.dtype == np.float32 and out.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert out.versions.dtype == np.int32 and out.versions.tolist() == [1, 1, 2, 2]
+
+
+def test_encode_rejects_wrong_rank():
+    bad = _rollout(prompt_ids=np.zeros((2, 3), dtype=np.int32))
+    with pytest.raises(ProtocolError, match="rank 2, declared 1"):
+        encode(bad)
+
+
+def test_int_and_float_field_conversions():
+    # Python ints (large, negative) and numpy scalars go through int fields unchanged.
+    big = WeightsReady(version=np.int64(7), uri="u", nbytes=2**62 + 1)
+    out = decode(encode(big))
+    assert out.version == 7 and type(out.version) is int
+    assert out.nbytes == 2**62 + 1 and type(out.nbytes) is int
+    neg = decode(encode(Ready(worker_id="w", role="sampler", slots=0, version=-3)))
+    assert neg.version == -3 and type(neg.version) is int
+
+    # Float fields accept ints (and numpy floats) and come back as Python floats.
+    score = decode(encode(Score(key="k", reward=1, ok=True, t_verify=np.float32(0.5))))
+    assert score.reward == 1.0 and type(score.reward) is float
+    assert score.t_verify == 0.5 and type(score.t_verify) is float
+    done = decode(encode(StepDone(step=1, version=2, metrics={"loss": 3, "kl": 0.25})))
+    assert done.metrics == {"loss": 3.0, "kl": 0.25}
+    assert all(type(v) is float for v in done.metrics.values())
+    req = decode(
+        encode(
+            PromptRequest(
+                group_id="g",
+                domain="d",
+                prompt_ids=np.array([1], np.int32),
+                sampling=SamplingParams(temperature=1, top_p=1, seed=None),
+            )
+        )
+    )
+    assert type(req.sampling.temperature) is float and type(req.sampling.top_p) is float
+    assert req.sampling.seed is None
+
+    # The same through a hand-written header: int into float fields.
+    frames = _edit(Score(key="k", reward=0.5, ok=True), lambda h: h.update(reward=-2, t_verify=0))
+    out = decode(frames)
+    assert out.reward == -2.0 and type(out.reward) is float and type(out.t_verify) is float
+
+
+def test_missing_optional_fields_take_defaults_and_unknown_keys_are_ignored():
+    frames = [
+        msgpack.packb(
+            {"t": "score", "v": PROTOCOL_VERSION, "key": "k", "reward": 0.5, "ok": False, "from_the_future": [1, 2]}
+        )
+    ]
+    out = decode(frames)
+    assert out == Score(key="k", reward=0.5, ok=False)
+    frames = [
+        msgpack.packb(
+            {
+                "t": "prompt_request",
+                "v": PROTOCOL_VERSION,
+                "group_id": "g",
+                "domain": "d",
+                "prompt_ids": {"__nd__": 1, "dtype": "int32", "shape": [2]},
+                "sampling": {"temperature": 0.5},
+            }
+        ),
+        np.array([5, 6], np.int32).tobytes(),
+    ]
+    out = decode(frames)
+    assert out.sampling == SamplingParams(temperature=0.5)
+    assert out.prompt_ids.tolist() == [5, 6] and out.n == 1
+
+
+# --------------------------------------------------------------------------- ZeroMQ
+
+
+@pytest.fixture(params=["inproc", "ipc"])
+def socket_pair(request, tmp_path):
+    ctx = zmq.Context()
+    if request.param == "inproc":
+        address = f"inproc://protocol-test-{id(request)}"
+    else:
+        path = tmp_path / "p.sock"
+        if len(str(path)) > 100:
+            pytest.skip("ipc path too long for AF_UNIX")
+        address = f"ipc://{path}"
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    for s in (push, pull):
+        s.setsockopt(zmq.LINGER, 0)
+    pull.setsockopt(zmq.RCVTIMEO, 5000)
+    pull.bind(address)
+    push.connect(address)
+    yield push, pull
+    push.close()
+    pull.close()
+    ctx.term()
+
+
+def test_zmq_round_trip_zero_copy(socket_pair):
+    push, pull = socket_pair
+    messages = [
+        _train_batch(n=64, length=512, group_size=8),
+        _rollout(n_prompt=3000, n_resp=4000),
+        _rollout(n_resp=0, finish_reason="error"),
+        Score(key="k", reward=1.0, ok=True),
+        Control(op="stop", args={"graceful": True}),
+    ]
+    for msg in messages:
+        push.send_multipart(encode(msg), copy=False)
+    for msg in messages:
+        frames = pull.recv_multipart(copy=False)
+        assert all(isinstance(f, zmq.Frame) for f in frames)
+        out = decode(frames, expect=tuple(codec.registered_types().values()))
+        _assert_same(msg, out)
+        array_fields = [
+            f.name for f in dataclasses.fields(msg) if "array" in f.metadata and getattr(msg, f.name) is not None
+        ]
+        assert len(frames) == 1 + len(array_fields)
+        refs = _header(frames)
+        for name in array_fields:
+            arr = getattr(out, name)
+            assert not arr.flags.writeable, name
+            with pytest.raises(ValueError):
+                arr[...] = 0
+            frame = frames[refs[name]["__nd__"]]
+            if arr.nbytes:  # the decoded array is a view of the received frame, not a copy
+                raw = np.frombuffer(frame.buffer, dtype=np.uint8)
+                assert np.shares_memory(arr, raw), name
+                assert arr.__array_interface__["data"][0] == raw.__array_interface__["data"][0], name
+
+
+def test_zmq_expect_rejects_other_types(socket_pair):
+    push, pull = socket_pair
+    push.send_multipart(encode(Score(key="k", reward=0.0, ok=False)), copy=False)
+    frames = pull.recv_multipart(copy=False)
+    _reject(frames, "unexpected message type 'score'", expect=(Rollout, TrainBatch))
+    push.send_multipart([b"\xc1\xc1", b"junk"], copy=False)
+    _reject(pull.recv_multipart(copy=False), "not msgpack")
+
+
+# --------------------------------------------------------------------------- rejection
+
+
+def test_reject_empty_and_non_msgpack():
+    _reject([], "empty message")
+    _reject([b"\xc1 not msgpack at all"], "header is not msgpack")
+    _reject([b""], "header is not msgpack")
+    good = _bytes_frames(Score(key="k", reward=1.0, ok=True))[0]
+    _reject([good[:-3]], "header is not msgpack")  # truncated
+    _reject([good + b"\x00"], "header is not msgpack")  # trailing data
+    ext = msgpack.packb({"t": "score", "v": 1, "key": msgpack.ExtType(5, b"xx"), "reward": 1.0, "ok": True})
+    _reject([ext], "header is not msgpack")
+    int_keys = msgpack.packb({"t": "control", "v": 1, "op": "status", "args": {1: 2}})
+    _reject([int_keys], "header is not msgpack")
+
+
+def test_reject_non_map_header():
+    _reject([msgpack.packb(["t", "score", "v", 1])], "header is not a map")
+    _reject([msgpack.packb("score")], "header is not a map")
+    _reject([msgpack.packb(None)], "header is not a map")
+
+
+def test_reject_header_too_large():
+    big = Score(key="k", reward=1.0, ok=True, reason="x" * MAX_HEADER_BYTES)
+    frames = encode(big)
+    assert len(frames[0]) > MAX_HEADER_BYTES
+    _reject(frames, "exceeds", str(MAX_HEADER_BYTES))
+    # Just under the limit is fine.
+    fits = Score(key="k", reward=1.0, ok=True, reason="x" * (MAX_HEADER_BYTES - 1000))
+    assert decode(encode(fits)).reason == fits.reason
+
+
+def test_reject_version_and_type():
+    score = Score(key="k", reward=1.0, ok=True)
+    _reject(_edit(score, lambda h: h.update(v=PROTOCOL_VERSION + 1)), "protocol version 2")
+    _reject(_edit(score, lambda h: h.update(v="1")), "protocol version '1'")
+    _reject(_edit(score, lambda h: h.pop("v")), "protocol version None")
+    _reject(_edit(score, lambda h: h.update(t="scores")), "unknown message type 'scores'")
+    _reject(_edit(score, lambda h: h.update(t=3)), "unknown message type 3")
+    _reject(_edit(score, lambda h: h.pop("t")), "unknown message type None")
+    _reject(_edit(score, lambda h: h.update(t="SamplingParams")), "unknown message type")  # structs are not messages
+    _reject(encode(score), "unexpected message type 'score'", expect=(Rollout,))
+    _reject(encode(score), "unexpected message type", expect=())
+    assert decode(encode(score), expect=(Rollout, Score)) == score
+
+
+def test_reject_missing_required_fields():
+    _reject(_edit(Score(key="k", reward=1.0, ok=True), lambda h: h.pop("key")), "score.key: required field missing")
+    _reject(_edit(_rollout(), lambda h: h.pop("index")), "rollout.index: required field missing")
+    tb = _train_batch()
+    frames = _edit(tb, lambda h: h.pop("input_ids"))
+    _reject(frames, "train_batch.input_ids: required field missing")
+    frames = _edit(
+        PromptRequest(group_id="g", domain="d", prompt_ids=np.array([1], np.int32)), lambda h: h["sampling"].clear()
+    )  # nested struct: all fields have defaults
+    assert decode(frames).sampling == SamplingParams()
+
+
+WRONG_SCALARS = [
+    # (message, field path, bad value, expected reason fragment)
+    (_rollout(), ("index",), "3", "rollout.index: expected int, got str"),
+    (_rollout(), ("index",), True, "rollout.index: expected int, got bool"),
+    (_rollout(), ("index",), 3.0, "rollout.index: expected int, got float"),
+    (_rollout(), ("policy_version",), None, "expected int, got NoneType"),
+    (_rollout(), ("group_id",), 7, "rollout.group_id: expected str, got int"),
+    (_rollout(), ("finish_reason",), b"stop", "expected str, got bytes"),
+    (Score(key="k", reward=1.0, ok=True), ("key",), 1.5, "score.key: expected str, got float"),
+    (Score(key="k", reward=1.0, ok=True), ("reward",), "1.0", "score.reward: expected float, got str"),
+    (Score(key="k", reward=1.0, ok=True), ("reward",), True, "score.reward: expected float, got bool"),
+    (Score(key="k", reward=1.0, ok=True), ("ok",), 1, "score.ok: expected bool, got int"),
+    (Ready(worker_id="w", role="sampler", slots=2), ("domains",), "math", "ready.domains: expected list, got str"),
+    (Ready(worker_id="w", role="sampler", slots=2), ("domains",), ["math", 2], "ready.domains[1]: expected str"),
+    (ScoreRequest(key="k", domain="d", text="t"), ("metadata",), [1, 2], "score_request.metadata: expected map"),
+    (StepDone(step=1, version=1), ("metrics",), {"loss": "low"}, "step_done.metrics['loss']: expected float"),
+    (Heartbeat(role="r", worker_id="w", pid=1, state="s"), ("pid",), "1", "heartbeat.pid: expected int"),
+    (Control(op="status"), ("args",), None, "control.args: expected map"),
+    (
+        PromptRequest(group_id="g", domain="d", prompt_ids=np.array([1], np.int32)),
+        ("sampling",),
+        [],
+        "prompt_request.sampling: expected map for SamplingParams",
+    ),
+    (
+        PromptRequest(group_id="g", domain="d", prompt_ids=np.array([1], np.int32)),
+        ("sampling", "max_tokens"),
+        "64",
+        "prompt_request.sampling.max_tokens: expected int, got str",
+    ),
+    (
+        PromptRequest(group_id="g", domain="d", prompt_ids=np.array([1], np.int32)),
+        ("sampling", "seed"),
+        1.5,
+        "prompt_request.sampling.seed: 1.5 matches none of",
+    ),
+    (
+        PromptRequest(group_id="g", domain="d", prompt_ids=np.array([1], np.int32)),
+        ("sampling", "stop"),
+        [None],
+        "prompt_request.sampling.stop[0]: expected str",
+    ),
+    (
+        TrainBatch(
+            step=0,
+            group_size=1,
+            input_ids=np.zeros((1, 1), np.int32),
+            response_mask=np.zeros((1, 1), bool),
+            inf_logprobs=np.zeros((1, 1), np.float32),
+            rewards=np.zeros(1, np.float32),
+            versions=np.zeros(1, np.int32),
+        ),
+        ("group_size",),
+        False,
+        "train_batch.group_size: expected int, got bool",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("msg", "path", "value", "fragment"),
+    WRONG_SCALARS,
+    ids=[f"{m.TYPE}.{'.'.join(p)}={v!r}" for m, p, v, _ in WRONG_SCALARS],
+)
+def test_reject_wrong_scalar_type(msg, path, value, fragment):
+    def edit(h):
+        target = h
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    _reject(_edit(msg, edit), fragment)
+
+
+def _ref(header: dict, name: str) -> dict:
+    ref = header[name]
+    assert set(ref) == {"__nd__", "dtype", "shape"}
+    return ref
+
+
+def test_reject_bad_array_references():
+    r = _rollout(n_prompt=4, n_resp=3)
+
+    def set_ref(name, **kw):
+        return _edit(r, lambda h: _ref(h, name).update(kw))
+
+    # dtype: same itemsize, so only the dtype check can catch it
+    _reject(set_ref("response_ids", dtype="float32"), "rollout.response_ids: dtype 'float32', expected 'int32'")
+    _reject(set_ref("inf_logprobs", dtype="float64", shape=[3]), "dtype 'float64', expected 'float32'")
+    _reject(set_ref("inf_logprobs", dtype="object"), "dtype 'object'")
+    # rank / shape
+    _reject(set_ref("prompt_ids", shape=[2, 2]), "rollout.prompt_ids: bad shape [2, 2] for rank 1")
+    _reject(set_ref("prompt_ids", shape=[]), "bad shape [] for rank 1")
+    _reject(set_ref("prompt_ids", shape=[-4]), "bad shape [-4]")
+    _reject(set_ref("prompt_ids", shape=[True]), "bad shape [True]")
+    _reject(set_ref("prompt_ids", shape=4), "bad shape 4")
+    _reject(set_ref("prompt_ids", shape=[4.0]), "bad shape [4.0]")
+    _reject(set_ref("prompt_ids", shape=[2**41]), "bad shape")
+    tb = _train_batch()
+    _reject(
+        _edit(tb, lambda h: _ref(h, "input_ids").update(shape=[24])), "train_batch.input_ids: bad shape [24] for rank 2"
+    )
+    _reject(_edit(tb, lambda h: _ref(h, "response_mask").update(shape=[4, 6, 1])), "bad shape [4, 6, 1] for rank 2")
+    # byte length vs shape
+    _reject(set_ref("prompt_ids", shape=[5]), "rollout.prompt_ids: 16 bytes for shape [5] int32 (20 expected)")
+    _reject(set_ref("prompt_ids", shape=[0]), "16 bytes for shape [0]")
+    _reject(
+        _edit(tb, lambda h: _ref(h, "input_ids").update(shape=[4, 5])), "96 bytes for shape [4, 5] int32 (80 expected)"
+    )
+    # right byte count, wrong split: caught later by validate, not by the codec
+    _reject(_edit(tb, lambda h: _ref(h, "input_ids").update(shape=[6, 4])), "response_mask shape (4, 6) != (6, 4)")
+    frames = _bytes_frames(r)
+    idx = _header(frames)["prompt_ids"]["__nd__"]
+    frames[idx] = frames[idx][:-1]
+    _reject(frames, "15 bytes for shape [4] int32 (16 expected)")
+    frames[idx] = frames[idx] + b"\x00\x00"
+    _reject(frames, "17 bytes")
+    # frame index
+    _reject(set_ref("prompt_ids", __nd__=99), "rollout.prompt_ids: array frame index 99 out of range")
+    _reject(set_ref("prompt_ids", __nd__=0), "array frame index 0 out of range")  # the header is not an array
+    _reject(set_ref("prompt_ids", __nd__=-1), "out of range")
+    _reject(set_ref("prompt_ids", __nd__=True), "array frame index True out of range")
+    _reject(set_ref("prompt_ids", __nd__="1"), "out of range")
+    # not a reference at all
+    _reject(_edit(r, lambda h: h.update(prompt_ids=[1, 2, 3, 4])), "rollout.prompt_ids: expected an array reference")
+    _reject(_edit(r, lambda h: h.update(prompt_ids=None)), "expected an array reference")  # required array
+    _reject(set_ref("prompt_ids", extra=1), "expected an array reference")
+    _reject(_edit(r, lambda h: _ref(h, "prompt_ids").pop("dtype")), "expected an array reference")
+
+
+def test_reject_frame_referenced_twice_and_unreferenced_frames():
+    r = _rollout(n_prompt=3, n_resp=3)
+
+    def alias(h):
+        h["response_ids"] = dict(h["prompt_ids"])
+
+    frames = _edit(r, alias)
+    _reject(frames, "array frame", "referenced twice")
+    _reject(_bytes_frames(r) + [b"extra"], "rollout: 1 unreferenced array frame(s)")
+    _reject(_bytes_frames(r) + [b"", b""], "2 unreferenced array frame(s)")
+    _reject(_bytes_frames(Score(key="k", reward=1.0, ok=True)) + [b""], "1 unreferenced")
+    tb = _train_batch(teacher=False)
+    _reject(_bytes_frames(tb) + [np.zeros((4, 6), np.float32).tobytes()], "unreferenced")
+    # Dropping a frame shifts the indices: caught as out of range, not mis-decoded.
+    _reject(_bytes_frames(tb)[:-1], "out of range")
+
+
+def test_huge_shape_does_not_overflow_byte_count():
+    # 2**32 * 2**32 wraps to 0 in int64; the byte count must not, or an empty frame would "match".
+    tb = _train_batch(n=0, length=0, group_size=1, teacher=False)
+    frames = _edit(tb, lambda h: _ref(h, "input_ids").update(shape=[2**32, 2**32]))
+    _reject(frames, "train_batch.input_ids: 0 bytes for shape [4294967296, 4294967296]")
+    frames = _edit(tb, lambda h: _ref(h, "inf_logprobs").update(shape=[2**39, 2**39]))
+    _reject(frames, "bytes for shape")
+
+
+VALIDATION_FAILURES = [
+    (_rollout(n_resp=3, inf_logprobs=np.zeros(2, np.float32)), "rollout: 3 response ids but 2 log-probs"),
+    (_rollout(n_resp=0, inf_logprobs=np.zeros(1, np.float32), finish_reason="stop"), "0 response ids but 1 log-probs"),
+    (_rollout(finish_reason="eos"), "rollout: finish_reason 'eos'"),
+    (_train_batch(n=6, group_size=4), "train_batch: 6 rows is not a whole number of groups of 4"),
+    (_train_batch(n=4, group_size=0), "rows is not a whole number of groups of 0"),
+    (_train_batch(n=4, group_size=-2), "groups of -2"),
+    (dataclasses.replace(_train_batch(), response_mask=np.ones((4, 5), bool)), "response_mask shape (4, 5) != (4, 6)"),
+    (dataclasses.replace(_train_batch(), inf_logprobs=np.ones((2, 6), np.float32)), "inf_logprobs shape (2, 6)"),
+    (dataclasses.replace(_train_batch(), rewards=np.ones(3, np.float32)), "one entry per row"),
+    (dataclasses.replace(_train_batch(), versions=np.ones(5, np.int32)), "one entry per row"),
+    (dataclasses.replace(_train_batch(), teacher_logprobs=np.ones((4, 7), np.float32)), "teacher_logprobs shape"),
+    (Control(op="reboot"), "control: unknown op 'reboot'"),
+    (Ready(worker_id="w", role="sampler", slots=-1), "ready: slots must be >= 0"),
+]
+
+
+@pytest.mark.parametrize(("msg", "fragment"), VALIDATION_FAILURES, ids=[f[1][:40] for f in VALIDATION_FAILURES])
+def test_reject_failed_validate(msg, fragment):
+    frames = encode(msg)  # encode does not validate; the receiver must
+    _reject(frames, fragment)
+
+
+def test_validate_allows_mismatch_only_for_errors():
+    out = decode(encode(_rollout(n_resp=4, inf_logprobs=np.zeros(0, np.float32), finish_reason="error")))
+    assert out.finish_reason == "error" and len(out.response_ids) == 4 and len(out.inf_logprobs) == 0
+    for op in ("status", "scale", "swap", "stop"):
+        assert decode(encode(Control(op=op))).op == op
+
+
+# --------------------------------------------------------------------------- mutation fuzzing
+
+_RANDOM_VALUES: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    2,
+    2**31,
+    2**63 - 1,
+    -(2**63),
+    0.5,
+    float("nan"),
+    "",
+    "x",
+    "score",
+    "rollout",
+    "int32",
+    "float32",
+    "bool",
+    b"\x00\x01",
+    [],
+    [1],
+    [0, 0],
+    [2**32, 2**32],
+    {},
+    {"a": 1},
+]
+
+
+def _random_value(rng: random.Random, header: dict) -> Any:
+    choice = rng.random()
+    if choice < 0.15:  # a plausible array reference
+        return {
+            "__nd__": rng.randint(-1, 6),
+            "dtype": rng.choice(codec.ALLOWED_DTYPES + ("int16",)),
+            "shape": [rng.randint(0, 10) for _ in range(rng.randint(0, 3))],
+        }
+    if choice < 0.25:  # a value taken from elsewhere in the header
+        return copy.deepcopy(header[rng.choice(list(header))])
+    return copy.deepcopy(rng.choice(_RANDOM_VALUES))
+
+
+def _mutate_structure(rng: random.Random, frames: list[bytes]) -> list[bytes]:
+    header = msgpack.unpackb(frames[0], raw=False)
+    target = header
+    while True:  # descend into a random nested map now and then
+        key = rng.choice(list(target))
+        if isinstance(target[key], dict) and target[key] and rng.random() < 0.5:
+            target = target[key]
+            continue
+        break
+    op = rng.random()
+    if op < 0.2:
+        del target[key]
+    elif op < 0.3:
+        target[rng.choice(["extra", "__nd__", "t", "v", "shape"])] = _random_value(rng, header)
+    else:
+        target[key] = _random_value(rng, header)
+    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+
+
+def _mutate_bytes(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    op = rng.randrange(5)
+    if op == 0 and b:  # flip bits
+        for _ in range(rng.randint(1, 3)):
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+    elif op == 1 and b:  # overwrite a byte
+        b[rng.randrange(len(b))] = rng.randrange(256)
+    elif op == 2:  # truncate
+        del b[rng.randint(0, len(b)) :]
+    elif op == 3:  # insert random bytes
+        at = rng.randint(0, len(b))
+        b[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+    else:  # delete a slice
+        if b:
+            at = rng.randrange(len(b))
+            del b[at : at + rng.randint(1, 4)]
+    return bytes(b)
+
+
+def _mutate(rng: random.Random, frames: list[bytes]) -> list[bytes]:
+    frames = list(frames)
+    for _ in range(rng.choice([1, 1, 1, 2, 3])):
+        op = rng.random()
+        if op < 0.35 and frames:
+            frames[0] = _mutate_bytes(rng, frames[0])
+        elif op < 0.5 and len(frames) > 1:
+            i = rng.randrange(1, len(frames))
+            frames[i] = _mutate_bytes(rng, frames[i])
+        elif op < 0.6 and frames:
+            del frames[rng.randrange(len(frames))]
+        elif op < 0.7:
+            frames.insert(rng.randint(0, len(frames)), bytes(rng.randrange(256) for _ in range(rng.choice([0, 4, 8]))))
+        elif op < 0.75 and len(frames) > 2:
+            i, j = rng.sample(range(len(frames)), 2)
+            frames[i], frames[j] = frames[j], frames[i]
+        elif frames:
+            try:
+                frames = _mutate_structure(rng, frames)
+            except Exception:  # header already garbled by an earlier step: mutate bytes instead
+                frames[0] = _mutate_bytes(rng, frames[0])
+    return frames
+
+
+def test_random_mutations_raise_only_protocol_error():
+    rng = random.Random(20240607)
+    corpus = [_bytes_frames(m) for m in sample_messages()]
+    registered = set(codec.registered_types().values())
+    outcomes: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
+    for iteration in range(2000):
+        original = rng.choice(corpus)
+        frames = _mutate(rng, original)
+        try:
+            msg = decode(frames)
+        except ProtocolError as e:
+            outcomes["rejected"] += 1
+            reasons[str(e).split(":")[0] if ":" in str(e) else str(e)] += 1
+            assert str(e), "a ProtocolError must say why"
+            continue
+        except Exception as e:  # pragma: no cover - this is the failure being hunted
+            raise AssertionError(f"iteration {iteration}: {type(e).__name__}: {e}\nframes={frames!r}") from e
+        assert type(msg) in registered
+        outcomes["accepted"] += 1
+        if frames == original:
+            outcomes["unchanged"] += 1
+        # Whatever was accepted is a well-formed message: it re-encodes and decodes to the same thing.
+        again = decode(encode(msg))
+        assert type(again) is type(msg)
+        assert encode(again)[0] == encode(msg)[0]
+    assert outcomes["rejected"] >= 500, outcomes
+    assert outcomes["accepted"] - outcomes["unchanged"] >= 50, outcomes
+    assert len(reasons) >= 15, reasons  # the mutations reached many different checks
