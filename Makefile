@@ -1,0 +1,37 @@
+# The two commands of the README: `make run` and `make test`.
+VENV ?= .venv
+PYTHON ?= python3
+CLI := $(VENV)/bin/cascade-rl
+STAMP := $(VENV)/.installed-stamp
+RUN_DIR ?= runs/demo
+
+.PHONY: install run test lint clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+
+# torch first, pinned: here pip takes the CPU wheel from local disk; an unpinned torch
+# pulled in by another package would download a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+# The main job: tiny model (built offline) -> SFT warm start -> GRPO stage over ZeroMQ.
+run: install
+	test -f models/tiny/config.json || $(CLI) make-tiny-model --out models/tiny
+	test -f models/tiny-sft/config.json || $(CLI) sft model=models/tiny out=models/tiny-sft
+	rm -rf $(RUN_DIR)
+	$(CLI) launch demo run_dir=$(RUN_DIR)
+
+test: install
+	$(VENV)/bin/pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf models runs bench/results

@@ -1,0 +1,170 @@
+"""The built-in torch engine: log-probs, stopping, bad requests, weight reload."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_model
+
+from cascade_rl.learner.losses import token_logprobs
+from cascade_rl.learner.trainer import Batch
+from cascade_rl.protocol.messages import TrainBatch
+from cascade_rl.samplers.engine import GenerationRequest
+from cascade_rl.samplers.torch_engine import TorchEngine
+
+QUESTIONS = ["Calculate 4 - 1. Put the final answer in \\boxed{}.", "Calculate 10 - 8 + 0.", "Calculate 7 + 2 + 9 - 3."]
+
+
+def prompt_ids(engine: TorchEngine, question: str) -> np.ndarray:
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                tokenize=False)
+    return np.array(engine.tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
+
+
+def request(engine, q, n=3, max_tokens=20, temperature=1.0, top_p=1.0, stop=(), seed=None):
+    return GenerationRequest("k", prompt_ids(engine, q), n, temperature, top_p, max_tokens, list(stop), seed)
+
+
+@pytest.fixture(params=["tiny_model", "tiny_dense_model"])
+def engine(request):
+    return TorchEngine(request.getfixturevalue(request.param))
+
+
+def trainer_logprobs(engine: TorchEngine, reqs, groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probs the trainer computes for the same tokens: right-padded batch, as learner/trainer.py does."""
+    rows = [(r.prompt_ids, s) for r, g in zip(reqs, groups) for s in g]
+    width = max(len(p) + len(s.response_ids) for p, s in rows)
+    ids = np.zeros((len(rows), width), np.int32)
+    mask = np.zeros((len(rows), width), bool)
+    inf = np.zeros((len(rows), width), np.float32)
+    for i, (p, s) in enumerate(rows):
+        ids[i, : len(p)] = p
+        ids[i, len(p) : len(p) + len(s.response_ids)] = s.response_ids
+        mask[i, len(p) : len(p) + len(s.response_ids)] = True
+        inf[i, len(p) : len(p) + len(s.response_ids)] = s.logprobs
+    msg = TrainBatch(0, 1, ids, mask, inf, np.zeros(len(rows), np.float32), np.zeros(len(rows), np.int32))
+    batch = Batch.from_message(msg)
+    with torch.no_grad():
+        logits = engine.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return token_logprobs(logits, batch.input_ids), batch.inf_logprobs, batch.response_mask
+
+
+def test_engine_logprobs_equal_trainer_logprobs(engine):
+    reqs = [request(engine, q, n=4) for q in QUESTIONS]  # different prompt lengths: left padding in play
+    groups = engine.generate(reqs)
+    assert [len(g) for g in groups] == [4, 4, 4]
+    trainer, inf, mask = trainer_logprobs(engine, reqs, groups)
+    assert mask.sum() > 0
+    assert (trainer - inf)[mask].abs().max().item() <= 1e-4
+
+
+def test_temperature_scaled_logprobs_match(engine):
+    reqs = [request(engine, q, n=2, temperature=0.7) for q in QUESTIONS]
+    groups = engine.generate(reqs)
+    rows = [(r.prompt_ids, s) for r, g in zip(reqs, groups) for s in g]
+    for p, s in rows:
+        full = torch.tensor(np.concatenate([p, s.response_ids]).astype(np.int64))[None]
+        with torch.no_grad():
+            logits = engine.model(input_ids=full).logits
+        lp = token_logprobs(logits, full, temperature=0.7)[0, len(p):]
+        assert (lp - torch.from_numpy(s.logprobs)).abs().max().item() <= 1e-4
+
+
+def test_max_tokens_and_finish_reasons(tiny_model):
+    engine = TorchEngine(tiny_model)
+    groups = engine.generate([request(engine, QUESTIONS[0], n=5, max_tokens=7),
+                              request(engine, QUESTIONS[1], n=2, max_tokens=3)])
+    for g, limit in zip(groups, (7, 3)):
+        for s in g:
+            assert 1 <= len(s.response_ids) <= limit
+            assert len(s.logprobs) == len(s.response_ids)
+            assert np.all(s.logprobs <= 0)
+            if s.finish_reason == "length":
+                assert len(s.response_ids) == limit
+            else:
+                assert s.finish_reason == "stop" and s.response_ids[-1] in engine.eos_ids.tolist()
+
+
+def test_eos_stops_a_sequence(tiny_model):
+    engine = TorchEngine(tiny_model)
+    eos = int(engine.eos_ids[0])
+
+    def favour_eos(module, args, output):  # the end-of-turn token becomes (almost) certain
+        output.logits[..., eos] += 100.0
+        return output
+
+    handle = engine.model.register_forward_hook(favour_eos)
+    group = engine.generate([request(engine, QUESTIONS[0], n=4, max_tokens=30)])[0]
+    handle.remove()
+    for s in group:
+        assert s.finish_reason == "stop"
+        assert s.response_ids.tolist() == [eos]
+        assert s.logprobs[0] > -1e-3
+
+
+def test_greedy_is_deterministic(tiny_model):
+    engine = TorchEngine(tiny_model)
+    a = engine.generate([request(engine, QUESTIONS[0], n=1, max_tokens=30, temperature=0.0)])[0][0]
+    b = engine.generate([request(engine, QUESTIONS[0], n=1, max_tokens=30, temperature=0.0)])[0][0]
+    np.testing.assert_array_equal(a.response_ids, b.response_ids)
+
+
+def test_stop_strings(tiny_model):
+    engine = TorchEngine(tiny_model)
+    free = engine.generate([request(engine, QUESTIONS[2], n=1, max_tokens=12, temperature=0.0)])[0][0]
+    text = engine.tokenizer.decode(free.response_ids)
+    # stop at the text of the greedy response's third token: the stopped response is its first three tokens
+    stop = engine.tokenizer.decode(free.response_ids[:3])
+    stopped = engine.generate([request(engine, QUESTIONS[2], n=1, max_tokens=12, temperature=0.0, stop=[stop])])[0][0]
+    assert text.startswith(stop)
+    assert stopped.finish_reason == "stop"
+    assert engine.tokenizer.decode(stopped.response_ids).endswith(stop)
+    assert len(stopped.response_ids) <= 3
+
+
+def test_bad_requests_are_refused_with_a_reason(tiny_model):
+    engine = TorchEngine(tiny_model)
+    good = request(engine, QUESTIONS[0])
+    assert engine.check(good) == ""
+    cases = {
+        "empty prompt": GenerationRequest("k", np.zeros(0, np.int32), 1, 1.0, 1.0, 8, []),
+        "n must be positive": GenerationRequest("k", good.prompt_ids, 0, 1.0, 1.0, 8, []),
+        "exceeds the model context": GenerationRequest("k", good.prompt_ids, 1, 1.0, 1.0, 10**6, []),
+        "out of range": GenerationRequest("k", np.array([1, 10**6], np.int32), 1, 1.0, 1.0, 8, []),
+        "top_p": GenerationRequest("k", good.prompt_ids, 1, 1.0, 0.0, 8, []),
+        "temperature": GenerationRequest("k", good.prompt_ids, 1, -1.0, 1.0, 8, []),
+    }
+    for reason, req in cases.items():
+        assert reason in engine.check(req)
+
+
+def test_top_p_restricts_to_the_nucleus(tiny_model):
+    engine = TorchEngine(tiny_model)
+    torch.manual_seed(0)
+    # top_p tiny: only the most likely token survives, so sampling equals greedy decoding
+    nucleus = engine.generate([request(engine, QUESTIONS[1], n=3, max_tokens=10, top_p=1e-6)])[0]
+    greedy = engine.generate([request(engine, QUESTIONS[1], n=1, max_tokens=10, temperature=0.0)])[0][0]
+    for s in nucleus:
+        np.testing.assert_array_equal(s.response_ids, greedy.response_ids)
+
+
+def test_weight_reload_takes_effect(tiny_model, tmp_path):
+    engine = TorchEngine(tiny_model)
+    reqs = [request(engine, QUESTIONS[0], n=2, max_tokens=10)]
+    before = engine.generate(reqs)
+    other = TorchEngine(tiny_model).model
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    path = tmp_path / "w.safetensors"
+    save_model(other, str(path))
+    engine.load_weights(str(path), version=7)
+    assert engine.version == 7
+    for a, b in zip(engine.model.state_dict().values(), other.state_dict().values()):
+        assert torch.equal(a, b)
+    trainer, inf, mask = trainer_logprobs(engine, reqs, engine.generate(reqs))
+    assert (trainer - inf)[mask].abs().max().item() <= 1e-4  # the engine samples from the new weights
+    old_trainer, _, old_mask = trainer_logprobs(engine, reqs, before)
+    old_inf = torch.cat([torch.from_numpy(s.logprobs) for s in before[0]])
+    assert not torch.allclose(old_trainer[old_mask], old_inf, atol=1e-3)
