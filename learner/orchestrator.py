@@ -121,7 +121,8 @@ class Orchestrator:
         self.run_dir = Path(cfg.run_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         d = cfg.data
-        self.train_pool, self.heldout = load_task(d.task, d.train_size, d.heldout_size, seed=d.seed)
+        splits = load_task(d.task, {"heldout": d.heldout_size, "rl": d.train_size}, seed=d.seed)
+        self.train_pool, self.heldout = splits["rl"], splits["heldout"]
         self.rng = random.Random(cfg.orchestrator.seed)
         self.ctx = zmq.Context.instance()
         self.router = bind_router(self.ctx, cfg.endpoints.orchestrator)
@@ -199,7 +200,7 @@ class Orchestrator:
         while len(kept) < wanted:
             batch = [self._new_group(self._next_example(), t.group_size, self._train_sampling(), True)
                      for _ in range(wanted - len(kept))]
-            self.pump(lambda: all(g.complete for g in batch))
+            self.pump(lambda batch=batch: all(g.complete for g in batch))
             for g in batch:
                 del self.groups[g.group_id]
                 reason = self._filter_reason(g)

@@ -33,10 +33,9 @@ class SFTConfig:
     """Output HF directory."""
     task: str = "arithmetic"
     """Task of learner/tasks.py."""
-    train_size: int = 4000
-    """Training pool size (the RL stage draws from the same pool, held-out stays unseen)."""
-    heldout_size: int = 200
-    """Must match the RL stage's data.heldout_size so the same questions are held out."""
+    sizes: dict = dataclasses.field(default_factory=lambda: {"heldout": 200, "rl": 2000, "sft": 4000})
+    """Split sizes of learner/tasks.py; heldout and rl must be at least the RL stage's, so SFT
+    never sees an RL prompt or a held-out question."""
     steps: int = 300
     """Optimizer steps."""
     batch_size: int = 32
@@ -77,8 +76,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     rng = random.Random(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-    train, _ = load_task(cfg.task, cfg.train_size, cfg.heldout_size, seed=0)
-    data = encode_examples(tokenizer, train)
+    data = encode_examples(tokenizer, load_task(cfg.task, dict(cfg.sizes), seed=cfg.seed)["sft"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(s / cfg.steps * torch.pi)).item())
@@ -90,7 +88,7 @@ def run_sft(cfg: SFTConfig) -> dict:
                TextColumn("loss {task.fields[loss]}"))
     with Progress(*columns) as progress:
         task = progress.add_task("sft", total=cfg.steps, loss="-")
-        for step in range(cfg.steps):
+        for _ in range(cfg.steps):
             input_ids, attention, loss_mask = collate(rng.sample(data, cfg.batch_size), tokenizer.pad_token_id)
             logits = model(input_ids=input_ids, attention_mask=attention).logits
             logprobs = token_logprobs(logits, input_ids)

@@ -2,11 +2,10 @@
 
 A task turns a reasoning-gym dataset into ``Example``s: the user question, the
 reference answer the verifier checks, the reward domain, and a worked solution
-for SFT. Held-out sets use another seed and drop every question that also
-occurs in the training pool, so held-out accuracy measures generalisation.
+for SFT. Splits (held-out, RL prompts, SFT data) are question-disjoint.
 
     from cascade_rl.learner.tasks import load_task
-    train, heldout = load_task("arithmetic", train_size=4000, heldout_size=200)
+    splits = load_task("arithmetic", {"heldout": 200, "rl": 2000, "sft": 2000})
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ def worked_solution(reasoning: list[str], answer: str) -> str:
 
 
 def _arithmetic(size: int, seed: int, **params) -> list[Example]:
-    cfg = dict(min_terms=2, max_terms=3, min_digits=1, max_digits=1, operators=("+", "-"))
+    cfg = dict(min_terms=2, max_terms=4, min_digits=1, max_digits=1, operators=("+", "-"))
     cfg.update(params)
     cfg.update(allow_parentheses=False, allow_negation=False, format_style="simple", whitespace="single")
     if set(cfg["operators"]) - {"+", "-"}:
@@ -75,24 +74,36 @@ def _arithmetic(size: int, seed: int, **params) -> list[Example]:
 TASKS: dict[str, Callable[..., list[Example]]] = {"arithmetic": _arithmetic}
 
 
-def load_task(
-    name: str, train_size: int, heldout_size: int, seed: int = 0, **params
-) -> tuple[list[Example], list[Example]]:
-    """Training pool and held-out set, disjoint by question text.
+SPLITS = ("heldout", "rl", "sft")
 
-    reasoning-gym seeds item i with ``seed + i``, so two seeds overlap; instead
-    one stream is drawn, its first ``heldout_size`` distinct questions are held
-    out, and the training pool is the rest of the stream minus those questions.
+
+def load_task(name: str, sizes: dict[str, int], seed: int = 0, **params) -> dict[str, list[Example]]:
+    """Question-disjoint splits of one task: ``{"heldout": [...], "rl": [...], "sft": [...]}``.
+
+    The SFT warm start, the RL prompts and the held-out evaluation never share a
+    question, so held-out accuracy measures generalisation and RL gains are not
+    memorised SFT answers resurfacing. reasoning-gym seeds item i with
+    ``seed + i`` (two seeds overlap), so one stream is drawn and each new
+    distinct question fills the first split (in SPLITS order) that is not full.
     """
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; known: {sorted(TASKS)}")
-    stream = TASKS[name](train_size + heldout_size * 4, seed * 1_000_003, **params)
-    heldout: dict[str, Example] = {}
+    unknown = set(sizes) - set(SPLITS)
+    if unknown:
+        raise KeyError(f"unknown splits {sorted(unknown)}; known: {SPLITS}")
+    wanted = {split: sizes.get(split, 0) for split in SPLITS}
+    out: dict[str, list[Example]] = {split: [] for split in SPLITS}
+    seen: set[str] = set()
+    stream = TASKS[name](sum(wanted.values()) * 2, seed * 1_000_003, **params)
     for ex in stream:
-        if len(heldout) == heldout_size:
+        if ex.question in seen:
+            continue
+        seen.add(ex.question)
+        split = next((sp for sp in SPLITS if len(out[sp]) < wanted[sp]), None)
+        if split is None:
             break
-        heldout.setdefault(ex.question, ex)
-    if len(heldout) < heldout_size:
-        raise ValueError(f"task {name!r} yields only {len(heldout)} distinct questions for the held-out set")
-    train = [ex for ex in stream if ex.question not in heldout][:train_size]
-    return train, list(heldout.values())
+        out[split].append(ex)
+    short = {sp: len(out[sp]) for sp in SPLITS if len(out[sp]) < wanted[sp]}
+    if short:
+        raise ValueError(f"task {name!r} yields too few distinct questions for {short} (wanted {wanted})")
+    return {sp: out[sp] for sp in SPLITS if wanted[sp]}

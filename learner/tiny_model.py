@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from .tasks import load_task
@@ -50,11 +50,14 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[PAD, IM_START, IM_END, THINK, END_THINK],
+        special_tokens=[PAD, IM_START, IM_END],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
+    # <think> tags are ordinary added tokens (as in Qwen3): decoding keeps them, so a verifier can
+    # tell the reasoning from the final answer even with skip_special_tokens=True
+    tok.add_tokens([AddedToken(THINK, special=False), AddedToken(END_THINK, special=False)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, bos_token=None, unk_token=None
     )
@@ -64,7 +67,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
 
 def corpus(task: str, size: int) -> list[str]:
     """Text the tokenizer is trained on: chat-formatted prompts and worked solutions."""
-    train, _ = load_task(task, train_size=size, heldout_size=10)
+    train = load_task(task, {"sft": size})["sft"]
     return [
         f"{IM_START}user\n{ex.prompt}{IM_END}\n{IM_START}assistant\n{THINK}\n{ex.solution}{IM_END}\n" for ex in train
     ]

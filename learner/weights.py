@@ -20,7 +20,7 @@ from safetensors.torch import save_model
 from cascade_rl.protocol.messages import WeightsReady
 from cascade_rl.protocol.weights import file_checksum, shm_dir
 
-TRANSPORTS: dict[str, Callable[..., "ShmTransport"]] = {}
+TRANSPORTS: dict[str, Callable[..., ShmTransport]] = {}
 
 
 def register_transport(name: str):

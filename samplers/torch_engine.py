@@ -87,7 +87,7 @@ class TorchEngine:
         done = torch.zeros(batch, dtype=torch.bool, device=dev)
         finish = ["length"] * batch
         lengths = torch.zeros(batch, dtype=torch.long, device=dev)
-        for step in range(int(max_tokens.max())):
+        for _ in range(int(max_tokens.max())):
             tokens, logps = sample_tokens(logits, temperature, top_p, generator)
             tokens = torch.where(done, torch.full_like(tokens, self.pad_id), tokens)
             tokens_out.append(tokens)

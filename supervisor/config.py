@@ -40,10 +40,10 @@ class ModelConfig:
 class DataConfig:
     task: str = "arithmetic"
     """Prompt set, registered in learner/tasks.py (reasoning-gym backed)."""
-    train_size: int = 4000
-    """Size of the training prompt stream drawn from the task."""
+    train_size: int = 2000
+    """RL prompts (distinct questions, disjoint from SFT data and held-out)."""
     heldout_size: int = 200
-    """Held-out questions (disjoint from training) for evaluation."""
+    """Held-out questions for evaluation."""
     seed: int = 0
     """Seed of the task stream and of the prompt order."""
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from cascade_rl.learner.losses import group_advantages, grpo_loss, mismatch_stats, token_logprobs
 
 SQRT3 = math.sqrt(3.0)

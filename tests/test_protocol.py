@@ -13,6 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+
 from cascade_rl.protocol import codec
 from cascade_rl.protocol.codec import MAX_HEADER_BYTES, PROTOCOL_VERSION, ProtocolError, decode, encode
 from cascade_rl.protocol.messages import (

@@ -71,7 +71,7 @@ def test_micro_batches_of_whole_groups_give_the_same_gradient(tiny_dense_model, 
         captured = {}
         orig_step = opt.step
 
-        def step(*a, captured=captured, model=model):
+        def step(*a, captured=captured, model=model, orig_step=orig_step):
             captured.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
             return orig_step(*a)
 
