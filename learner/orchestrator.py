@@ -155,8 +155,8 @@ class Orchestrator:
         self.status["state"] = "waiting for workers"
         self.pump(lambda: self._have("trainer") and self._have("sampler") and self._have("verifier"))
         self.status["state"] = "eval"
-        acc_before = self.evaluate()
-        self._log({"step": 0, "heldout_accuracy": acc_before})
+        before = self.evaluate()
+        self._log({"step": 0, **before})
         for step in range(steps):
             self.status.update(state="sampling", step=step)
             t0 = time.perf_counter()
@@ -170,15 +170,15 @@ class Orchestrator:
             if self.cfg.orchestrator.eval_every and (step + 1) % self.cfg.orchestrator.eval_every == 0 \
                     and step + 1 < steps:
                 self.status["state"] = "eval"
-                metrics["heldout_accuracy"] = self.evaluate()
+                metrics.update(self.evaluate())
             self._log(metrics)
         self.status.update(state="eval", step=steps)
-        acc_after = self.evaluate()
-        self._log({"step": steps, "heldout_accuracy": acc_after})
+        after = self.evaluate()
+        self._log({"step": steps, **after})
         books = self.books.summary(in_flight=sum(g.n for g in self.groups.values() if g.train))
         summary = {
-            "heldout_accuracy_before": acc_before,
-            "heldout_accuracy_after": acc_after,
+            **{f"{k}_before": v for k, v in before.items()},
+            **{f"{k}_after": v for k, v in after.items()},
             "steps": steps,
             "policy_version": self.version,
             "wall_s": time.perf_counter() - t_start,
@@ -213,18 +213,25 @@ class Orchestrator:
                     kept.append(g)
         return kept
 
-    def evaluate(self) -> float:
-        """avg@eval_n accuracy on the held-out set under the current weights."""
-        o = self.cfg.orchestrator
-        sampling = SamplingParams(temperature=o.eval_temperature, top_p=1.0,
-                                  max_tokens=self.cfg.sampling.max_tokens)
-        groups = [self._new_group(ex, o.eval_n, sampling, False) for ex in self.heldout]
-        self.pump(lambda: all(g.complete for g in groups))
-        rewards = []
-        for g in groups:
-            del self.groups[g.group_id]
-            rewards += [g.scores[i].reward if i in g.scores else 0.0 for i in range(g.n)]
-        return float(np.mean(rewards))
+    def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy under the current weights: avg@eval_n at eval_temperature (the paper's
+        metric), and greedy pass@1 if ``eval_greedy``. Both sets of groups are sampled together."""
+        o, max_tokens = self.cfg.orchestrator, self.cfg.sampling.max_tokens
+        modes = {"heldout_accuracy": (SamplingParams(temperature=o.eval_temperature, max_tokens=max_tokens), o.eval_n)}
+        if o.eval_greedy:
+            modes["heldout_greedy_accuracy"] = (SamplingParams(temperature=0.0, max_tokens=max_tokens), 1)
+        groups = {name: [self._new_group(ex, n, sampling, False) for ex in self.heldout]
+                  for name, (sampling, n) in modes.items()}
+        everything = [g for gs in groups.values() for g in gs]
+        self.pump(lambda: all(g.complete for g in everything))
+        result = {}
+        for name, gs in groups.items():
+            rewards = []
+            for g in gs:
+                del self.groups[g.group_id]
+                rewards += [g.scores[i].reward if i in g.scores else 0.0 for i in range(g.n)]
+            result[name] = float(np.mean(rewards))
+        return result
 
     def build_batch(self, step: int, groups: list[Group]) -> TrainBatch:
         rows = [(g.rollouts[i], g.scores[i]) for g in groups for i in range(g.n)]

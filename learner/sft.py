@@ -1,6 +1,6 @@
 """SFT warm start: teach the tiny model the task's format and worked solutions.
 
-    cascade-rl sft model=models/tiny out=models/tiny-sft steps=300
+    cascade-rl sft model=models/tiny out=models/tiny-sft steps=400
 
 The paper's cascade starts after SFT; RL from a random model would see zero
 reward. Examples are the task's training pool (reasoning-gym, procedural);
@@ -36,8 +36,8 @@ class SFTConfig:
     sizes: dict = dataclasses.field(default_factory=lambda: {"heldout": 200, "rl": 2000, "sft": 4000})
     """Split sizes of learner/tasks.py; heldout and rl must be at least the RL stage's, so SFT
     never sees an RL prompt or a held-out question."""
-    steps: int = 300
-    """Optimizer steps."""
+    steps: int = 400
+    """Optimizer steps (about a minute for the tiny model on 2 cores)."""
     batch_size: int = 32
     """Sequences per step."""
     lr: float = 1e-3

@@ -52,7 +52,7 @@ def worked_solution(reasoning: list[str], answer: str) -> str:
 
 
 def _arithmetic(size: int, seed: int, **params) -> list[Example]:
-    cfg = dict(min_terms=2, max_terms=4, min_digits=1, max_digits=1, operators=("+", "-"))
+    cfg = dict(min_terms=3, max_terms=4, min_digits=1, max_digits=1, operators=("+", "-"))
     cfg.update(params)
     cfg.update(allow_parentheses=False, allow_negation=False, format_style="simple", whitespace="single")
     if set(cfg["operators"]) - {"+", "-"}:

@@ -53,6 +53,7 @@ def error_rollout(req: PromptRequest, worker_id: str, version: int, reason: str)
 
 
 class Sampler:
+    BATCH_WINDOW_S = 0.01
     def __init__(self, cfg, worker_id: str) -> None:
         self.worker_id = worker_id
         self.engine = ENGINES[cfg.workers.sampler_engine](cfg.model.path, dtype=cfg.model.dtype)
@@ -82,21 +83,20 @@ class Sampler:
             self._generate(ready)
 
     def _collect(self, block: bool) -> None:
-        try:
-            msgs = [self.link.inbox.get(timeout=1.0 if block else 0.005)]
-        except queue.Empty:
-            return
+        """Move arrived messages into ``pending``; after the first, wait a few ms for the rest of a burst
+        (the orchestrator dispatches a step's groups back to back), so they share one batch."""
+        timeout = 1.0 if block else 0.0
         while True:
             try:
-                msgs.append(self.link.inbox.get_nowait())
+                msg = self.link.inbox.get(timeout=timeout) if timeout else self.link.inbox.get_nowait()
             except queue.Empty:
-                break
-        for msg in msgs:
+                return
             if isinstance(msg, WeightsReady):
                 if msg.version > max(self.engine.version, self.latest.version if self.latest else -1):
                     self.latest = msg
             else:
                 self.pending.append(msg)
+            timeout = self.BATCH_WINDOW_S
 
     def _maybe_load_weights(self) -> None:
         if self.latest is None or self.latest.version <= self.engine.version:

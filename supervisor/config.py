@@ -106,6 +106,8 @@ class OrchestratorConfig:
     """Samples per held-out question (accuracy = avg@eval_n, as the paper reports avg@k)."""
     eval_temperature: float = 1.0
     """Sampling temperature of evaluation (paper: 1.0)."""
+    eval_greedy: bool = True
+    """Also report greedy (temperature 0) pass@1 on the held-out set."""
     seed: int = 0
     """Seed of the prompt order."""
 

@@ -64,8 +64,11 @@ class Display:
         if self.mode == "none":
             return
         table = Table(title="run summary", show_header=False)
-        table.add_row("held-out accuracy before RL", _fmt(summary["heldout_accuracy_before"]))
-        table.add_row("held-out accuracy after RL", _fmt(summary["heldout_accuracy_after"]))
+        table.add_row("held-out accuracy before RL (avg@k, T=1)", _fmt(summary["heldout_accuracy_before"]))
+        table.add_row("held-out accuracy after RL (avg@k, T=1)", _fmt(summary["heldout_accuracy_after"]))
+        if "heldout_greedy_accuracy_before" in summary:
+            table.add_row("held-out greedy accuracy before RL", _fmt(summary["heldout_greedy_accuracy_before"]))
+            table.add_row("held-out greedy accuracy after RL", _fmt(summary["heldout_greedy_accuracy_after"]))
         table.add_row("steps", str(summary["steps"]))
         table.add_row("wall time", f"{summary['wall_s']:.1f} s")
         for k, v in summary["books"].items():

@@ -43,6 +43,20 @@ MODULES = {
 }
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the supervisor dies, however it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the supervisor's own SIGTERM handler still stops the workers
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def state_dir() -> Path:
     """Where the supervisor records the newest run (for ``ctl`` without --run-dir)."""
     base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
@@ -110,7 +124,8 @@ class Supervisor:
         # would shadow the PyPI packages of those names)
         cmd = [sys.executable, "-P", "-m", MODULES[proc.role], "--config", str(self.config_path),
                "--worker-id", proc.worker_id]
-        proc.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                      preexec_fn=_die_with_parent)
         log.close()
         proc.state, proc.last_beat = "starting", time.monotonic()
 
@@ -214,6 +229,8 @@ class Supervisor:
 
     def run(self) -> int:
         display = Display(self.cfg.supervisor.progress, self.cfg.trainer.steps, self.run_dir)
+        # SIGTERM (a CI timeout, `kill`) must stop the workers too, like Ctrl-C does
+        signal.signal(signal.SIGTERM, _interrupt)
         self.start()
         outcome = "running"
         try:

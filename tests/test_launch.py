@@ -82,3 +82,26 @@ def test_launch_rejects_bad_config_with_a_clear_message(tmp_path):
     r = cli("launch", "tiny", f"model.path={tmp_path / 'missing'}", "trainer.group_size=1", timeout=60)
     assert r.returncode != 0
     assert "group_size must be >= 2" in r.stderr and "is not a directory" in r.stderr
+
+
+@pytest.mark.slow
+def test_stopping_the_supervisor_stops_every_worker(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
+    proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}",
+                             "trainer.steps=1000", "supervisor.progress=none"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids, deadline = [], time.monotonic() + 60
+    while time.monotonic() < deadline and not pids:
+        r = cli("ctl", "--run-dir", str(run_dir), "status", "--json", env=env, timeout=30)
+        if r.returncode == 0:
+            table = json.loads(r.stdout)
+            if all(w["pid"] and w["state"] != "starting" for w in table):
+                pids = [w["pid"] for w in table]
+        time.sleep(0.3)
+    assert len(pids) == 4, "workers never all came up"
+    proc.terminate()  # SIGTERM, as a CI timeout or `kill` would send
+    assert proc.wait(timeout=30) != 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -42,7 +42,7 @@ def test_unknown_task_and_impossible_sizes_are_refused():
     with pytest.raises(KeyError):
         load_task("nope", {"rl": 1})
     with pytest.raises(ValueError, match="too few distinct questions"):
-        load_task("arithmetic", {"rl": 10_000}, max_terms=2)  # only 242 distinct 2-term questions
+        load_task("arithmetic", {"rl": 10_000}, min_terms=2, max_terms=2)  # only 242 distinct 2-term questions
 
 
 def test_tiny_model_directory(tiny_model):
