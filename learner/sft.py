@@ -33,7 +33,7 @@ class SFTConfig:
     """Output HF directory."""
     task: str = "arithmetic"
     """Task of learner/tasks.py."""
-    sizes: dict = dataclasses.field(default_factory=lambda: {"heldout": 200, "rl": 2000, "sft": 4000})
+    sizes: dict = dataclasses.field(default_factory=lambda: {"heldout": 400, "rl": 2000, "sft": 4000})
     """Split sizes of learner/tasks.py; heldout and rl must be at least the RL stage's, so SFT
     never sees an RL prompt or a held-out question."""
     steps: int = 400
