@@ -9,8 +9,9 @@ them, hand the complete groups to the trainer as a ``TrainBatch`` and wait for
 ``StepDone``; evaluate again at the end and write ``summary.json``.
 
 Between those lines ``pump`` serves the sockets: it dispatches queued groups
-to samplers with free slots (credit-based: never more than a sampler's
-``slots`` nor ``max_inflight_groups`` in flight), routes each rollout to a
+to samplers with free capacity (credit-based: a sampler's ``slots`` count
+sequences, a verifier's count score requests, and never more than
+``max_inflight_groups`` groups are out), routes each rollout to a
 verifier of its domain, and re-dispatches any group or score whose deadline
 passed or whose worker vanished. Every rollout ends in exactly one of the
 books' columns: trained, filtered (with a reason) or stale.
@@ -81,10 +82,18 @@ class Group:
 @dataclasses.dataclass
 class Worker:
     role: str
-    slots: int
+    slots: int  # capacity: sequences for a sampler, score requests for a verifier
     version: int = 0
     domains: tuple[str, ...] = ()
-    assigned: set = dataclasses.field(default_factory=set)  # group ids or score keys
+    assigned: dict = dataclasses.field(default_factory=dict)  # group id or score key -> slots it takes
+
+    @property
+    def load(self) -> int:
+        return sum(self.assigned.values())
+
+    def fits(self, need: int) -> bool:
+        """Room for ``need`` more; an idle worker takes any item (a group larger than its slots)."""
+        return self.load + need <= self.slots or not self.assigned
 
 
 @dataclasses.dataclass
@@ -369,7 +378,7 @@ class Orchestrator:
     def _on_score(self, ident: bytes, s: Score) -> None:
         w = self.workers.get(ident)
         if w is not None:
-            w.assigned.discard(s.key)
+            w.assigned.pop(s.key, None)
         self.score_deadlines.pop(s.key, None)
         group_id, index, attempt = s.key.rsplit("/", 2)
         g = self.groups.get(group_id)
@@ -381,18 +390,20 @@ class Orchestrator:
     def _release(self, g: Group) -> None:
         w = self.workers.get(g.worker) if g.worker else None
         if w is not None:
-            w.assigned.discard(g.group_id)
+            w.assigned.pop(g.group_id, None)
 
     def _dispatch_prompts(self) -> None:
         inflight = sum(len(w.assigned) for w in self.workers.values() if w.role == "sampler")
         while self.prompt_queue and inflight < self.cfg.orchestrator.max_inflight_groups:
-            free = [(i, w) for i, w in self.workers.items() if w.role == "sampler" and len(w.assigned) < w.slots]
+            g = self.groups.get(self.prompt_queue[0])
+            if g is None:
+                self.prompt_queue.popleft()
+                continue
+            free = [(i, w) for i, w in self.workers.items() if w.role == "sampler" and w.fits(g.n)]
             if not free:
                 return
-            ident, w = min(free, key=lambda iw: len(iw[1].assigned))
-            g = self.groups.get(self.prompt_queue.popleft())
-            if g is None:
-                continue
+            ident, w = min(free, key=lambda iw: iw[1].load)
+            self.prompt_queue.popleft()
             if w.version < g.min_version and self.weights is not None and self.weights.version >= g.min_version:
                 if not self._send(ident, self.weights):  # a late joiner: hand it the newest weights first
                     continue
@@ -401,7 +412,7 @@ class Orchestrator:
             req = PromptRequest(g.group_id, g.example.domain, g.prompt_ids, g.n, g.sampling, g.min_version,
                                 g.attempt)
             if self._send(ident, req):
-                w.assigned.add(g.group_id)
+                w.assigned[g.group_id] = g.n
                 inflight += 1
             else:
                 self.prompt_queue.appendleft(g.group_id)
@@ -415,17 +426,17 @@ class Orchestrator:
                 continue
             domain = g.example.domain
             free = [(i, w) for i, w in self.workers.items()
-                    if w.role == "verifier" and domain in w.domains and len(w.assigned) < w.slots]
+                    if w.role == "verifier" and domain in w.domains and w.fits(1)]
             if not free:
                 return
-            ident, w = min(free, key=lambda iw: len(iw[1].assigned))
+            ident, w = min(free, key=lambda iw: iw[1].load)
             self.score_queue.popleft()
             key = f"{group_id}/{index}/{g.attempt}"
             # the prompt ended with the thinking-mode "<think>\n": give the verifier the whole turn
             text = "<think>\n" + self.tokenizer.decode(g.rollouts[index].response_ids, skip_special_tokens=True)
             req = ScoreRequest(key, domain, text, g.example.answer, {}, self.cfg.orchestrator.verifier_timeout_s)
             if self._send(ident, req):
-                w.assigned.add(key)
+                w.assigned[key] = 1
                 self.score_deadlines[key] = time.monotonic() + self.cfg.orchestrator.verifier_timeout_s
             else:
                 self.score_queue.appendleft((group_id, index))
@@ -441,7 +452,7 @@ class Orchestrator:
                 del self.score_deadlines[key]
                 group_id, index, _ = key.rsplit("/", 2)
                 for w in self.workers.values():
-                    w.assigned.discard(key)
+                    w.assigned.pop(key, None)
                 if group_id in self.groups:
                     log.warning("score %s missed its deadline; re-requesting", key)
                     self.score_queue.append((group_id, int(index)))

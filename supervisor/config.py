@@ -120,8 +120,8 @@ class WorkersConfig:
     """Verifier processes."""
     sampler_engine: str = "torch"
     """Engine registered in samplers/engine.py."""
-    sampler_slots: int = 64
-    """Groups a sampler generates together in one batch."""
+    sampler_slots: int = 256
+    """Sequences (group members) a sampler takes at once; they decode together in one batch."""
     sampler_threads: int = 0
     """torch threads per sampler (0: torch's default)."""
     verifier_domains: list[str] = field(default_factory=lambda: ["math"])
