@@ -153,7 +153,7 @@ class Orchestrator:
         self.malformed = 0
         self.next_beat = 0.0
         self.status = {"state": "starting", "step": 0, "steps": cfg.trainer.steps}
-        self.history: list[dict] = []
+        self.per_question: dict[str, np.ndarray] = {}  # latest evaluation, accuracy per held-out question
         self._seq = 0
 
     # ------------------------------------------------------------------ the stage, top to bottom
@@ -165,6 +165,7 @@ class Orchestrator:
         self.pump(lambda: self._have("trainer") and self._have("sampler") and self._have("verifier"))
         self.status["state"] = "eval"
         before = self.evaluate()
+        per_question_before = dict(self.per_question)
         self._log({"step": 0, **before})
         for step in range(steps):
             self.status.update(state="sampling", step=step)
@@ -188,6 +189,7 @@ class Orchestrator:
         summary = {
             **{f"{k}_before": v for k, v in before.items()},
             **{f"{k}_after": v for k, v in after.items()},
+            "heldout_gain": self.paired_gain(per_question_before),
             "steps": steps,
             "policy_version": self.version,
             "wall_s": time.perf_counter() - t_start,
@@ -235,12 +237,23 @@ class Orchestrator:
         self.pump(lambda: all(g.complete for g in everything))
         result = {}
         for name, gs in groups.items():
-            rewards = []
             for g in gs:
                 del self.groups[g.group_id]
-                rewards += [g.scores[i].reward if i in g.scores else 0.0 for i in range(g.n)]
-            result[name] = float(np.mean(rewards))
+            per_question = [np.mean([g.scores[i].reward if i in g.scores else 0.0 for i in range(g.n)]) for g in gs]
+            self.per_question[name] = np.array(per_question)
+            result[name] = float(np.mean(per_question))
         return result
+
+    def paired_gain(self, before: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
+        """After − before per metric, with a 95 % interval from the per-question paired differences
+        (the same held-out questions are scored both times)."""
+        out = {}
+        for name, b in before.items():
+            d = self.per_question[name] - b
+            half = 1.96 * d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("nan")
+            out[name] = {"delta": float(d.mean()), "ci95_low": float(d.mean() - half),
+                         "ci95_high": float(d.mean() + half)}
+        return out
 
     def build_batch(self, step: int, groups: list[Group]) -> TrainBatch:
         rows = [(g.rollouts[i], g.scores[i]) for g in groups for i in range(g.n)]
@@ -500,7 +513,6 @@ class Orchestrator:
     # ------------------------------------------------------------------ reporting
 
     def _log(self, metrics: dict) -> None:
-        self.history.append(metrics)
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         self.status["last"] = {k: v for k, v in metrics.items() if not k.startswith("trainer/")}

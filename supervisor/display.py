@@ -69,6 +69,9 @@ class Display:
         if "heldout_greedy_accuracy_before" in summary:
             table.add_row("held-out greedy accuracy before RL", _fmt(summary["heldout_greedy_accuracy_before"]))
             table.add_row("held-out greedy accuracy after RL", _fmt(summary["heldout_greedy_accuracy_after"]))
+        for name, gain in summary.get("heldout_gain", {}).items():
+            table.add_row(f"{name} gain (95% CI)",
+                          f"{gain['delta']:+.3f} [{gain['ci95_low']:+.3f}, {gain['ci95_high']:+.3f}]")
         table.add_row("steps", str(summary["steps"]))
         table.add_row("wall time", f"{summary['wall_s']:.1f} s")
         for k, v in summary["books"].items():
