@@ -26,7 +26,7 @@ from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, WeightsR
 from cascade_rl.protocol.sockets import WorkerLink, exit_on_sigterm
 from cascade_rl.protocol.weights import WeightsError, resolve
 
-from . import torch_engine  # noqa: F401  (registers the torch engine)
+from . import sglang_engine, torch_engine, vllm_engine  # noqa: F401  (each registers its engine)
 from .engine import ENGINES, GenerationRequest
 
 log = logging.getLogger("sampler")

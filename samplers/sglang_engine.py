@@ -1,0 +1,178 @@
+"""The SGLang engine: the engine interface over an SGLang server's native HTTP API.
+
+    workers.sampler_engine=sglang    (GPU machines with `pip install sglang`)
+
+Each sampler owns one server: ``python -m sglang.launch_server --model-path DIR
+--host 127.0.0.1 --port P`` (started here, stopped with the sampler; set
+``SGLANG_URL`` to use a server you started yourself). SGLang needs CUDA, so on
+CPU-only machines this engine refuses to start and its tests skip with that
+reason. Endpoints used (SGLang's documented native API):
+
+* ``GET /health`` — readiness;
+* ``POST /generate`` with ``input_ids`` (one row per sample: the radix cache
+  shares the prompt's prefill among a group's rows), ``sampling_params``
+  (``temperature, top_p, max_new_tokens, stop, no_stop_trim``) and
+  ``return_logprob=true``; per-token log-probs come from
+  ``meta_info.output_token_logprobs`` as ``[logprob, token_id, text]``;
+* ``POST /update_weights_from_disk`` with ``model_path`` — an HF directory, so
+  a published safetensors file is staged as one (the base model's config and
+  tokenizer files linked beside it) before the call.
+
+Log-prob contract (as the torch engine): the sampled token's log-prob under the
+temperature-scaled distribution before top-p. SGLang reports log-probs of the
+raw logits unless told otherwise, which equals the contract at T = 1 and
+top_p = 1 (the paper's RL setting), so ``check`` refuses other settings rather
+than hand the trainer biased numbers. Greedy requests (T = 0) are served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from .engine import GenerationRequest, Sample, check_request, register_engine
+
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "chat_template.jinja", "special_tokens_map.json")
+
+
+def sglang_unavailable() -> str:
+    """Why SGLang cannot run here ('' if it can)."""
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        return "sglang is not installed (it needs CUDA; pip install sglang on a GPU machine)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "SGLang needs a CUDA GPU and none is visible"
+    return ""
+
+
+def _post(url: str, payload: dict, timeout: float) -> dict | list:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@register_engine("sglang")
+class SGLangEngine:
+    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cuda", startup_s: float = 600.0,
+                 request_timeout_s: float = 600.0) -> None:
+        from transformers import AutoConfig
+
+        self.model_path = str(Path(model_path).resolve())
+        cfg = AutoConfig.from_pretrained(self.model_path)
+        self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_position_embeddings
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.timeout = request_timeout_s
+        self.version = 0
+        self.server: subprocess.Popen | None = None
+        self.url = os.environ.get("SGLANG_URL", "")
+        if not self.url:
+            reason = sglang_unavailable()
+            if reason:
+                raise RuntimeError(f"sglang engine: {reason}")
+            port = _free_port()
+            self.url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", "127.0.0.1",
+                   "--port", str(port), "--dtype", dtype, "--device", device, "--skip-tokenizer-init"]
+            self.server = subprocess.Popen(cmd)
+        self._wait_healthy(startup_s)
+
+    def _wait_healthy(self, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            if self.server is not None and self.server.poll() is not None:
+                raise RuntimeError(f"sglang server exited with code {self.server.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"sglang server at {self.url} not healthy after {limit_s:.0f} s (raise startup_s?)")
+
+    def check(self, request: GenerationRequest) -> str:
+        reason = check_request(request, self.vocab_size, self.max_context)
+        if reason:
+            return reason
+        if request.temperature not in (0.0, 1.0) or (request.temperature > 0 and request.top_p < 1.0):
+            return ("sglang engine serves temperature 1 with top_p 1, or greedy: its log-probs are of the raw "
+                    "logits, which match the trainer's only there")
+        return ""
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        rows = [r for r in requests for _ in range(r.n)]
+        params = [{"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_tokens,
+                   "stop": list(r.stop), "no_stop_trim": True, "skip_special_tokens": False,
+                   **({"sampling_seed": r.seed} if r.seed is not None else {})} for r in rows]
+        payload = {"input_ids": [r.prompt_ids.tolist() for r in rows], "sampling_params": params,
+                   "return_logprob": True, "logprob_start_len": -1}
+        outputs = _post(f"{self.url}/generate", payload, self.timeout)
+        if not isinstance(outputs, list) or len(outputs) != len(rows):
+            raise RuntimeError(f"sglang /generate returned {type(outputs).__name__} for {len(rows)} rows")
+        samples = [self._sample(out) for out in outputs]
+        grouped, start = [], 0
+        for r in requests:
+            grouped.append(samples[start : start + r.n])
+            start += r.n
+        return grouped
+
+    @staticmethod
+    def _sample(out: dict) -> Sample:
+        meta = out["meta_info"]
+        triples = meta["output_token_logprobs"]
+        ids = np.array([t[1] for t in triples], np.int32)
+        logprobs = np.array([t[0] for t in triples], np.float32)
+        finish = (meta.get("finish_reason") or {}).get("type", "length")
+        if finish not in ("stop", "length"):
+            raise RuntimeError(f"sglang finish reason {finish!r}: {meta.get('finish_reason')}")
+        return Sample(ids, logprobs, finish)
+
+    def load_weights(self, path: str, version: int) -> None:
+        staged = self._stage(path, version)
+        reply = _post(f"{self.url}/update_weights_from_disk", {"model_path": str(staged)}, self.timeout)
+        shutil.rmtree(staged, ignore_errors=True)
+        if not reply.get("success"):
+            raise RuntimeError(f"sglang update_weights_from_disk failed: {reply.get('message')}")
+        self.version = version
+
+    def _stage(self, path: str, version: int) -> Path:
+        """An HF directory for ``path``: the base model's config/tokenizer files and the new weights.
+        ``save_model`` keeps ``lm_head.weight`` for tied embeddings; loaders read the embedding's name."""
+        from safetensors.torch import load_file, save_file
+
+        staged = Path(path).parent / f"sglang-v{version:06d}"
+        staged.mkdir(exist_ok=True)
+        for name in HF_FILES:
+            src = Path(self.model_path) / name
+            if src.is_file() and not (staged / name).exists():
+                (staged / name).symlink_to(src)
+        weights = load_file(path)
+        if self.tied and "lm_head.weight" in weights and "model.embed_tokens.weight" not in weights:
+            weights["model.embed_tokens.weight"] = weights.pop("lm_head.weight")
+        save_file(weights, str(staged / "model.safetensors"))
+        return staged
+
+    def close(self) -> None:
+        if self.server is not None and self.server.poll() is None:
+            self.server.terminate()
+            self.server.wait(30)
