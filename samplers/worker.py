@@ -74,7 +74,8 @@ class Sampler:
         self.link.start()
         self.link.send(Ready(self.worker_id, "sampler", self.slots, self.engine.version))
         while True:
-            self._collect(block=not self.pending)
+            # block while nothing can be generated (no requests, or all wait for newer weights)
+            self._collect(block=not any(r.min_version <= self.engine.version for r in self.pending))
             self._maybe_load_weights()
             ready = [r for r in self.pending if r.min_version <= self.engine.version]
             if not ready:
