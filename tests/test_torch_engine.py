@@ -1,11 +1,15 @@
-"""The built-in torch engine: log-probs, stopping, bad requests, weight reload."""
+"""The built-in torch engine: log-probs, stopping, bad requests, weight reload, continuous batching.
+
+The reference is transformers' own model loaded from the same directory (the
+engine runs samplers/torch_model.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import load_file, save_file, save_model
+from transformers import AutoModelForCausalLM
 
 from cascade_rl.learner.losses import token_logprobs
 from cascade_rl.learner.trainer import Batch
@@ -27,11 +31,20 @@ def request(engine, q, n=3, max_tokens=20, temperature=1.0, top_p=1.0, stop=(), 
 
 
 @pytest.fixture(params=["tiny_model", "tiny_dense_model"])
-def engine(request):
-    return TorchEngine(request.getfixturevalue(request.param))
+def model_dir(request) -> str:
+    return request.getfixturevalue(request.param)
 
 
-def trainer_logprobs(engine: TorchEngine, reqs, groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@pytest.fixture
+def engine(model_dir):
+    return TorchEngine(model_dir)
+
+
+def hf_model(path: str):
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def trainer_logprobs(hf, reqs, groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probs the trainer computes for the same tokens: right-padded batch, as learner/trainer.py does."""
     rows = [(r.prompt_ids, s) for r, g in zip(reqs, groups) for s in g]
     width = max(len(p) + len(s.response_ids) for p, s in rows)
@@ -46,27 +59,28 @@ def trainer_logprobs(engine: TorchEngine, reqs, groups) -> tuple[torch.Tensor, t
     msg = TrainBatch(0, 1, ids, mask, inf, np.zeros(len(rows), np.float32), np.zeros(len(rows), np.int32))
     batch = Batch.from_message(msg)
     with torch.no_grad():
-        logits = engine.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     return token_logprobs(logits, batch.input_ids), batch.inf_logprobs, batch.response_mask
 
 
-def test_engine_logprobs_equal_trainer_logprobs(engine):
-    reqs = [request(engine, q, n=4) for q in QUESTIONS]  # different prompt lengths: left padding in play
+def test_engine_logprobs_equal_trainer_logprobs(engine, model_dir):
+    reqs = [request(engine, q, n=4) for q in QUESTIONS]  # different prompt lengths: one padded prefill
     groups = engine.generate(reqs)
     assert [len(g) for g in groups] == [4, 4, 4]
-    trainer, inf, mask = trainer_logprobs(engine, reqs, groups)
+    trainer, inf, mask = trainer_logprobs(hf_model(model_dir), reqs, groups)
     assert mask.sum() > 0
     assert (trainer - inf)[mask].abs().max().item() <= 1e-4
 
 
-def test_temperature_scaled_logprobs_match(engine):
+def test_temperature_scaled_logprobs_match(engine, model_dir):
     reqs = [request(engine, q, n=2, temperature=0.7) for q in QUESTIONS]
     groups = engine.generate(reqs)
+    hf = hf_model(model_dir)
     rows = [(r.prompt_ids, s) for r, g in zip(reqs, groups) for s in g]
     for p, s in rows:
         full = torch.tensor(np.concatenate([p, s.response_ids]).astype(np.int64))[None]
         with torch.no_grad():
-            logits = engine.model(input_ids=full).logits
+            logits = hf(input_ids=full).logits
         lp = token_logprobs(logits, full, temperature=0.7)[0, len(p):]
         assert (lp - torch.from_numpy(s.logprobs)).abs().max().item() <= 1e-4
 
@@ -91,7 +105,7 @@ def test_eos_stops_a_sequence(tiny_model):
     eos = int(engine.eos_ids[0])
 
     def favour_eos(module, args, output):  # the end-of-turn token becomes (almost) certain
-        output.logits[..., eos] += 100.0
+        output[..., eos] += 100.0
         return output
 
     handle = engine.model.register_forward_hook(favour_eos)
@@ -153,18 +167,96 @@ def test_weight_reload_takes_effect(tiny_model, tmp_path):
     engine = TorchEngine(tiny_model)
     reqs = [request(engine, QUESTIONS[0], n=2, max_tokens=10)]
     before = engine.generate(reqs)
-    other = TorchEngine(tiny_model).model
+    other = hf_model(tiny_model)
     with torch.no_grad():
         for p in other.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     path = tmp_path / "w.safetensors"
-    save_model(other, str(path))
+    save_model(other, str(path))  # as the trainer publishes (learner/weights.py)
     engine.load_weights(str(path), version=7)
     assert engine.version == 7
-    for a, b in zip(engine.model.state_dict().values(), other.state_dict().values()):
-        assert torch.equal(a, b)
-    trainer, inf, mask = trainer_logprobs(engine, reqs, engine.generate(reqs))
+    ours, theirs = engine.model.hf_state_dict(), other.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert torch.equal(ours[name], t), name
+    trainer, inf, mask = trainer_logprobs(other, reqs, engine.generate(reqs))
     assert (trainer - inf)[mask].abs().max().item() <= 1e-4  # the engine samples from the new weights
-    old_trainer, _, old_mask = trainer_logprobs(engine, reqs, before)
+    old_trainer, _, old_mask = trainer_logprobs(other, reqs, before)
     old_inf = torch.cat([torch.from_numpy(s.logprobs) for s in before[0]])
     assert not torch.allclose(old_trainer[old_mask], old_inf, atol=1e-3)
+
+
+def test_weights_with_a_wrong_name_are_refused(tiny_model, tmp_path):
+    engine = TorchEngine(tiny_model)
+    other = hf_model(tiny_model)
+    path = tmp_path / "w.safetensors"
+    save_model(other, str(path))
+    tensors = load_file(str(path))
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(RuntimeError, match="unexpected"):
+        engine.load_weights(str(tmp_path / "bad.safetensors"), version=1)
+    del tensors["model.layers.0.mlp.extra.weight"], tensors["model.norm.weight"]
+    save_file(tensors, str(tmp_path / "short.safetensors"))
+    with pytest.raises(RuntimeError, match="model.norm.weight"):
+        engine.load_weights(str(tmp_path / "short.safetensors"), version=1)
+    assert engine.version == 0
+
+
+# --- continuous batching ---
+
+
+def test_more_sequences_than_slots_all_finish_with_trainer_logprobs(model_dir):
+    engine = TorchEngine(model_dir, max_batch=4)  # 14 rows through 4 slots: rows join as others finish
+    reqs = [request(engine, QUESTIONS[i % 3], n=n, max_tokens=m) for i, (n, m) in enumerate([(3, 5), (5, 17), (2, 9),
+                                                                                           (4, 12)])]
+    groups = engine.generate(reqs)
+    assert [len(g) for g in groups] == [3, 5, 2, 4]
+    for r, g in zip(reqs, groups):
+        for s in g:
+            assert 1 <= len(s.response_ids) <= r.max_tokens
+            assert s.finish_reason == "stop" or len(s.response_ids) == r.max_tokens
+    trainer, inf, mask = trainer_logprobs(hf_model(model_dir), reqs, groups)
+    assert (trainer - inf)[mask].abs().max().item() <= 1e-4  # compaction and refilled slots kept the right K/V
+
+
+def test_slots_count_does_not_change_greedy_results(tiny_model):
+    wide, narrow = TorchEngine(tiny_model), TorchEngine(tiny_model, max_batch=3)
+    reqs = [request(wide, q, n=2, max_tokens=m, temperature=0.0) for q, m in zip(QUESTIONS, (6, 20, 11))]
+    for a, b in zip(wide.generate(reqs), narrow.generate(reqs)):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x.response_ids, y.response_ids)
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
+def test_shared_prefill_equals_separate_prefill(tiny_model):
+    engine = TorchEngine(tiny_model)
+    # one request with n=4 (one prefill, K/V copied into 4 slots) vs 4 requests with n=1 (4 prefills)
+    torch.manual_seed(3)
+    shared = engine.generate([request(engine, QUESTIONS[2], n=4, max_tokens=15)])[0]
+    torch.manual_seed(3)
+    separate = [g[0] for g in engine.generate([request(engine, QUESTIONS[2], n=1, max_tokens=15) for _ in range(4)])]
+    for a, b in zip(shared, separate):  # same RNG state, same rows in the same order: the same draws
+        np.testing.assert_array_equal(a.response_ids, b.response_ids)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_ignore_eos_runs_every_row_to_max_tokens(tiny_model):
+    engine = TorchEngine(tiny_model, ignore_eos=True)
+    eos = int(engine.eos_ids[0])
+
+    def favour_eos(module, args, output):
+        output[..., eos] += 100.0
+        return output
+
+    handle = engine.model.register_forward_hook(favour_eos)
+    group = engine.generate([request(engine, QUESTIONS[0], n=3, max_tokens=6)])[0]
+    handle.remove()
+    for s in group:
+        assert s.finish_reason == "length" and s.response_ids.tolist() == [eos] * 6
+
+
+def test_generate_refuses_a_bad_request(tiny_model):
+    engine = TorchEngine(tiny_model)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate([request(engine, QUESTIONS[0], top_p=0.0)])

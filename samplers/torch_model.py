@@ -1,0 +1,433 @@
+"""Inference-only Qwen3 and Qwen3-MoE in plain PyTorch, with a static KV cache (gpt-fast style).
+
+    model = Transformer.from_pretrained("models/tiny")               # an HF directory
+    cache = KVCache(model.args, slots=64, max_len=512)
+    logits = model(prompts, positions, cache.prefill(slots, src), last=lengths - 1)  # [G, V]
+    logits = model(tokens[:, None], pos[:, None], cache.decode(pos, kv_len))[:, -1]  # rows = slots 0..B-1
+
+Semantics are those of transformers 5.19 (models/qwen3*/modeling_*.py): RMSNorm
+in fp32 then scaled in the model dtype, q_norm/k_norm per head before RoPE
+(default rope type, cos/sin from an fp32 table), grouped-query attention
+scaled by head_dim**-0.5, SwiGLU, and for MoE a softmax router whose top-k
+weights are renormalised (``norm_topk_prob``). ``tests/test_torch_model.py``
+checks the logits against transformers to 1e-5 in fp32.
+
+The weights are kept fused for speed: q|k|v in one matrix, gate|up in one, the
+q and k norm weights in one ``[heads + kv_heads, head_dim]`` table, experts as
+``w13 [E, H, 2I]`` and ``w2 [E, I, H]`` (HF's ``gate_up_proj [E, 2I, H]`` and
+``down_proj [E, H, I]`` transposed: the input dim first, as grouped matmuls
+want). ``load_hf_state_dict`` / ``hf_state_dict`` convert from / to HF names,
+both the in-memory layout (fused experts, what ``safetensors.torch.save_model``
+writes) and the on-disk one of ``save_pretrained`` (one tensor per expert).
+
+MoE without a Python loop over experts, two ways: "grouped" sorts the
+(token, expert) pairs by expert and runs one ``torch._grouped_mm`` per
+projection (k/E of the arithmetic); "dense" runs every expert on every token
+(bmm over experts) weighted by a routing that is zero outside the top-k (no
+sort, E/k times the arithmetic). Measured in the engine on the tiny MoE
+(8 experts, top-2; bench/torch_engine.py workload, 2 CPU cores, best of 5-7):
+grouped 0.32-0.36 s, dense 0.47 s, dense as one [E*2I, H] linear 0.42 s,
+expert-major padded bmm 0.44 s; gathering each pair's expert matrices for a
+bmm was 5-10x slower than dense in isolation (the copies cost more than the
+arithmetic saved). Grouped is the default; dense is there for devices whose
+``_grouped_mm`` lacks the dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+# attend(layer, q [B, T, heads, hd], k [B, T, kv_heads, hd], v [B, T, kv_heads, hd]) -> [B, T, heads * hd]
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP (every layer of Qwen3; the non-MoE layers of Qwen3-MoE)
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    n_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg) -> ModelArgs:
+        """From a transformers ``Qwen3Config`` / ``Qwen3MoeConfig``; refuses what this model does not implement."""
+        if cfg.model_type not in ("qwen3", "qwen3_moe"):
+            raise NotImplementedError(f"model_type {cfg.model_type!r}: only qwen3 and qwen3_moe")
+        rope = cfg.rope_parameters
+        if rope.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"rope_type {rope['rope_type']!r}: only the default RoPE")
+        if getattr(cfg, "attention_bias", False):
+            raise NotImplementedError("attention_bias=True")
+        if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+            raise NotImplementedError("sliding-window attention")
+        n_experts = getattr(cfg, "num_experts", 0) or 0
+        moe_layers = tuple(
+            i for i in range(cfg.num_hidden_layers)
+            if n_experts > 0 and i not in cfg.mlp_only_layers and (i + 1) % cfg.decoder_sparse_step == 0
+        ) if cfg.model_type == "qwen3_moe" else ()
+        return cls(
+            vocab_size=cfg.vocab_size,
+            dim=cfg.hidden_size,
+            n_layers=cfg.num_hidden_layers,
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            intermediate_size=cfg.intermediate_size,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=rope["rope_theta"],
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            n_experts=n_experts if moe_layers else 0,
+            top_k=getattr(cfg, "num_experts_per_tok", 0) if moe_layers else 0,
+            moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) if moe_layers else 0,
+            norm_topk_prob=getattr(cfg, "norm_topk_prob", True),
+            moe_layers=moe_layers,
+        )
+
+
+# --- the static KV cache ------------------------------------------------------------------------
+
+
+class KVCache(nn.Module):
+    """K and V of every slot: ``[layers, slots, kv_heads, max_len, head_dim]``, allocated once.
+
+    ``prefill`` and ``decode`` return the attention function of one forward
+    pass, which writes that pass's K/V into the cache and attends."""
+
+    def __init__(self, args: ModelArgs, slots: int, max_len: int, dtype=torch.float32, device="cpu") -> None:
+        super().__init__()
+        shape = (args.n_layers, slots, args.n_kv_heads, max_len, args.head_dim)
+        self.k = nn.Buffer(torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.v = nn.Buffer(torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.slots, self.max_len = slots, max_len
+
+    def prefill(self, slots: Tensor, src: Tensor) -> Attend:
+        """Attention of right-padded prompts ``[G, T]`` (causal within each prompt); row ``i`` of the prompt
+        K/V is written into slot ``slots[j]`` for every ``j`` with ``src[j] == i``: a group's n samples share
+        one prefill. Padding writes K/V past a prompt's end, which decoding masks and then overwrites."""
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            g, t = q.shape[:2]
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [G, kv_heads, T, hd]
+            self.k[layer, slots, :, :t] = k[src]
+            self.v[layer, slots, :, :t] = v[src]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True)
+            return out.transpose(1, 2).reshape(g, t, -1)
+
+        return attend
+
+    def decode(self, positions: Tensor, kv_len: int) -> Attend:
+        """Attention of one new token per slot ``0..B-1``, written at ``positions[b]``; slot b attends to its
+        positions ``0..positions[b]`` (``kv_len`` > every position: the part of the cache read at all)."""
+        b = positions.shape[0]
+        _, _, n_kv, max_len, hd = self.k.shape
+        slot_heads = torch.arange(b * n_kv, device=positions.device)  # (slot, kv head) pairs in [B, kv] order
+        flat = slot_heads * max_len + positions.repeat_interleave(n_kv)  # row in k[layer].view(-1, hd)
+        visible = torch.arange(kv_len, device=positions.device) <= positions[:, None]
+        mask = torch.zeros(visible.shape, dtype=self.k.dtype, device=positions.device).masked_fill_(~visible, -torch.inf)
+        mask = mask[:, None, None, :]  # additive: a little faster than a bool mask in the CPU kernel
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            self.k[layer].view(-1, hd).index_copy_(0, flat, k.reshape(-1, hd))
+            self.v[layer].view(-1, hd).index_copy_(0, flat, v.reshape(-1, hd))
+            # q [B, heads, 1, hd]: folding the heads of a kv group into query rows (no K/V repeat) was
+            # 2-3x slower in the CPU flash kernel than letting it broadcast K/V itself (enable_gqa)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[layer, :b, :, :kv_len],
+                                                 self.v[layer, :b, :, :kv_len], attn_mask=mask, enable_gqa=True)
+            return out.reshape(b, 1, -1)
+
+        return attend
+
+    def move(self, dst: Tensor, src: Tensor, kv_len: int) -> None:
+        """Copy slots ``src`` into slots ``dst`` (positions ``< kv_len``): compacts the running slots."""
+        self.k[:, dst, :, :kv_len] = self.k[:, src, :, :kv_len]
+        self.v[:, dst, :, :kv_len] = self.v[:, src, :, :kv_len]
+
+
+# --- the model --------------------------------------------------------------------------------
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """x / rms(x) over the last dim, times ``weight``: normalised in fp32 (as transformers does), scaled in
+    x's dtype. One fused op in fp32."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    y = F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+    return y if weight is None else weight * y
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, heads, hd] rotated by cos/sin [B, T, 1, hd] (rotate-half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_table(args: ModelArgs, device=None) -> tuple[Tensor, Tensor]:
+    """cos, sin ``[max_position_embeddings, head_dim]`` in fp32, as transformers' default RoPE computes them."""
+    hd = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float, device=device) / hd))
+    freqs = torch.arange(args.max_position_embeddings, device=device).float()[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim, self.eps = a.n_heads, a.n_kv_heads, a.head_dim, a.rms_norm_eps
+        self.wqkv = nn.Linear(a.dim, (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, bias=False)
+        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        self.qk_norm = nn.Parameter(torch.ones(a.n_heads + a.n_kv_heads, a.head_dim))  # q_norm rows, then k_norm
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, layer: int) -> Tensor:
+        b, t, _ = x.shape
+        h, kv = self.n_heads, self.n_kv_heads
+        qkv = self.wqkv(x).view(b, t, h + 2 * kv, self.head_dim)
+        # q and k are normed (per head) and rotated together: half the ops of doing them one by one
+        qk = apply_rope(self.qk_norm * rms_norm(qkv[:, :, : h + kv], None, self.eps), cos, sin)
+        return self.wo(attend(layer, qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + kv :]))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)  # gate | up
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+def route(router_logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+    """Top-k expert weights and ids per token: softmax (fp32) over all experts, top-k, renormalised.
+    Renormalised, that is a softmax over the top-k logits alone (the same experts: softmax is monotonic)."""
+    if normalize:
+        top, experts = router_logits.topk(top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=torch.float).to(router_logits.dtype), experts
+    weights, experts = torch.softmax(router_logits, dim=-1, dtype=torch.float).topk(top_k, dim=-1)
+    return weights.to(router_logits.dtype), experts
+
+
+def experts_grouped(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """Each token's k experts: (token, expert) pairs sorted by expert, then one grouped matmul per projection
+    (``torch._grouped_mm``: one kernel over all experts' segments, no Python loop)."""
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)
+    token = order // k
+    offsets = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    gate, up = torch._grouped_mm(x[token], w13, offs=offsets).chunk(2, dim=-1)
+    out = torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets) * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, token, out)
+
+
+def experts_dense(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """Every expert on every token (bmm over experts), weighted by a routing that is zero outside the top-k."""
+    n_experts = w13.shape[0]
+    dense_w = torch.zeros(x.shape[0], n_experts, dtype=x.dtype, device=x.device).scatter_(1, experts, weights)
+    gate, up = torch.bmm(x.expand(n_experts, -1, -1), w13).chunk(2, dim=-1)  # [E, N, I]
+    return torch.bmm(F.silu(gate) * up * dense_w.T[..., None], w2).sum(0)
+
+
+EXPERTS = {"grouped": experts_grouped, "dense": experts_dense}
+
+
+class MoE(nn.Module):
+    def __init__(self, a: ModelArgs, impl: Literal["grouped", "dense"] = "grouped") -> None:
+        super().__init__()
+        self.top_k, self.normalize, self.impl = a.top_k, a.norm_topk_prob, impl
+        self.router = nn.Linear(a.dim, a.n_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(a.n_experts, a.dim, 2 * a.moe_intermediate_size))  # gate | up
+        self.w2 = nn.Parameter(torch.empty(a.n_experts, a.moe_intermediate_size, a.dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = route(self.router(flat), self.top_k, self.normalize)
+        return EXPERTS[self.impl](flat, weights, experts, self.w13, self.w2).view_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, layer: int, moe_impl: str) -> None:
+        super().__init__()
+        self.layer = layer
+        self.attn_norm = RMSNorm(a.dim, a.rms_norm_eps)
+        self.attn = Attention(a)
+        self.ffn_norm = RMSNorm(a.dim, a.rms_norm_eps)
+        self.ffn = MoE(a, moe_impl) if layer in a.moe_layers else FeedForward(a.dim, a.intermediate_size)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, attend, self.layer)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, moe_impl: Literal["grouped", "dense"] = "grouped") -> None:
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i, moe_impl) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_table(args)
+        self.rope_cos = nn.Buffer(cos, persistent=False)
+        self.rope_sin = nn.Buffer(sin, persistent=False)
+        self.tie()
+
+    def tie(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens: Tensor, positions: Tensor, attend: Attend, last: Tensor | None = None) -> Tensor:
+        """Logits ``[B, T, V]`` of ``tokens [B, T]`` at ``positions [B, T]``; with ``last [B]`` only those of
+        position ``last[b]`` of each row, ``[B, V]`` (a prefill needs no other)."""
+        x = self.embed(tokens)
+        cos = self.rope_cos[positions].to(x.dtype)[:, :, None]
+        sin = self.rope_sin[positions].to(x.dtype)[:, :, None]
+        for block in self.layers:
+            x = block(x, cos, sin, attend)
+        if last is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last]
+        return self.lm_head(self.norm(x))
+
+    # --- weights in HF names ---
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype=torch.float32, device="cpu", **kw) -> Transformer:
+        from transformers import AutoConfig
+
+        with torch.device("meta"):
+            model = cls(ModelArgs.from_hf(AutoConfig.from_pretrained(path)), **kw)
+        model = model.to_empty(device=device).to(dtype)
+        cos, sin = rope_table(model.args, device)  # buffers come out of to_empty uninitialised, ties untied
+        model.rope_cos, model.rope_sin = cos, sin
+        model.tie()
+        model.load_hf_state_dict(read_safetensors(path))
+        return model.eval()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
+        """Copy an HF state dict into this model in place; missing or unknown names raise RuntimeError."""
+        try:
+            ours = to_native(hf, self.args)
+        except KeyError as e:
+            raise RuntimeError(f"weights lack {e.args[0]}") from e
+        params = dict(self.named_parameters())
+        if ours.keys() != params.keys():
+            raise RuntimeError(f"weights do not fit: {sorted(ours.keys() ^ params.keys())[:8]}")
+        for name, p in params.items():
+            p.copy_(ours[name])
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """This model's weights in HF names and layouts (the in-memory ones: fused experts)."""
+        return to_hf(dict(self.named_parameters()), self.args)
+
+
+def read_safetensors(path: str | Path) -> dict[str, Tensor]:
+    """Every tensor of an HF directory (single or sharded safetensors) or of one safetensors file."""
+    path = Path(path)
+    if path.is_file():
+        return load_file(path)
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
+        "model.safetensors"]
+    out: dict[str, Tensor] = {}
+    for f in files:
+        out.update(load_file(path / f))
+    return out
+
+
+def to_native(hf: dict[str, Tensor], a: ModelArgs) -> dict[str, Tensor]:
+    """HF names -> ours (fusing q|k|v, gate|up, experts). Raises KeyError for a missing name and
+    RuntimeError for names left over."""
+    hf = dict(hf)
+    take = hf.pop
+    embed = hf.pop("model.embed_tokens.weight", None)
+    head = hf.pop("lm_head.weight", None)
+    if embed is None:  # save_model keeps one of two tied tensors
+        embed = head if a.tie_word_embeddings and head is not None else take("model.embed_tokens.weight")
+    out = {"embed.weight": embed, "norm.weight": take("model.norm.weight")}
+    if not a.tie_word_embeddings:
+        out["lm_head.weight"] = head if head is not None else take("lm_head.weight")
+    for i in range(a.n_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        out[q + "attn_norm.weight"] = take(p + "input_layernorm.weight")
+        out[q + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        out[q + "attn.wqkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        out[q + "attn.wo.weight"] = take(p + "self_attn.o_proj.weight")
+        qn, kn = take(p + "self_attn.q_norm.weight"), take(p + "self_attn.k_norm.weight")
+        out[q + "attn.qk_norm"] = torch.cat([qn.expand(a.n_heads, -1), kn.expand(a.n_kv_heads, -1)])
+        if i in a.moe_layers:
+            out[q + "ffn.router.weight"] = take(p + "mlp.gate.weight")
+            if p + "mlp.experts.gate_up_proj" in hf:  # in-memory layout: [E, 2I, H] and [E, H, I]
+                out[q + "ffn.w13"] = take(p + "mlp.experts.gate_up_proj").transpose(1, 2)
+                out[q + "ffn.w2"] = take(p + "mlp.experts.down_proj").transpose(1, 2)
+            else:  # save_pretrained's layout: one gate/up/down per expert
+                e = [f"{p}mlp.experts.{j}." for j in range(a.n_experts)]
+                out[q + "ffn.w13"] = torch.stack(
+                    [torch.cat([take(x + "gate_proj.weight"), take(x + "up_proj.weight")]).T for x in e])
+                out[q + "ffn.w2"] = torch.stack([take(x + "down_proj.weight").T for x in e])
+        else:
+            out[q + "ffn.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            out[q + "ffn.w2.weight"] = take(p + "mlp.down_proj.weight")
+    if hf:
+        raise RuntimeError(f"unexpected weights: {sorted(hf)[:8]}")
+    return out
+
+
+def to_hf(ours: dict[str, Tensor], a: ModelArgs) -> dict[str, Tensor]:
+    """Our names -> HF's in-memory state dict (the inverse of ``to_native`` for the fused-expert layout)."""
+    hd, h, kv = a.head_dim, a.n_heads, a.n_kv_heads
+    out = {"model.embed_tokens.weight": ours["embed.weight"], "model.norm.weight": ours["norm.weight"],
+           "lm_head.weight": ours["embed.weight" if a.tie_word_embeddings else "lm_head.weight"]}
+    for name, t in ours.items():
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        if not m:
+            continue
+        p, rest = f"model.layers.{m[1]}.", m[2]
+        if rest == "attn.wqkv.weight":
+            for n, part in zip("qkv", t.split([h * hd, kv * hd, kv * hd])):
+                out[p + f"self_attn.{n}_proj.weight"] = part
+        elif rest == "attn.qk_norm":
+            out[p + "self_attn.q_norm.weight"], out[p + "self_attn.k_norm.weight"] = t[0], t[h]
+        elif rest == "ffn.w13.weight":
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = t.chunk(2)
+        else:
+            hf_name = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+                       "attn.wo.weight": "self_attn.o_proj.weight", "ffn.w2.weight": "mlp.down_proj.weight",
+                       "ffn.router.weight": "mlp.gate.weight", "ffn.w13": "mlp.experts.gate_up_proj",
+                       "ffn.w2": "mlp.experts.down_proj"}[rest]
+            out[p + hf_name] = t.transpose(1, 2) if rest in ("ffn.w13", "ffn.w2") else t
+    return out
