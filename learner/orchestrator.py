@@ -19,7 +19,6 @@ books' columns: trained, filtered (with a reason) or stale.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -32,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from cascade_rl.protocol.codec import ProtocolError
@@ -48,7 +46,8 @@ from cascade_rl.protocol.messages import (
     TrainBatch,
     WeightsReady,
 )
-from cascade_rl.protocol.sockets import bind_router, exit_on_sigterm, recv_routed, send
+from cascade_rl.protocol.sockets import bind_router, recv_routed, send
+from cascade_rl.protocol.worker_main import worker_start
 
 from .tasks import Example, load_task
 
@@ -533,13 +532,7 @@ class Orchestrator:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True)
-    p.add_argument("--worker-id", default="orchestrator")
-    args = p.parse_args(argv)
-    exit_on_sigterm()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
-    cfg = OmegaConf.load(args.config)
+    _, cfg = worker_start(__doc__.splitlines()[0], argv, default_id="orchestrator")
     summary = Orchestrator(cfg).run()
     log.info("done: %s", json.dumps(summary))
 

@@ -14,7 +14,6 @@ and to the orchestrator so it can hand them to late samplers), then
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import time
@@ -22,11 +21,11 @@ from pathlib import Path
 
 import torch
 import zmq
-from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade_rl.protocol.messages import Ready, StepDone, TrainBatch
-from cascade_rl.protocol.sockets import WorkerLink, exit_on_sigterm, send
+from cascade_rl.protocol.sockets import WorkerLink, send
+from cascade_rl.protocol.worker_main import worker_start
 
 from .losses import group_advantages, grpo_loss, mismatch_stats, token_logprobs
 from .weights import TRANSPORTS
@@ -115,15 +114,8 @@ def save_checkpoint(model, tokenizer, run_dir: Path, step: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True)
-    p.add_argument("--worker-id", default="trainer-0")
-    args = p.parse_args(argv)
-    exit_on_sigterm()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s")
-
     # --- config and init
-    cfg = OmegaConf.load(args.config)
+    args, cfg = worker_start(__doc__.splitlines()[0], argv, default_id="trainer-0")
     tcfg, run_dir = cfg.trainer, Path(cfg.run_dir)
     torch.manual_seed(tcfg.seed)
     if tcfg.threads:

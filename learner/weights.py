@@ -11,26 +11,17 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_model
 
 from cascade_rl.protocol.messages import WeightsReady
+from cascade_rl.protocol.registry import Registry
 from cascade_rl.protocol.weights import file_checksum, shm_dir
 
-TRANSPORTS: dict[str, Callable[..., ShmTransport]] = {}
-
-
-def register_transport(name: str):
-    def wrap(cls):
-        if name in TRANSPORTS:
-            raise ValueError(f"weight transport {name!r} registered twice")
-        TRANSPORTS[name] = cls
-        return cls
-
-    return wrap
+TRANSPORTS = Registry("weight transport")  # name -> class(run_id) with publish(model, version), close()
+register_transport = TRANSPORTS.register
 
 
 @register_transport("shm")

@@ -9,10 +9,11 @@ the sockets; engines never see them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
+
+from cascade_rl.protocol.registry import Registry
 
 
 @dataclasses.dataclass
@@ -47,17 +48,8 @@ class Engine(Protocol):
         """Apply the weights file at ``path`` as policy ``version``."""
 
 
-ENGINES: dict[str, Callable[..., Engine]] = {}
-
-
-def register_engine(name: str):
-    def wrap(factory):
-        if name in ENGINES:
-            raise ValueError(f"engine {name!r} registered twice")
-        ENGINES[name] = factory
-        return factory
-
-    return wrap
+ENGINES: Registry = Registry("engine")  # name -> factory(model_path, dtype=..., ...) returning an Engine
+register_engine = ENGINES.register
 
 
 def check_request(request: GenerationRequest, vocab_size: int, max_context: int) -> str:

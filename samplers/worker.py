@@ -12,7 +12,6 @@ reason; the worker lives on.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import queue
 import time
@@ -20,11 +19,11 @@ import zlib
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, WeightsReady
-from cascade_rl.protocol.sockets import WorkerLink, exit_on_sigterm
+from cascade_rl.protocol.sockets import WorkerLink
 from cascade_rl.protocol.weights import WeightsError, resolve
+from cascade_rl.protocol.worker_main import worker_start
 
 from . import sglang_engine, torch_engine, vllm_engine  # noqa: F401  (each registers its engine)
 from .engine import ENGINES, GenerationRequest
@@ -144,13 +143,7 @@ class Sampler:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True)
-    p.add_argument("--worker-id", required=True)
-    args = p.parse_args(argv)
-    exit_on_sigterm()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s")
-    cfg = OmegaConf.load(args.config)
+    args, cfg = worker_start(__doc__.splitlines()[0], argv)
     if cfg.workers.sampler_threads:
         torch.set_num_threads(cfg.workers.sampler_threads)
     torch.manual_seed(zlib.crc32(f"{cfg.trainer.seed}:{args.worker_id}".encode()))

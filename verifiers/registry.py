@@ -9,18 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from cascade_rl.protocol.registry import Registry
+
 Verifier = Callable[[str, str, dict[str, Any]], float]
-VERIFIERS: dict[str, Verifier] = {}
-
-
-def register_verifier(domain: str):
-    def wrap(fn: Verifier) -> Verifier:
-        if domain in VERIFIERS:
-            raise ValueError(f"verifier for domain {domain!r} registered twice")
-        VERIFIERS[domain] = fn
-        return fn
-
-    return wrap
+VERIFIERS = Registry("verifier domain")  # domain -> Verifier
+register_verifier = VERIFIERS.register
 
 
 @register_verifier("math")

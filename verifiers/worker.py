@@ -9,14 +9,12 @@ the reason; the worker never dies from it.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 
-from omegaconf import OmegaConf
-
 from cascade_rl.protocol.messages import Ready, Score, ScoreRequest
-from cascade_rl.protocol.sockets import WorkerLink, exit_on_sigterm
+from cascade_rl.protocol.sockets import WorkerLink
+from cascade_rl.protocol.worker_main import worker_start
 
 from .registry import VERIFIERS
 
@@ -36,13 +34,7 @@ def score_one(req: ScoreRequest) -> Score:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True)
-    p.add_argument("--worker-id", required=True)
-    args = p.parse_args(argv)
-    exit_on_sigterm()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s")
-    cfg = OmegaConf.load(args.config)
+    args, cfg = worker_start(__doc__.splitlines()[0], argv)
     domains = list(cfg.workers.verifier_domains)
     unknown = [d for d in domains if d not in VERIFIERS]
     if unknown:
