@@ -1,0 +1,1 @@
+"""Hydra configs of cascade-rl (a package so that an installed wheel carries them)."""

@@ -1,0 +1,1 @@
+"""Learner side: orchestrator (data-plane hub), trainer, losses, SFT, tasks, tiny-model builder."""

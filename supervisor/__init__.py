@@ -1,0 +1,1 @@
+"""Supervisor: the cascade-rl CLI, launch config, process lifecycle and live display."""

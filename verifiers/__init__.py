@@ -1,0 +1,1 @@
+"""Verifiers: reward functions by domain and the verifier worker."""
