@@ -154,6 +154,7 @@ class Orchestrator:
         self.status = {"state": "starting", "step": 0, "steps": cfg.trainer.steps}
         self.per_question: dict[str, np.ndarray] = {}  # latest evaluation, accuracy per held-out question
         self._seq = 0
+        self._prompt_ids: dict[str, np.ndarray] = {}
 
     # ------------------------------------------------------------------ the stage, top to bottom
 
@@ -306,9 +307,12 @@ class Orchestrator:
 
     def _new_group(self, ex: Example, n: int, sampling: SamplingParams, train: bool) -> Group:
         self._seq += 1
-        prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}],
-                                                    add_generation_prompt=True, tokenize=False)
-        ids = np.array(self.tokenizer(prompt, add_special_tokens=False)["input_ids"], np.int32)
+        ids = self._prompt_ids.get(ex.prompt)
+        if ids is None:  # every evaluation re-asks the same questions: tokenize each prompt once
+            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}],
+                                                        add_generation_prompt=True, tokenize=False)
+            ids = np.array(self.tokenizer(prompt, add_special_tokens=False)["input_ids"], np.int32)
+            self._prompt_ids[ex.prompt] = ids
         g = Group(f"{'t' if train else 'e'}{self._seq}", ex, ids, n, sampling, self.version, train)
         self.groups[g.group_id] = g
         self.prompt_queue.append(g.group_id)
