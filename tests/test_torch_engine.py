@@ -100,17 +100,25 @@ def test_max_tokens_and_finish_reasons(tiny_model):
                 assert s.finish_reason == "stop" and s.response_ids[-1] in engine.eos_ids.tolist()
 
 
-def test_eos_stops_a_sequence(tiny_model):
-    engine = TorchEngine(tiny_model)
+def generate_favouring_eos(engine: TorchEngine, req: GenerationRequest):
+    """One group sampled with the end-of-turn token made (almost) certain at every step."""
     eos = int(engine.eos_ids[0])
 
-    def favour_eos(module, args, output):  # the end-of-turn token becomes (almost) certain
+    def favour_eos(module, args, output):
         output[..., eos] += 100.0
         return output
 
     handle = engine.model.register_forward_hook(favour_eos)
-    group = engine.generate([request(engine, QUESTIONS[0], n=4, max_tokens=30)])[0]
-    handle.remove()
+    try:
+        return engine.generate([req])[0]
+    finally:
+        handle.remove()
+
+
+def test_eos_stops_a_sequence(tiny_model):
+    engine = TorchEngine(tiny_model)
+    eos = int(engine.eos_ids[0])
+    group = generate_favouring_eos(engine, request(engine, QUESTIONS[0], n=4, max_tokens=30))
     for s in group:
         assert s.finish_reason == "stop"
         assert s.response_ids.tolist() == [eos]
@@ -244,14 +252,7 @@ def test_shared_prefill_equals_separate_prefill(tiny_model):
 def test_ignore_eos_runs_every_row_to_max_tokens(tiny_model):
     engine = TorchEngine(tiny_model, ignore_eos=True)
     eos = int(engine.eos_ids[0])
-
-    def favour_eos(module, args, output):
-        output[..., eos] += 100.0
-        return output
-
-    handle = engine.model.register_forward_hook(favour_eos)
-    group = engine.generate([request(engine, QUESTIONS[0], n=3, max_tokens=6)])[0]
-    handle.remove()
+    group = generate_favouring_eos(engine, request(engine, QUESTIONS[0], n=3, max_tokens=6))
     for s in group:
         assert s.finish_reason == "length" and s.response_ids.tolist() == [eos] * 6
 
