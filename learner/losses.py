@@ -18,6 +18,8 @@ engine's, which differ through kernels and precision even at equal weights:
 
     d = log π_inf − log π_trainer   (per masked token)
     abs_diff_mean = mean |d|,  abs_diff_max = max |d|,  kl_k3 = mean (exp(d) − d − 1)
+    outside_band = fraction of tokens whose ratio π_trainer/π_inf = exp(−d) lies outside
+                   [0.5, 2.0], the band truncated importance weights keep (DESIGN §4)
 
 Run the hand-computed checks with ``pytest tests/test_losses.py``.
 """
@@ -107,6 +109,9 @@ def grpo_loss(logprobs: Tensor, advantages: Tensor, mask: Tensor, group_size: in
     return per_group.mean()
 
 
+BAND = (0.5, 2.0)  # the truncation band of importance ratios (eps_low, eps_high)
+
+
 def mismatch_stats(trainer_logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
     """How far the inference engine's log-probs are from the trainer's, over masked tokens.
 
@@ -119,10 +124,12 @@ def mismatch_stats(trainer_logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor)
     """
     keep = mask.bool()
     if not keep.any():
-        return {"abs_diff_mean": 0.0, "abs_diff_max": 0.0, "kl_k3": 0.0}
+        return {"abs_diff_mean": 0.0, "abs_diff_max": 0.0, "kl_k3": 0.0, "outside_band": 0.0}
     d = (inf_logprobs.detach().float() - trainer_logprobs.detach().float())[keep]
+    ratio = torch.exp(-d)
     return {
         "abs_diff_mean": d.abs().mean().item(),
         "abs_diff_max": d.abs().max().item(),
         "kl_k3": (torch.expm1(d) - d).mean().item(),
+        "outside_band": ((ratio < BAND[0]) | (ratio > BAND[1])).float().mean().item(),
     }

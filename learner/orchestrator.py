@@ -155,6 +155,7 @@ class Orchestrator:
         self.per_question: dict[str, np.ndarray] = {}  # latest evaluation, accuracy per held-out question
         self._seq = 0
         self._prompt_ids: dict[str, np.ndarray] = {}
+        self.mismatch: list[dict[str, float]] = []  # per step: engine vs trainer log-probs
 
     # ------------------------------------------------------------------ the stage, top to bottom
 
@@ -196,6 +197,7 @@ class Orchestrator:
             "books": books,
             "eval": {"n": self.cfg.orchestrator.eval_n, "questions": len(self.heldout),
                      "temperature": self.cfg.orchestrator.eval_temperature},
+            "mismatch": self.mismatch_summary(),
             "malformed_messages": self.malformed,
             "checkpoint": self.step_done.checkpoint if self.step_done else "",
         }
@@ -283,6 +285,8 @@ class Orchestrator:
         rollouts = [g.rollouts[i] for g in groups for i in range(g.n)]
         rewards = [g.scores[i].reward for g in groups for i in range(g.n)]
         tokens = sum(len(r.response_ids) for r in rollouts)
+        trainer = self.step_done.metrics
+        self.mismatch.append({k.removeprefix("mismatch/"): v for k, v in trainer.items() if k.startswith("mismatch/")})
         return {
             "step": step + 1,
             "version": self.version,
@@ -293,8 +297,15 @@ class Orchestrator:
             "gen_tokens_per_s": tokens / max(t_sample, 1e-9),
             "sample_s": t_sample,
             "step_s": t_step,
-            **{f"trainer/{k}": v for k, v in self.step_done.metrics.items()},
+            **{f"trainer/{k}": v for k, v in trainer.items()},
         }
+
+    def mismatch_summary(self) -> dict[str, float]:
+        """Engine vs trainer log-probs over the run: mean of the per-step means and fractions, max of maxima."""
+        if not self.mismatch:
+            return {}
+        out = {k: float(np.mean([m[k] for m in self.mismatch])) for k in self.mismatch[0] if k != "abs_diff_max"}
+        return {**out, "abs_diff_max": max(m["abs_diff_max"] for m in self.mismatch)}
 
     # ------------------------------------------------------------------ groups
 
@@ -518,7 +529,8 @@ class Orchestrator:
     def _log(self, metrics: dict) -> None:
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        self.status["last"] = {k: v for k, v in metrics.items() if not k.startswith("trainer/")}
+        self.status["last"] = {k: v for k, v in metrics.items()
+                               if not k.startswith("trainer/") or k.startswith("trainer/mismatch/")}
         self._heartbeat(force=True)
 
     def _heartbeat(self, force: bool = False) -> None:

@@ -48,7 +48,9 @@ class Display:
         books = orch.get("books", {})
         info = (f"{state} | reward {_fmt(last.get('reward_mean'))} | heldout acc "
                 f"{_fmt(last.get('heldout_accuracy'))} | {_fmt(last.get('gen_tokens_per_s'), '.0f')} tok/s | "
-                f"staleness {_fmt(last.get('staleness_mean'), '.1f')}")
+                f"staleness {_fmt(last.get('staleness_mean'), '.1f')} | logp mismatch "
+                f"{_fmt(last.get('trainer/mismatch/abs_diff_mean'), '.1e')} (max "
+                f"{_fmt(last.get('trainer/mismatch/abs_diff_max'), '.1e')})")
         self.progress.update(self.task, completed=orch.get("step", 0), info=info)
         if self.live:
             table = Table("role", "id", "pid", "state", "version", "restarts", box=None)
@@ -72,6 +74,10 @@ class Display:
         for name, gain in summary.get("heldout_gain", {}).items():
             table.add_row(f"{name} gain (95% CI)",
                           f"{gain['delta']:+.3f} [{gain['ci95_low']:+.3f}, {gain['ci95_high']:+.3f}]")
+        if mismatch := summary.get("mismatch"):
+            table.add_row("log-prob mismatch |inf − train| mean / max",
+                          f"{mismatch['abs_diff_mean']:.2e} / {mismatch['abs_diff_max']:.2e}")
+            table.add_row("tokens with ratio outside [0.5, 2]", f"{mismatch['outside_band']:.2%}")
         table.add_row("steps", str(summary["steps"]))
         table.add_row("wall time", f"{summary['wall_s']:.1f} s")
         for k, v in summary["books"].items():

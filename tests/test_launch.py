@@ -71,6 +71,12 @@ def test_launch_tiny_end_to_end(tiny_model, tmp_path):
     assert changed == signal
     assert "run summary" in out
 
+    # engine/trainer log-prob mismatch: per step in the live line, over the run in the summary and its table
+    mismatch = summary["mismatch"]
+    assert mismatch["abs_diff_max"] == max(m["trainer/mismatch/abs_diff_max"] for m in train_steps)
+    assert mismatch["abs_diff_mean"] <= 1e-5 and mismatch["outside_band"] == 0.0  # torch engine, fp32
+    assert "logp mismatch" in out and "log-prob mismatch" in out
+
 
 def test_launch_dry_run_prints_resolved_config(tiny_model):
     r = cli("launch", "tiny", f"model.path={tiny_model}", "trainer.steps=5", "--dry-run", timeout=60)

@@ -179,15 +179,25 @@ def test_mismatch_stats_hand_computed():
     # d = inf − trainer = (0, 0.5, −0.5)
     # mean |d| = 1/3, max |d| = 0.5
     # exp(d) − d − 1: 0, e^0.5 − 1.5 = 0.1487212707, e^−0.5 − 0.5 = 0.1065306597; mean = 0.0850839768
+    # ratios exp(−d) = 1, 0.61, 1.65: all inside [0.5, 2]
     stats = mismatch_stats(trainer, inf, mask)
-    assert set(stats) == {"abs_diff_mean", "abs_diff_max", "kl_k3"}
+    assert set(stats) == {"abs_diff_mean", "abs_diff_max", "kl_k3", "outside_band"}
     assert all(type(v) is float for v in stats.values())
     assert stats["abs_diff_mean"] == pytest.approx(1 / 3)
     assert stats["abs_diff_max"] == pytest.approx(0.5)
     assert stats["kl_k3"] == pytest.approx(0.0850839768, rel=1e-6)
+    assert stats["outside_band"] == 0.0
+
+
+def test_mismatch_outside_band_counts_both_sides():
+    trainer = torch.zeros(1, 5)
+    # d = inf − trainer; ratio = exp(−d): e^0.8 = 2.23 (above), e^−0.8 = 0.45 (below), 1.0, e^0.69 = 1.99, e^−0.69 = 0.50
+    inf = torch.tensor([[-0.8, 0.8, 0.0, -0.69, 0.69]])
+    stats = mismatch_stats(trainer, inf, torch.ones(1, 5, dtype=torch.bool))
+    assert stats["outside_band"] == pytest.approx(2 / 5)
 
 
 def test_mismatch_stats_empty_mask_is_zero():
     x = torch.randn(2, 3)
     stats = mismatch_stats(x, x + 1, torch.zeros(2, 3, dtype=torch.bool))
-    assert stats == {"abs_diff_mean": 0.0, "abs_diff_max": 0.0, "kl_k3": 0.0}
+    assert stats == {"abs_diff_mean": 0.0, "abs_diff_max": 0.0, "kl_k3": 0.0, "outside_band": 0.0}
