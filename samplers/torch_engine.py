@@ -2,7 +2,7 @@
 
     engine = TorchEngine("models/tiny", max_batch=256)
     groups = engine.generate(requests)          # n Samples per GenerationRequest, in request order
-    python bench/torch_engine.py --quick        # tokens/s against transformers' generate
+    python bench/sampler_throughput.py --quick  # tokens/s against transformers' generate and vLLM
 
 The model is samplers/torch_model.py (Qwen3 / Qwen3-MoE; logits equal to
 transformers' to ~1e-6 in fp32). ``generate`` repeats one step until every row
@@ -27,11 +27,11 @@ distribution before top-p truncation (what the trainer recomputes at the same
 temperature); temperature 0 is greedy (log-prob at T=1). The response
 includes the EOS token.
 
-Speed (bench/torch_engine.py, 2 shared CPU cores, fp32): 1.6-1.9x the
-tokens/s of transformers' ``generate`` at 64 sequences x 64 tokens, 2.2-2.7x
-at 32 prompts x 8 samples x 128 tokens. At 64 rows a decode step is ~5 ms, of
-which the expert grouped matmuls (~2 ms), attention over the cache (~1.2 ms)
-and the dense linears (~0.8 ms) are kernel time that generate spends too; the
+Speed (bench/sampler_throughput.py, 2 shared CPU cores, fp32): 1.75x the
+tokens/s of transformers' ``generate`` at 64 sequences x 64 tokens, 2.95x at
+32 prompts x 8 samples x 128 tokens. At 64 rows a decode step is ~4.8 ms, of
+which the expert grouped matmuls (~1.4 ms), attention over the cache (~0.8 ms)
+and the dense linears (~0.4 ms) are kernel time that generate spends too; the
 rest is per-op overhead (~150 small ops a step, ~1.75 ms at one row).
 """
 

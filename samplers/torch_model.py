@@ -25,7 +25,7 @@ MoE without a Python loop over experts, two ways: "grouped" sorts the
 projection (k/E of the arithmetic); "dense" runs every expert on every token
 (bmm over experts) weighted by a routing that is zero outside the top-k (no
 sort, E/k times the arithmetic). Measured in the engine on the tiny MoE
-(8 experts, top-2; bench/torch_engine.py workload, 2 CPU cores, best of 5-7):
+(8 experts, top-2; bench/sampler_throughput.py workload, 2 CPU cores, best of 5-7):
 grouped 0.32-0.36 s, dense 0.47 s, dense as one [E*2I, H] linear 0.42 s,
 expert-major padded bmm 0.44 s; gathering each pair's expert matrices for a
 bmm was 5-10x slower than dense in isolation (the copies cost more than the
@@ -147,15 +147,17 @@ class KVCache(nn.Module):
         flat = slot_heads * max_len + positions.repeat_interleave(n_kv)  # row in k[layer].view(-1, hd)
         visible = torch.arange(kv_len, device=positions.device) <= positions[:, None]
         mask = torch.zeros(visible.shape, dtype=self.k.dtype, device=positions.device).masked_fill_(~visible, -torch.inf)
-        mask = mask[:, None, None, :]  # additive: a little faster than a bool mask in the CPU kernel
+        mask = mask[:, None, None, :]  # additive, [B, 1, 1, kv_len]
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             self.k[layer].view(-1, hd).index_copy_(0, flat, k.reshape(-1, hd))
             self.v[layer].view(-1, hd).index_copy_(0, flat, v.reshape(-1, hd))
-            # q [B, heads, 1, hd]: folding the heads of a kv group into query rows (no K/V repeat) was
-            # 2-3x slower in the CPU flash kernel than letting it broadcast K/V itself (enable_gqa)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[layer, :b, :, :kv_len],
-                                                 self.v[layer, :b, :, :kv_len], attn_mask=mask, enable_gqa=True)
+            # two batched matmuls with the heads of a kv group as query rows (q head h reads kv head
+            # h // group, as transformers' repeat_kv): one new token per slot is too little work for the
+            # CPU flash kernel, which took ~2x as long here (~280 vs ~150 us a layer at 64 slots)
+            q = q.reshape(b, n_kv, -1, hd) * hd**-0.5
+            scores = torch.matmul(q, self.k[layer, :b, :, :kv_len].transpose(-1, -2)).add_(mask)
+            out = torch.matmul(torch.softmax(scores, dim=-1), self.v[layer, :b, :, :kv_len])
             return out.reshape(b, 1, -1)
 
         return attend

@@ -75,7 +75,9 @@ def reload_from_file(worker, path: str, tied: bool) -> None:
 @register_engine("vllm")
 class VLLMEngine:
     def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None, seed: int = 0,
-                 max_model_len: int | None = None, kv_cache_gib: int = 1, **llm_kwargs) -> None:
+                 max_model_len: int | None = None, kv_cache_gib: int = 1, ignore_eos: bool = False,
+                 **llm_kwargs) -> None:
+        """``ignore_eos``: rows run to ``max_tokens`` (benchmarks); ``llm_kwargs`` go to ``vllm.LLM``."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -91,6 +93,7 @@ class VLLMEngine:
         self.vocab_size = config.get_vocab_size()
         self.max_context = config.max_model_len
         self.tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
+        self.ignore_eos = ignore_eos
         self.version = 0
 
     def check(self, request: GenerationRequest) -> str:
@@ -114,6 +117,7 @@ class VLLMEngine:
             copies, n = (r.n, 1) if greedy else (1, r.n)  # vLLM refuses n > 1 when greedy
             sp = SamplingParams(n=n, temperature=0.0 if greedy else r.temperature, top_p=r.top_p,
                                 max_tokens=r.max_tokens, stop=list(r.stop) or None, seed=r.seed,
+                                ignore_eos=self.ignore_eos,
                                 logprobs=0, flat_logprobs=True)  # logprobs=0: the sampled token's only
             prompt = TokensPrompt(prompt_token_ids=[int(t) for t in r.prompt_ids])
             prompts += [prompt] * copies
