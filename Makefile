@@ -5,7 +5,7 @@ CLI := $(VENV)/bin/cascade-rl
 STAMP := $(VENV)/.installed-stamp
 RUN_DIR ?= runs/demo
 
-.PHONY: install run test lint clean
+.PHONY: install run test lint bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ run: install
 
 test: install
 	$(VENV)/bin/pytest -q
+
+# Every benchmark in quick mode (DESIGN §9); full figures: run a script without --quick.
+bench: install
+	for b in bench/*.py; do $(VENV)/bin/python $$b --quick | tail -1; done
 
 lint: install
 	$(VENV)/bin/ruff check .
