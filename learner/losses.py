@@ -12,6 +12,12 @@ tokens within a group:
 so every token of a group weighs the same, and every group weighs the same.
 Rows are ordered group by group: rows [g·G, (g+1)·G) belong to group g.
 
+Per-stage options (DESIGN §4): truncated importance weights w_t on the
+policy term (``truncated_importance_weights``), a k3 KL penalty to a frozen
+reference (``kl_k3``) and an entropy bonus, each token-averaged the same way
+(``group_token_mean``). ``mopd_loss`` is the distillation rule: a dense
+reverse-KL advantage a_t = log π_teacher − log π_θ per token, weighted by w_t.
+
 ``token_logprobs`` turns model logits into the per-token log π above;
 ``mismatch_stats`` compares the trainer's log-probs with the inference
 engine's, which differ through kernels and precision even at equal weights:
@@ -87,26 +93,90 @@ def token_logprobs(
     return torch.cat([first, torch.cat(chunks, dim=0)], dim=1)
 
 
-def grpo_loss(logprobs: Tensor, advantages: Tensor, mask: Tensor, group_size: int) -> Tensor:
-    """Token-level GRPO loss (scalar) for logprobs [N, T], advantages [N], mask [N, T].
-
-    N must be a multiple of ``group_size``; rows are ordered group by group. The
-    gradient wrt logprobs[i, t] is −Â_i · mask[i, t] / (tokens in i's group · num_groups).
-    A group with no tokens contributes 0.
-    """
-    n_rows, length = logprobs.shape
+def group_token_mean(values: Tensor, mask: Tensor, group_size: int) -> Tensor:
+    """Mean of ``values [N, T]`` over each group's masked tokens, then over groups (scalar): the
+    token-level averaging of every GRPO term. A group with no tokens contributes 0 (and still counts
+    in the mean over groups, so micro-batches of whole groups add up to the full batch)."""
+    n_rows, length = values.shape
     if group_size < 1 or n_rows % group_size:
         raise ValueError(f"{n_rows} rows do not split into groups of {group_size}")
     num_groups = n_rows // group_size
     keep = mask.bool()
     # where(), not multiply: a padded position may hold -inf, and -inf * 0 = NaN.
-    lp = torch.where(keep, logprobs, torch.zeros_like(logprobs))
-    weighted = advantages.to(lp.dtype).unsqueeze(-1) * lp
-    per_group_sum = weighted.reshape(num_groups, group_size * length).sum(dim=-1)
+    v = torch.where(keep, values, torch.zeros_like(values))
+    per_group_sum = v.reshape(num_groups, group_size * length).sum(dim=-1)
     per_group_tokens = keep.reshape(num_groups, group_size * length).sum(dim=-1)
     # An empty group has a zero sum; dividing it by 1 instead of 0 keeps it 0, not NaN.
-    per_group = -per_group_sum / per_group_tokens.clamp(min=1).to(lp.dtype)
-    return per_group.mean()
+    return (per_group_sum / per_group_tokens.clamp(min=1).to(v.dtype)).mean()
+
+
+def grpo_loss(logprobs: Tensor, advantages: Tensor, mask: Tensor, group_size: int,
+              weights: Tensor | None = None) -> Tensor:
+    """Token-level GRPO loss (scalar) for logprobs [N, T], advantages [N], mask [N, T].
+
+    N must be a multiple of ``group_size``; rows are ordered group by group. The
+    gradient wrt logprobs[i, t] is −w[i, t] · Â_i · mask[i, t] / (tokens in i's group · num_groups),
+    with ``weights`` w the (detached) truncated importance weights, or 1.
+    A group with no tokens contributes 0.
+    """
+    lp = torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs))
+    term = advantages.to(lp.dtype).unsqueeze(-1) * lp
+    if weights is not None:
+        term = weights.detach().to(lp.dtype) * term
+    return -group_token_mean(term, mask, group_size)
+
+
+def truncated_importance_weights(logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor, eps_low: float = 0.5,
+                                 eps_high: float = 2.0) -> tuple[Tensor, Tensor]:
+    """w_t = sg[r_t] · 1[eps_low ≤ r_t ≤ eps_high] with r_t = π_θ / π_inf = exp(log π_θ − log π_inf).
+
+    Returns (w [N, T], truncated [N, T] bool: masked tokens whose ratio fell outside the band).
+    Masked-out positions get w = 0 whatever they hold."""
+    keep = mask.bool()
+    ratio = torch.exp(torch.where(keep, logprobs.detach().float() - inf_logprobs.float(), torch.zeros_like(
+        inf_logprobs, dtype=torch.float32)))
+    inside = (ratio >= eps_low) & (ratio <= eps_high)
+    w = torch.where(keep & inside, ratio, torch.zeros_like(ratio))
+    return w, keep & ~inside
+
+
+def mopd_loss(logprobs: Tensor, teacher_logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor,
+              eps_low: float = 0.5, eps_high: float = 2.0) -> Tensor:
+    """Multi-domain on-policy distillation (DESIGN §4), a scalar:
+
+        a_t = log π_teacher − log π_θ          (the reverse-KL token advantage, stop-gradient)
+        L   = mean over rows of −(1/|V(y)|) Σ_{t∈V(y)} w_t · sg[a_t] · log π_θ
+
+    with w_t the truncated importance weights. The gradient wrt logprobs[i, t] is
+    −w[i, t] · a[i, t] / (|V(y_i)| · N). A row with no valid tokens contributes 0 (and counts in N).
+    """
+    keep = mask.bool()
+    w, _ = truncated_importance_weights(logprobs, inf_logprobs, mask, eps_low, eps_high)
+    zeros = torch.zeros_like(logprobs)
+    advantage = torch.where(keep, teacher_logprobs.to(logprobs.dtype) - logprobs.detach(), zeros)
+    term = torch.where(keep, w.to(logprobs.dtype) * advantage * logprobs, zeros)
+    per_row = term.sum(dim=-1) / keep.sum(dim=-1).clamp(min=1).to(logprobs.dtype)
+    return -per_row.mean()
+
+
+def mopd_stats(logprobs: Tensor, teacher_logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor,
+               eps_low: float = 0.5, eps_high: float = 2.0) -> dict[str, float]:
+    """Per-step MOPD metrics: ``reverse_kl`` = mean over valid tokens of −a_t = log π_θ − log π_teacher
+    (a single-sample estimate of KL(π_θ‖π_teacher)), and ``truncated_frac`` of tokens with w_t = 0
+    because their ratio left [eps_low, eps_high]. Python floats: call for logging only."""
+    keep = mask.bool()
+    if not keep.any():
+        return {"reverse_kl": 0.0, "truncated_frac": 0.0}
+    _, truncated = truncated_importance_weights(logprobs, inf_logprobs, mask, eps_low, eps_high)
+    neg_adv = (logprobs.detach().float() - teacher_logprobs.float())[keep]
+    return {"reverse_kl": neg_adv.mean().item(), "truncated_frac": truncated[keep].float().mean().item()}
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(π_θ‖π_ref) (Schulman): exp(d) − d − 1 with d = log π_ref − log π_θ;
+    non-negative, unbiased under samples from π_θ, differentiable through log π_θ."""
+    d = ref_logprobs.detach().to(logprobs.dtype) - logprobs
+    return torch.expm1(d) - d
 
 
 BAND = (0.5, 2.0)  # the truncation band of importance ratios (eps_low, eps_high)

@@ -5,7 +5,17 @@ import math
 import pytest
 import torch
 
-from cascade_rl.learner.losses import group_advantages, grpo_loss, mismatch_stats, token_logprobs
+from cascade_rl.learner.losses import (
+    group_advantages,
+    group_token_mean,
+    grpo_loss,
+    kl_k3,
+    mismatch_stats,
+    mopd_loss,
+    mopd_stats,
+    token_logprobs,
+    truncated_importance_weights,
+)
 
 SQRT3 = math.sqrt(3.0)
 
@@ -201,3 +211,121 @@ def test_mismatch_stats_empty_mask_is_zero():
     x = torch.randn(2, 3)
     stats = mismatch_stats(x, x + 1, torch.zeros(2, 3, dtype=torch.bool))
     assert stats == {"abs_diff_mean": 0.0, "abs_diff_max": 0.0, "kl_k3": 0.0, "outside_band": 0.0}
+
+
+# --- group_token_mean, importance weights, GRPO with weights --------------------------------
+
+
+def test_group_token_mean_hand_computed():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, float("inf"), 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    # group 0: (1+2+3+4)/4 = 2.5; group 1: (1+1)/2 = 1; mean = 1.75 (the masked inf never leaks)
+    assert group_token_mean(values, mask, 2).item() == pytest.approx(1.75)
+
+
+def test_truncated_importance_weights_hand_computed():
+    lp = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0]])
+    inf = torch.tensor([[0.0, 0.5, -0.5, 1.0, -1.0]])  # r = exp(lp − inf) = 1, e^−.5=.607, e^.5=1.65, e^−1=.368, e=2.72
+    mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)  # the last is masked: w = 0, not counted as truncated
+    w, truncated = truncated_importance_weights(lp, inf, mask)
+    assert w.tolist()[0] == pytest.approx([1.0, math.exp(-0.5), math.exp(0.5), 0.0, 0.0])
+    assert truncated.tolist() == [[False, False, False, True, False]]
+    # the band is inclusive: r exactly 0.5 and 2.0 are kept
+    w, truncated = truncated_importance_weights(torch.log(torch.tensor([[0.5, 2.0]])), torch.zeros(1, 2),
+                                                torch.ones(1, 2, dtype=torch.bool))
+    assert w.tolist()[0] == pytest.approx([0.5, 2.0]) and not truncated.any()
+
+
+def test_truncated_weights_carry_no_gradient():
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    w, _ = truncated_importance_weights(lp, torch.tensor([[-1.2, -2.1]]), torch.ones(1, 2))
+    assert not w.requires_grad
+
+
+def test_grpo_loss_with_weights_hand_computed():
+    logprobs, advantages, mask = _two_groups()
+    weights = torch.tensor([[2.0, 1.0, 0.0], [1.0, 5.0, 5.0], [0.5, 0.5, 9.0], [1.0, 1.0, 1.0]])
+    # group 0: −(1·(2·−1 + 1·−2 + 0·−3) + (−1)·(1·−0.5)) / 4 = −(−4 + 0.5)/4 = 0.875
+    # group 1: −(0.5·(0.5·−1 + 0.5·−1) + (−0.5)·(−13)) / 5 = −(−0.5 + 6.5)/5 = −1.2
+    loss = grpo_loss(logprobs, advantages, mask, 2, weights=weights)
+    assert loss.item() == pytest.approx((0.875 - 1.2) / 2)
+    assert grpo_loss(logprobs, advantages, mask, 2, weights=torch.ones(4, 3)).item() == pytest.approx(0.1375)
+
+
+def test_grpo_loss_with_weights_gradient_matches_formula():
+    torch.manual_seed(1)
+    g, groups, length = 4, 3, 6
+    lp = (-torch.rand(g * groups, length) * 3).requires_grad_()
+    adv, w = torch.randn(g * groups), torch.rand(g * groups, length) * 2
+    mask = torch.rand(g * groups, length) > 0.3
+    grpo_loss(lp, adv, mask, g, weights=w).backward()
+    tokens = mask.view(groups, -1).sum(-1).repeat_interleave(g).float()
+    expected = -w * adv[:, None] * mask / (tokens[:, None] * groups)
+    torch.testing.assert_close(lp.grad, expected)
+
+
+# --- MOPD --------------------------------------------------------------------------------------
+
+
+def _mopd_case():
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.0, -2.0]])
+    teacher = torch.tensor([[-0.5, -2.5, -9.0], [-1.0, -1.0, -2.0]])
+    inf = torch.tensor([[-1.0, -2.0, -0.5], [-3.0 + math.log(3.0), -1.0, -2.0]])  # row 1 token 0: r = 1/3
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    return lp, teacher, inf, mask
+
+
+def test_mopd_loss_hand_computed():
+    lp, teacher, inf, mask = _mopd_case()
+    # row 0: a = (0.5, −0.5), w = (1, 1): Σ w·a·lp = 0.5·−1 + (−0.5)·−2 = 0.5; /|V|=2 → 0.25
+    # row 1: token 0 truncated (r = 1/3); a = (·, 0, 0): Σ = 0; → 0
+    # L = −(0.25 + 0)/2 = −0.125
+    assert mopd_loss(lp, teacher, inf, mask).item() == pytest.approx(-0.125)
+    # with the band widened to keep r = 1/3: row 1 adds (1/3)·2·(−3)/3 = −2/3 → L = −(0.25 − 2/3)/2
+    assert mopd_loss(lp, teacher, inf, mask, eps_low=0.3).item() == pytest.approx(-(0.25 - 2 / 3) / 2)
+
+
+def test_mopd_loss_gradient_is_weighted_stopped_advantage():
+    torch.manual_seed(2)
+    n, length = 5, 8
+    lp = (-torch.rand(n, length) * 3).requires_grad_()
+    teacher = -torch.rand(n, length) * 3
+    inf = lp.detach() + torch.randn(n, length) * 0.5
+    mask = torch.rand(n, length) > 0.25
+    mask[3] = False  # an empty row: no gradient, still counted in the mean
+    mopd_loss(lp, teacher, inf, mask).backward()
+    w, _ = truncated_importance_weights(lp, inf, mask)
+    a = teacher - lp.detach()
+    expected = -w * a * mask / (mask.sum(-1, keepdim=True).clamp(min=1) * n)
+    torch.testing.assert_close(lp.grad, expected)
+    assert lp.grad[3].abs().sum() == 0
+
+
+def test_mopd_loss_is_zero_when_student_equals_teacher():
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss = mopd_loss(lp, lp.detach().clone(), lp.detach().clone(), torch.ones(1, 2))
+    loss.backward()
+    assert loss.item() == 0.0 and lp.grad.abs().sum() == 0
+
+
+def test_mopd_stats_hand_computed():
+    lp, teacher, inf, mask = _mopd_case()
+    stats = mopd_stats(lp, teacher, inf, mask)
+    # −a over valid tokens: −0.5, 0.5, −2, 0, 0 → mean −0.4; one of five truncated
+    assert stats["reverse_kl"] == pytest.approx(-0.4)
+    assert stats["truncated_frac"] == pytest.approx(0.2)
+    assert mopd_stats(lp, teacher, inf, torch.zeros_like(mask)) == {"reverse_kl": 0.0, "truncated_frac": 0.0}
+
+
+# --- KL penalty (k3) -------------------------------------------------------------------------
+
+
+def test_kl_k3_value_and_gradient():
+    lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    ref = torch.tensor([-1.0, -1.5, -1.0])
+    # d = ref − lp = (0, 0.5, −0.5): e^d − d − 1 = 0, 0.1487212707, 0.1065306597
+    k3 = kl_k3(lp, ref)
+    assert k3.tolist() == pytest.approx([0.0, 0.1487212707, 0.1065306597], rel=1e-6)
+    k3.sum().backward()
+    # d/d lp (e^d − d − 1) = −e^d + 1 = 1 − π_ref/π_θ
+    assert lp.grad.tolist() == pytest.approx([0.0, 1 - math.exp(0.5), 1 - math.exp(-0.5)], rel=1e-6)
