@@ -1,0 +1,177 @@
+"""Pack variable-length rows into one padding-free sequence, and back.
+
+RL rollouts have long-tailed lengths, so a right-padded [N, L] batch spends most of
+its attention and MLP work on padding. ``pack`` concatenates each row's real tokens
+(row i holds ``lengths[i]`` tokens at the start, right padding after) into [1, T]
+sequences with position ids restarting at 0 for every row; ``packed_forward`` runs
+an HF causal LM on one such pack so that no token attends across rows; ``unpack``
+scatters per-token outputs back to the padded [rows, L, ...] layout.
+
+Convention (flash-attn varlen): within a pack, row k occupies tokens
+``cu_seqlens[k] : cu_seqlens[k+1]`` (int32, length rows+1, starting at 0, ending at
+T); ``max_seqlen`` is its longest row; ``rows[k]`` is that row's index in the padded
+batch. Rows of length 0 are left out of every pack (``unpack`` leaves them zero).
+
+How attention stays block-diagonal (transformers 5.19):
+- sdpa / eager / flex_attention: with ``attention_mask=None`` and no cache, ``masking_utils.
+  _preprocess_mask_arguments`` calls ``find_packed_sequence_indices(position_ids)``
+  (a new row starts wherever the position does not grow by 1) and
+  ``create_causal_mask`` ANDs the causal mask with "same row". This is skipped as
+  soon as a cache exists, and HF configs default to ``use_cache=True`` (the model
+  would build a DynamicCache), so ``packed_forward`` passes ``use_cache=False``.
+  Cost: sdpa then gets a materialised [1, 1, T, T] boolean mask (T² bytes), and its
+  attention costs T² (not Σ len²): cap packs with ``max_tokens``. sdpa and eager are
+  tested; flex_attention was checked by hand (its first call compiles for a minute).
+- flash_attention_2/3/4: ``_flash_attention_forward`` takes ``cu_seq_lens_q/k`` and
+  ``max_length_q/k`` kwargs and calls ``flash_attn_varlen_func`` with them; passing
+  them (rather than letting it infer them from position ids) saves a device sync
+  per layer.
+
+Run the tests with ``pytest tests/test_packing.py``; the benchmark with
+``python bench/packing.py --quick``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from .losses import token_logprobs
+
+# Attention implementations for which transformers builds the block-diagonal mask itself
+# from position_ids, and those that take flash-attn varlen kwargs. Anything else (a custom
+# kernel outside masking_utils) would silently attend across rows, so it is refused.
+MASK_FROM_POSITIONS = frozenset({"sdpa", "eager", "flex_attention"})
+VARLEN_KWARGS = frozenset({"flash_attention_2", "flash_attention_3", "flash_attention_4"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """Some rows of a right-padded batch, concatenated without padding."""
+
+    input_ids: Tensor  # [1, T] long: the rows' real tokens, back to back
+    position_ids: Tensor  # [1, T] long: 0 .. lengths[k]-1 within each row
+    cu_seqlens: Tensor  # [rows + 1] int32: row k is tokens cu_seqlens[k]:cu_seqlens[k+1]
+    max_seqlen: int  # the longest row in this pack
+    rows: Tensor  # [rows] long: each row's index in the padded batch, in pack order
+    lengths: Tensor  # [rows] long: each row's token count
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def token_rows(self) -> Tensor:
+        """[T] long: for every packed token, its row's index within this pack (0 .. rows-1)."""
+        slots = torch.arange(len(self.rows), device=self.lengths.device)
+        return slots.repeat_interleave(self.lengths, output_size=self.num_tokens)
+
+    def to(self, device: torch.device | str) -> Packed:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in fields.items() if isinstance(v, Tensor)})
+
+
+def _group_rows(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
+    """Rows in batch order, cut into packs of at most max_tokens (a longer row gets its own)."""
+    packs, current, size = [], [], 0
+    for row, n in enumerate(lengths):
+        if n == 0:
+            continue
+        if current and max_tokens is not None and size + n > max_tokens:
+            packs.append(current)
+            current, size = [], 0
+        current.append(row)
+        size += n
+    if current:
+        packs.append(current)
+    return packs
+
+
+def pack(input_ids: Tensor, lengths: Tensor, max_tokens: int | None = None) -> list[Packed]:
+    """Right-padded input_ids [N, L] with lengths [N] -> packs of at most max_tokens tokens.
+
+    Rows keep their batch order (greedy, no bin-packing: groups of a GRPO batch stay
+    adjacent). One ``lengths.tolist()``: a device sync if lengths is on an accelerator.
+    """
+    n_rows, width = input_ids.shape
+    lengths_list = [int(n) for n in lengths.tolist()]
+    if len(lengths_list) != n_rows:
+        raise ValueError(f"{len(lengths_list)} lengths for {n_rows} rows")
+    if any(n < 0 or n > width for n in lengths_list):
+        raise ValueError(f"lengths must lie in [0, {width}], got {lengths_list}")
+    device = input_ids.device
+    positions = torch.arange(width, device=device)
+    lengths = lengths.to(device=device, dtype=torch.long)
+    real = positions[None, :] < lengths[:, None]  # [N, L]
+    out = []
+    for members in _group_rows(lengths_list, max_tokens):
+        rows = torch.tensor(members, device=device)
+        keep = real[rows]
+        row_lengths = lengths[rows]
+        cu = torch.zeros(len(members) + 1, dtype=torch.int32, device=device)
+        cu[1:] = row_lengths.cumsum(0)
+        out.append(Packed(
+            input_ids=input_ids[rows][keep].unsqueeze(0),  # boolean indexing reads row-major
+            position_ids=positions.expand(len(members), width)[keep].unsqueeze(0),
+            cu_seqlens=cu,
+            max_seqlen=max(lengths_list[r] for r in members),
+            rows=rows,
+            lengths=row_lengths,
+        ))
+    return out
+
+
+def unpack(values: Tensor, packed: Packed, length: int) -> Tensor:
+    """Per-token values [1, T, ...] -> [rows, length, ...] in pack order, zeros at padding.
+
+    Differentiable (``index_copy``); scatter into the full batch with ``out[packed.rows] = ...``.
+    """
+    rest = values.shape[2:]
+    dest = packed.token_rows() * length + packed.position_ids[0]
+    flat = values.new_zeros((len(packed.rows) * length, *rest)).index_copy(0, dest, values[0])
+    return flat.view(len(packed.rows), length, *rest)
+
+
+def pack_values(values: Tensor, packed: Packed) -> Tensor:
+    """The inverse of unpack: per-token values of the padded batch [N, L, ...] -> [1, T, ...].
+
+    For moving masks, per-token loss weights or reference log-probs into a pack's layout.
+    """
+    batch_rows = packed.rows[packed.token_rows()]
+    return values[batch_rows, packed.position_ids[0]].unsqueeze(0)
+
+
+def packed_forward(model, packed: Packed, hidden_states: bool = False) -> Tensor:
+    """Logits [1, T, V] (or the last hidden states [1, T, H]) of an HF causal LM on one pack.
+
+    With ``hidden_states=True`` only the base model runs (``model.base_model``, i.e.
+    ``model.model`` for Qwen3): apply the LM head yourself, e.g. in chunks.
+    """
+    impl = model.config._attn_implementation
+    kwargs = {}
+    if impl in VARLEN_KWARGS:
+        cu = packed.cu_seqlens
+        kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=packed.max_seqlen,
+                      max_length_k=packed.max_seqlen)
+    elif impl not in MASK_FROM_POSITIONS:
+        raise ValueError(f"packed_forward does not know how {impl!r} keeps packed rows apart; "
+                         f"use one of {sorted(MASK_FROM_POSITIONS | VARLEN_KWARGS)}")
+    # attention_mask=None and use_cache=False: the two conditions under which transformers
+    # derives the per-row causal mask from position_ids (see the module docstring).
+    net = model.base_model if hidden_states else model
+    out = net(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+              use_cache=False, **kwargs)
+    return out.last_hidden_state if hidden_states else out.logits
+
+
+def packed_token_logprobs(logits: Tensor, packed: Packed, temperature: float = 1.0) -> Tensor:
+    """Per-token log-probs [1, T] of a pack: as ``losses.token_logprobs`` row by row.
+
+    out[p] = log_softmax(logits[p-1] / T)[input_ids[p]] within a row, and 0 at each
+    row's first token, which has no prediction (in the packed layout the logit before it
+    belongs to the previous row, so it is zeroed rather than left as a cross-row value).
+    """
+    lp = token_logprobs(logits, packed.input_ids, temperature=temperature)
+    starts = packed.cu_seqlens[:-1].long()
+    return lp.index_fill(1, starts, 0.0)
