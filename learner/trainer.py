@@ -1,15 +1,23 @@
-"""Trainer: TrainBatches in, GRPO steps, weights and checkpoints out.
+"""Trainer: TrainBatches in, GRPO or MOPD steps, weights and checkpoints out.
 
     python -m cascade_rl.learner.trainer --config RUN_DIR/config.yaml --worker-id trainer-0
+    torchrun --nproc-per-node 2 -m cascade_rl.learner.trainer ...      # trainer.world_size = 2
 
-The model is an HF causal LM loaded from ``model.path`` (policy version 0).
-Each ``TrainBatch`` is one optimizer step (version + 1): per-token log-probs
-of the response tokens at the sampling temperature, group-normalised
-advantages, the token-level GRPO loss (learner/losses.py), AdamW with a
-linear warm-up and grad-norm clipping. After the step the new weights are
-published through the weight transport (``WeightsReady`` on the PUB socket,
-and to the orchestrator so it can hand them to late samplers), then
-``StepDone`` carries the step's metrics. Checkpoints are HF directories.
+The model is an HF causal LM loaded from ``model.path`` (policy version 0), or
+from a checkpoint with ``trainer.resume_from``. Each ``TrainBatch`` is one
+optimizer step (version + 1): per-token log-probs of the response tokens at
+the sampling temperature (learner/policy.py: packed rows, LM head in chunks,
+no [tokens x vocab] logits), the stage's objective (learner/objectives.py:
+GRPO with its options, or MOPD), AdamW with a linear warm-up and grad-norm
+clipping. After the step the new weights are published through the weight
+transport (``WeightsReady`` on the PUB socket, and to the orchestrator so it
+can hand them to late samplers), then ``StepDone`` carries the step's metrics.
+Checkpoints (learner/checkpoint.py) are HF directories plus optimizer, RNG and
+the orchestrator's data cursor, written atomically.
+
+With several ranks (learner/parallel.py) rank 0 alone talks to the
+orchestrator and broadcasts each batch; every rank trains on its share of the
+groups under FSDP2.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -27,7 +36,10 @@ from cascade_rl.protocol.messages import Ready, StepDone, TrainBatch
 from cascade_rl.protocol.sockets import WorkerLink, send
 from cascade_rl.protocol.worker_main import worker_start
 
-from .losses import group_advantages, grpo_loss, mismatch_stats, token_logprobs
+from . import checkpoint, parallel
+from .losses import group_advantages, group_token_mean, mismatch_stats
+from .objectives import OBJECTIVES, Terms
+from .policy import Policy
 from .weights import TRANSPORTS
 
 log = logging.getLogger("trainer")
@@ -39,11 +51,13 @@ class Batch:
     """A TrainBatch as tensors; rows ordered group by group, right-padded."""
 
     input_ids: torch.Tensor  # [N, L] long
-    attention_mask: torch.Tensor  # [N, L] long
-    response_mask: torch.Tensor  # [N, L] bool
+    lengths: torch.Tensor  # [N] real tokens per row (prompt + response)
+    response_mask: torch.Tensor  # [N, L] bool: response tokens
+    loss_mask: torch.Tensor  # [N, L] bool: response tokens that carry loss (not of a masked group)
     inf_logprobs: torch.Tensor  # [N, L]
     rewards: torch.Tensor  # [N]
     group_size: int
+    teacher_logprobs: torch.Tensor | None = None  # [N, L], MOPD
 
     @classmethod
     def from_message(cls, msg: TrainBatch) -> Batch:
@@ -51,15 +65,28 @@ class Batch:
         positions = torch.arange(response_mask.shape[1])
         # real tokens end with each row's last response token (rows are right-padded)
         lengths = torch.where(response_mask, positions + 1, 0).amax(dim=1)
-        attention_mask = (positions[None, :] < lengths[:, None]).long()
+        loss_mask = response_mask.clone()
+        if msg.loss_masked is not None:
+            loss_mask[torch.from_numpy(msg.loss_masked.copy())] = False
         return cls(
             input_ids=torch.from_numpy(msg.input_ids.astype("int64")),
-            attention_mask=attention_mask,
+            lengths=lengths,
             response_mask=response_mask,
+            loss_mask=loss_mask,
             inf_logprobs=torch.from_numpy(msg.inf_logprobs.copy()),
             rewards=torch.from_numpy(msg.rewards.copy()),
             group_size=msg.group_size,
+            teacher_logprobs=None if msg.teacher_logprobs is None else torch.from_numpy(msg.teacher_logprobs.copy()),
         )
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return (torch.arange(self.input_ids.shape[1])[None, :] < self.lengths[:, None]).long()
+
+    def rows(self, sl: slice) -> Batch:
+        """Rows ``sl`` (whole groups) as a batch of their own."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[sl] for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def groups(self, per_chunk: int):
         """Micro-batches of whole groups: (row slice, fraction of all groups)."""
@@ -77,94 +104,174 @@ def lr_at(step: int, cfg) -> float:
     return cfg.lr
 
 
-def train_step(model, optimizer, batch: Batch, cfg, temperature: float, step: int) -> dict[str, float]:
-    """One GRPO optimizer step; returns its metrics (Python floats: one sync at the end)."""
+def train_step(policy: Policy, optimizer, batch: Batch, cfg, step: int,
+               reference: Policy | None = None) -> dict[str, float]:
+    """One optimizer step of ``cfg.algorithm`` on ``batch`` (this rank's share); returns its metrics
+    (Python floats: the ``.item()`` calls at the end are the step's only device syncs)."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, cfg)
+    objective = OBJECTIVES[cfg.algorithm]
     advantages = group_advantages(batch.rewards.view(-1, batch.group_size)).flatten()
-    model.train()
-    total_loss, trainer_lp = 0.0, torch.zeros_like(batch.inf_logprobs)
+    policy.train()
+    sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+    trainer_lp = torch.zeros_like(batch.inf_logprobs)
     for rows, weight in batch.groups(cfg.micro_batch_groups):
-        logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits
-        logprobs = token_logprobs(logits, batch.input_ids[rows], temperature=temperature)
-        loss = grpo_loss(logprobs, advantages[rows], batch.response_mask[rows], batch.group_size) * weight
-        loss.backward()
-        total_loss += loss.item()
+        mb = batch.rows(rows)
+        logprobs, entropy = policy(mb.input_ids, mb.lengths, mb.response_mask, with_entropy=True)
+        ref = None
+        if reference is not None:
+            with torch.no_grad():
+                ref, _ = reference(mb.input_ids, mb.lengths, mb.response_mask)
+        loss, stats = objective(Terms(logprobs, entropy, mb.inf_logprobs, mb.loss_mask, advantages[rows],
+                                      batch.group_size, ref, mb.teacher_logprobs), cfg)
+        (loss * weight).backward()
+        stats["loss"] = loss.detach()
+        stats["entropy"] = group_token_mean(entropy.detach(), mb.loss_mask, batch.group_size)
+        for k, v in stats.items():
+            sums[k] = sums[k] + v.detach().float() * weight
         trainer_lp[rows] = logprobs.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: the norm over every rank's shards
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     mismatch = mismatch_stats(trainer_lp, batch.inf_logprobs, batch.response_mask)
+    per_group = advantages.view(-1, batch.group_size)
     return {
-        "loss": total_loss,
+        **{k: v.item() for k, v in sums.items()},
         "grad_norm": float(grad_norm),
         "lr": optimizer.param_groups[0]["lr"],
         "reward_mean": float(batch.rewards.mean()),
+        "advantage_abs_mean": float(advantages.abs().mean()),
         "response_tokens": int(batch.response_mask.sum()),
-        "zero_adv_groups": int((advantages.view(-1, batch.group_size) == 0).all(dim=1).sum()),
+        "zero_adv_groups": int((per_group == 0).all(dim=1).sum()),
+        "masked_rows": int((batch.response_mask.any(1) & ~batch.loss_mask.any(1)).sum()),
         **{f"mismatch/{k}": v for k, v in mismatch.items()},
     }
 
 
-def save_checkpoint(model, tokenizer, run_dir: Path, step: int) -> Path:
-    out = run_dir / "checkpoints" / f"step_{step:06d}"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+def build(cfg, ranks: parallel.Ranks):
+    """Policy (FSDP2-sharded on several ranks), frozen reference if kl_coef > 0, AdamW, tokenizer, and the
+    state to resume from (``{"step": 0, "extra": {}}`` for a fresh stage)."""
+    t = cfg.trainer
+    resume = checkpoint.resolve(cfg.trainer.resume_from, Path(cfg.run_dir))
+    model = AutoModelForCausalLM.from_pretrained(resume or cfg.model.path, dtype=DTYPES[cfg.model.dtype])
+    reference = None
+    if t.kl_coef > 0:  # the stage's starting policy; each rank holds a full copy (no gradient, no optimizer)
+        ref_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
+        reference = Policy(ref_model.requires_grad_(False).eval(), cfg.sampling.temperature,
+                           t.logprob_chunk_tokens, t.pack, t.pack_tokens)
+    policy = parallel.parallelize(
+        Policy(model, cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens), ranks)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr_at(0, t), betas=tuple(t.betas),
+                                  weight_decay=t.weight_decay)
+    state = {"step": 0, "extra": {}}
+    if resume:
+        state = load_state(resume, policy, optimizer, ranks)
+        log.info("resumed from %s at step %d", resume, state["step"])
+    return policy, reference, optimizer, AutoTokenizer.from_pretrained(cfg.model.path), state
+
+
+def save_state(policy: Policy, optimizer, tokenizer, run_dir: Path, step: int, extra: dict,
+               ranks: parallel.Ranks) -> str:
+    """An atomic checkpoint (a collective with several ranks: all gather, rank 0 writes)."""
+    out = checkpoint.step_dir(Path(run_dir) / "checkpoints", step)
+    if not ranks.distributed:
+        return str(checkpoint.save(out, policy.model, tokenizer, optimizer, step, extra))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    weights = strip_prefix(parallel.full_state_dict(policy, ranks))
+    optim = get_optimizer_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                 cpu_offload=True))
+    if ranks.main:
+        checkpoint.save(out, policy.model, tokenizer, None, step, extra, state_dict=weights, optim_state=optim)
+    return str(out)
+
+
+def strip_prefix(weights):
+    """A gathered Policy state dict in the HF model's names (``model.`` dropped); a module or None as is."""
+    if not isinstance(weights, dict):
+        return weights
+    return {k.removeprefix("model."): v for k, v in weights.items()}
+
+
+def load_state(path: Path, policy: Policy, optimizer, ranks: parallel.Ranks) -> dict:
+    """Optimizer state, RNG and step of a checkpoint (the weights were loaded with the model)."""
+    if not ranks.distributed:
+        return checkpoint.load(path, None, optimizer)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    full = torch.load(path / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)["optimizer"]
+    set_optimizer_state_dict(policy, optimizer, optim_state_dict=full,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return checkpoint.load(path, None, None)
 
 
 def main(argv: list[str] | None = None) -> None:
-    # --- config and init
+    # --- config, ranks, model, optimizer (and resume)
     args, cfg = worker_start(__doc__.splitlines()[0], argv, default_id="trainer-0")
     tcfg, run_dir = cfg.trainer, Path(cfg.run_dir)
+    ranks = parallel.init(tcfg.world_size)
+    log.info("trainer rank %d of %d", ranks.rank, ranks.world_size)
     torch.manual_seed(tcfg.seed)
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
+    policy, reference, optimizer, tokenizer, state = build(cfg, ranks)
+    version = state["step"]
 
-    # --- model, tokenizer, optimizer
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr_at(0, tcfg), betas=tuple(tcfg.betas),
-                                  weight_decay=tcfg.weight_decay)
-
-    # --- sockets: weights PUB (bound here), link to the orchestrator
-    transport = TRANSPORTS[cfg.weights_transport](run_id=cfg.run_id)
-    pub = zmq.Context.instance().socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.bind(cfg.endpoints.weights)
-    state = {"state": "waiting", "version": 0, "counters": {"steps": 0, "train_s": 0.0}}
-    link = WorkerLink(args.worker_id, "trainer", cfg.endpoints.orchestrator, cfg.endpoints.get("heartbeat"), None,
-                      expect=(TrainBatch,), status=lambda: state, heartbeat_s=cfg.supervisor.heartbeat_s).start()
-    link.send(Ready(args.worker_id, "trainer", slots=1, version=0))
+    # --- rank 0: sockets (weights PUB bound here, link to the orchestrator)
+    link = pub = transport = None
+    status = {"state": "waiting", "version": version, "counters": {"steps": version, "train_s": 0.0}}
+    if ranks.main:
+        transport = TRANSPORTS[cfg.weights_transport](run_id=cfg.run_id)
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(cfg.endpoints.weights)
+        link = WorkerLink(args.worker_id, "trainer", cfg.endpoints.orchestrator, cfg.endpoints.get("heartbeat"), None,
+                          expect=(TrainBatch,), status=lambda: status, heartbeat_s=cfg.supervisor.heartbeat_s).start()
+        link.send(Ready(args.worker_id, "trainer", slots=1, version=version))
+    if version:  # resumed: samplers start from model.path, so hand them the checkpoint's weights first
+        weights = parallel.full_state_dict(policy, ranks) if ranks.distributed else policy.model
+        if ranks.main:
+            notice = transport.publish(strip_prefix(weights), version)
+            send(pub, notice)
+            link.send(notice)
 
     # --- loop: one TrainBatch = one optimizer step = one policy version
-    version = 0
     try:
         while version < tcfg.steps:
-            msg: TrainBatch = link.inbox.get()
-            state["state"] = "training"
+            msg: TrainBatch = parallel.broadcast_message(link.inbox.get() if ranks.main else None, ranks)
+            status["state"] = "training"
             t0 = time.perf_counter()
-            metrics = train_step(model, optimizer, Batch.from_message(msg), tcfg, cfg.sampling.temperature, version)
+            batch = Batch.from_message(msg)
+            batch = batch.rows(parallel.shard_rows(len(batch.rewards) // batch.group_size, batch.group_size, ranks))
+            metrics = parallel.reduce_metrics(train_step(policy, optimizer, batch, tcfg, version, reference), ranks)
             version += 1
-            notice = transport.publish(model, version)
+            weights = parallel.full_state_dict(policy, ranks) if ranks.distributed else policy.model
+            checkpoint_dir = ""
+            if version == tcfg.steps or (tcfg.save_every and version % tcfg.save_every == 0):
+                checkpoint_dir = save_state(policy, optimizer, tokenizer, run_dir, version,
+                                            {"policy_version": version, "orchestrator": dict(msg.cursor)}, ranks)
+            metrics["train_s"] = time.perf_counter() - t0
+            if not ranks.main:
+                continue
+            notice = transport.publish(strip_prefix(weights), version)
             send(pub, notice)  # samplers apply it at their next safe point
             link.send(notice)  # the orchestrator forwards it to samplers that join late
-            checkpoint = ""
-            if version == tcfg.steps or (tcfg.save_every and version % tcfg.save_every == 0):
-                checkpoint = str(save_checkpoint(model, tokenizer, run_dir, version))
-            metrics["train_s"] = time.perf_counter() - t0
-            state.update(state="waiting", version=version)
-            state["counters"] = {"steps": version, "train_s": state["counters"]["train_s"] + metrics["train_s"]}
-            link.send(StepDone(step=msg.step, version=version, metrics=metrics, checkpoint=checkpoint))
+            status.update(state="waiting", version=version)
+            status["counters"] = {"steps": version, "train_s": status["counters"]["train_s"] + metrics["train_s"]}
+            link.send(StepDone(step=msg.step, version=version, metrics=metrics, checkpoint=checkpoint_dir))
             log.info("step %d: loss %.4f reward %.3f grad_norm %.3f (%.2fs)", version, metrics["loss"],
                      metrics["reward_mean"], metrics["grad_norm"], metrics["train_s"])
-        state["state"] = "done"
+        status["state"] = "done"
         # keep serving heartbeats until the supervisor stops us, so the final weights stay readable
         while True:
             time.sleep(3600)
     finally:
-        link.close()
-        transport.close()
+        if link is not None:
+            link.close()
+            transport.close()
+        parallel.close(ranks)
 
 
 if __name__ == "__main__":

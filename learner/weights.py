@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import save_file, save_model
 
 from cascade_rl.protocol.messages import WeightsReady
 from cascade_rl.protocol.registry import Registry
@@ -32,10 +32,14 @@ class ShmTransport:
         self.keep = keep
         self._published: list[Path] = []
 
-    def publish(self, model: torch.nn.Module, version: int) -> WeightsReady:
+    def publish(self, model: torch.nn.Module | dict[str, torch.Tensor], version: int) -> WeightsReady:
+        """``model``: the policy, or its full state dict in HF names (gathered from FSDP2 shards)."""
         path = self.dir / f"policy-v{version:06d}.safetensors"
         tmp = path.with_suffix(".tmp")
-        save_model(model, str(tmp))  # handles tied embeddings (shared tensors)
+        if isinstance(model, dict):
+            save_file(unshared(model), str(tmp))
+        else:
+            save_model(model, str(tmp))  # handles tied embeddings (shared tensors)
         os.replace(tmp, path)
         self._published.append(path)
         while len(self._published) > self.keep:
@@ -46,3 +50,14 @@ class ShmTransport:
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors with no storage shared between names (safetensors refuses shared ones; tied
+    embeddings are one tensor under two names): a second name gets a copy."""
+    seen, out = set(), {}
+    for name, t in state.items():
+        t = t.contiguous()
+        out[name] = t.clone() if t.data_ptr() in seen else t
+        seen.add(t.data_ptr())
+    return out

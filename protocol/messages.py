@@ -118,6 +118,8 @@ class TrainBatch:
     rewards: np.ndarray = array("float32", 1)  # [N]
     versions: np.ndarray = array("int32", 1)  # [N] policy version that sampled each row
     teacher_logprobs: np.ndarray | None = array("float32", 2, default=None)  # [N, L] for MOPD
+    loss_masked: np.ndarray | None = array("bool", 1, default=None)  # [N] rows trained with no loss
+    cursor: dict[str, int] = field(default_factory=dict)  # the orchestrator's data cursor, saved with checkpoints
 
     def validate(self) -> str:
         n, length = self.input_ids.shape
@@ -130,6 +132,8 @@ class TrainBatch:
             return "rewards/versions must have one entry per row"
         if self.teacher_logprobs is not None and self.teacher_logprobs.shape != (n, length):
             return "teacher_logprobs shape mismatch"
+        if self.loss_masked is not None and self.loss_masked.shape != (n,):
+            return "loss_masked must have one entry per row"
         return ""
 
 

@@ -28,6 +28,12 @@ from .messages import Heartbeat, WeightsReady
 log = logging.getLogger(__name__)
 
 
+def supervised_pid() -> int:
+    """The pid the supervisor started: this process's, or under torchrun (rank 0 of a multi-rank
+    trainer) the torchrun launcher's, whose child this rank is."""
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+
+
 def send(sock: zmq.Socket, msg: Any, identity: bytes | None = None, flags: int = 0) -> None:
     frames = encode(msg)
     if identity is not None:
@@ -184,7 +190,7 @@ class WorkerLink:
         msg = Heartbeat(
             role=self.role,
             worker_id=self.worker_id,
-            pid=os.getpid(),
+            pid=supervised_pid(),
             state=state or status.pop("state", "running"),
             version=int(status.pop("version", 0)),
             counters=counters,

@@ -118,12 +118,16 @@ class Supervisor:
     # ------------------------------------------------------------------ processes
 
     def spawn(self, proc: Proc) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        # PYTHONSAFEPATH (python -P): never put the cwd on sys.path, in this process's children and
+        # theirs (torchrun's ranks): a checkout's top-level verifiers/ or kernels/ folders would shadow
+        # the PyPI packages of those names
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", PYTHONSAFEPATH="1")
         log = open(self.run_dir / "logs" / f"{proc.worker_id}.log", "ab")
-        # -P: never put the cwd on sys.path (a checkout's top-level verifiers/ or kernels/ folders
-        # would shadow the PyPI packages of those names)
-        cmd = [sys.executable, "-P", "-m", MODULES[proc.role], "--config", str(self.config_path),
-               "--worker-id", proc.worker_id]
+        launcher = [sys.executable, "-P", "-m"]
+        if proc.role == "trainer" and self.cfg.trainer.world_size > 1:  # one process per rank, torchrun's
+            launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={self.cfg.trainer.world_size}",
+                         "-m"]
+        cmd = [*launcher, MODULES[proc.role], "--config", str(self.config_path), "--worker-id", proc.worker_id]
         proc.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                       preexec_fn=_die_with_parent)
         log.close()

@@ -49,6 +49,7 @@ def _train_batch(n: int = 4, length: int = 6, group_size: int = 2, teacher: bool
         rewards=np.array([1.0, 0.0, 0.5, -1.0][:n] + [0.25] * max(0, n - 4), dtype=np.float32),
         versions=np.arange(n, dtype=np.int32) + 40,
         teacher_logprobs=(-rng.random((n, length), dtype=np.float32)) if teacher else None,
+        loss_masked=(np.arange(n) % 3 == 0) if teacher else None,
     )
 
 
@@ -186,7 +187,7 @@ def test_samples_cover_every_registered_type_and_array_dtype():
         for f in dataclasses.fields(cls)
         if "array" in f.metadata
     }
-    assert declared == {("int32", 1), ("float32", 1), ("int32", 2), ("float32", 2), ("bool", 2)}
+    assert declared == {("int32", 1), ("float32", 1), ("int32", 2), ("float32", 2), ("bool", 2), ("bool", 1)}
 
 
 @pytest.mark.parametrize("msg", sample_messages(), ids=lambda m: m.TYPE)
@@ -213,8 +214,9 @@ def test_train_batch_arrays_keep_dtype_shape_and_optional_teacher():
     assert a.input_ids.dtype == np.int32 and a.input_ids.shape == (4, 6)
     assert a.teacher_logprobs.dtype == np.float32 and a.teacher_logprobs.shape == (4, 6)
     np.testing.assert_array_equal(a.teacher_logprobs, with_teacher.teacher_logprobs)
-    assert b.teacher_logprobs is None
-    assert len(encode(without)) == len(encode(with_teacher)) - 1  # no frame for an absent optional array
+    assert a.loss_masked.dtype == np.bool_ and a.loss_masked.tolist() == [True, False, False, True]
+    assert b.teacher_logprobs is None and b.loss_masked is None
+    assert len(encode(without)) == len(encode(with_teacher)) - 2  # no frame for an absent optional array
     assert _header(encode(without))["teacher_logprobs"] is None
 
     # An absent key for an optional array decodes to its default, too.

@@ -1,0 +1,70 @@
+"""The update rules as the trainer applies them, registered by name (``trainer.algorithm``).
+
+Each objective maps one micro-batch's log-probs to ``(loss, stats)``: the loss is
+the micro-batch's share of the step's loss (a mean over its groups or rows; the
+trainer scales it by the micro-batch's fraction of the batch), ``stats`` are
+detached tensors for logging. The pieces are the pure functions of
+learner/losses.py; this module only wires the per-stage options (DESIGN §4):
+
+- grpo: token-level GRPO; with ``importance_weights`` each token weighted by the
+  truncated ratio w_t; ``kl_coef`` adds β·k3(π_θ‖π_ref); ``entropy_coef``
+  subtracts c·entropy; all three token-averaged per group like the policy term.
+- mopd: the reverse-KL distillation loss with truncated weights (teacher
+  log-probs must come with the batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from cascade_rl.protocol.registry import Registry
+
+from .losses import group_token_mean, grpo_loss, kl_k3, mopd_loss, mopd_stats, truncated_importance_weights
+
+OBJECTIVES = Registry("objective")  # name -> fn(Terms, trainer cfg) -> (loss, stats)
+
+
+@dataclasses.dataclass
+class Terms:
+    """One micro-batch, rows ordered group by group; [n, L] tensors are 0 outside ``loss_mask``."""
+
+    logprobs: Tensor  # π_θ, with grad
+    entropy: Tensor  # of π_θ's distribution at each token, with grad
+    inf_logprobs: Tensor  # the sampler's
+    loss_mask: Tensor  # response tokens that carry loss (bool)
+    advantages: Tensor  # [n] group-normalised
+    group_size: int
+    ref_logprobs: Tensor | None = None  # frozen reference, when kl_coef > 0
+    teacher_logprobs: Tensor | None = None  # MOPD
+
+
+@OBJECTIVES.register("grpo")
+def grpo(t: Terms, cfg) -> tuple[Tensor, dict[str, Tensor]]:
+    weights, stats = None, {}
+    if cfg.importance_weights:
+        weights, truncated = truncated_importance_weights(t.logprobs, t.inf_logprobs, t.loss_mask, cfg.eps_low,
+                                                          cfg.eps_high)
+        stats["is_truncated_frac"] = truncated.sum() / t.loss_mask.sum().clamp(min=1)
+    loss = grpo_loss(t.logprobs, t.advantages, t.loss_mask, t.group_size, weights)
+    stats["pg_loss"] = loss.detach()
+    if cfg.kl_coef > 0:
+        if t.ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs reference log-probs")
+        kl = group_token_mean(kl_k3(t.logprobs, t.ref_logprobs), t.loss_mask, t.group_size)
+        loss = loss + cfg.kl_coef * kl
+        stats["kl_ref"] = kl.detach()
+    if cfg.entropy_coef > 0:
+        loss = loss - cfg.entropy_coef * group_token_mean(t.entropy, t.loss_mask, t.group_size)
+    return loss, stats
+
+
+@OBJECTIVES.register("mopd")
+def mopd(t: Terms, cfg) -> tuple[Tensor, dict[str, Tensor]]:
+    if t.teacher_logprobs is None:
+        raise ValueError("trainer.algorithm=mopd: the TrainBatch carries no teacher_logprobs")
+    loss = mopd_loss(t.logprobs, t.teacher_logprobs, t.inf_logprobs, t.loss_mask, cfg.eps_low, cfg.eps_high)
+    stats = mopd_stats(t.logprobs, t.teacher_logprobs, t.inf_logprobs, t.loss_mask, cfg.eps_low, cfg.eps_high)
+    return loss, {"mopd/" + k: torch.tensor(v) for k, v in stats.items()}

@@ -1,0 +1,77 @@
+"""The trainer's view of an HF causal LM: per-token log-probs (and entropy) of the response tokens.
+
+    policy = Policy(AutoModelForCausalLM.from_pretrained(path), temperature=1.0)
+    logprobs, entropy = policy(input_ids, lengths, response_mask, with_entropy=True)   # [N, L] each
+
+Never builds [tokens x vocab] logits: the base model gives hidden states, and
+``learner.logprobs.linear_logprobs`` applies the LM head in chunks, only at the
+positions that predict a response token (prompt positions cost no LM-head work
+at all). With ``pack=True`` the rows run as one padding-free sequence
+(``learner.packing``: position ids restart per row, attention stays within a
+row); otherwise as a right-padded batch with an attention mask. Both give the
+same numbers (tests/test_policy.py).
+
+The module is the unit FSDP2 shards last (``learner.parallel.parallelize``):
+its forward runs the base model and reads the LM head weight, so the root's
+parameters are gathered for exactly that span.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .logprobs import linear_logprobs
+from .packing import pack, pack_values, packed_forward, unpack
+
+
+class Policy(nn.Module):
+    def __init__(self, model: nn.Module, temperature: float = 1.0, chunk_tokens: int = 1024,
+                 pack: bool = True, pack_tokens: int = 8192) -> None:
+        """``pack_tokens`` caps one packed sequence: with SDPA transformers builds a [T, T] mask for it
+        (flash-attn varlen needs none), so a micro-batch runs as several packs of at most that size."""
+        super().__init__()
+        self.model = model
+        self.temperature, self.chunk_tokens, self.pack, self.pack_tokens = temperature, chunk_tokens, pack, pack_tokens
+
+    def forward(self, input_ids: Tensor, lengths: Tensor, target_mask: Tensor,
+                with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """input_ids [N, L] right-padded with ``lengths`` [N] real tokens; ``target_mask`` [N, L] marks the
+        tokens (t >= 1) whose log-prob is wanted. Returns log-probs and entropies [N, L] (fp32), 0 elsewhere;
+        the entropy at t is that of the distribution token t was drawn from."""
+        if bool(target_mask[:, 0].any()):
+            raise ValueError("a row's first token has no prediction: target_mask[:, 0] must be False")
+        head = self.model.get_output_embeddings().weight
+        n, length = input_ids.shape
+        if not self.pack:
+            hidden = self.model.base_model(input_ids=input_ids, attention_mask=self._padding_mask(lengths, length),
+                                           use_cache=False).last_hidden_state  # [N, L, H]
+            rows, cols = target_mask.nonzero(as_tuple=True)
+            lp, ent = linear_logprobs(hidden[rows, cols - 1], head, input_ids[rows, cols], self.temperature,
+                                      self.chunk_tokens, with_entropy)
+            flat = rows * length + cols
+            return self._scatter(lp, flat, n, length), self._scatter(ent, flat, n, length)
+        logprobs = input_ids.new_zeros((n, length), dtype=torch.float32)
+        entropy = torch.zeros_like(logprobs) if with_entropy else None
+        for p in pack(input_ids, lengths, self.pack_tokens):
+            hidden = packed_forward(self.model, p, hidden_states=True)[0]  # [T, H]
+            (where,) = pack_values(target_mask, p)[0].nonzero(as_tuple=True)  # never a row's first token
+            lp, ent = linear_logprobs(hidden[where - 1], head, p.input_ids[0, where], self.temperature,
+                                      self.chunk_tokens, with_entropy)
+            logprobs = logprobs.index_copy(0, p.rows, unpack(self._scatter(lp, where, 1, p.num_tokens)[..., None],
+                                                             p, length)[..., 0])
+            if with_entropy:
+                entropy = entropy.index_copy(0, p.rows, unpack(self._scatter(ent, where, 1, p.num_tokens)[..., None],
+                                                               p, length)[..., 0])
+        return logprobs, entropy
+
+    @staticmethod
+    def _padding_mask(lengths: Tensor, length: int) -> Tensor:
+        return (torch.arange(length, device=lengths.device)[None, :] < lengths[:, None]).long()
+
+    @staticmethod
+    def _scatter(values: Tensor | None, flat: Tensor, n: int, length: int) -> Tensor | None:
+        """values [M] at flat positions of an [n, length] zero tensor (differentiable)."""
+        if values is None:
+            return None
+        return values.new_zeros(n * length).index_copy(0, flat, values).view(n, length)

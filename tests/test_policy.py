@@ -1,0 +1,69 @@
+"""The trainer's log-prob path (learner/policy.py): packed and padded rows, chunked LM head, all equal
+to transformers' full-logits forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from cascade_rl.learner.losses import token_logprobs
+from cascade_rl.learner.policy import Policy
+
+
+def rows(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n, width = 5, 14
+    lengths = torch.tensor([14, 9, 3, 11, 6])
+    ids = torch.randint(3, 300, (n, width), generator=g)
+    target = torch.zeros(n, width, dtype=torch.bool)
+    for i, (length, prompt) in enumerate(zip(lengths.tolist(), [5, 4, 2, 6, 3])):
+        ids[i, length:] = 0  # padding
+        target[i, prompt:length] = True  # response tokens
+    return ids, lengths, target
+
+
+def naive(model, ids, lengths, target, temperature):
+    """Full logits of each row on its own (no padding at all), then log-softmax and entropy."""
+    lp = torch.zeros(ids.shape)
+    ent = torch.zeros(ids.shape)
+    for i, n in enumerate(lengths.tolist()):
+        logits = model(input_ids=ids[i : i + 1, :n]).logits.float() / temperature
+        lp[i, :n] = token_logprobs(logits * temperature, ids[i : i + 1, :n], temperature)[0]
+        p = torch.softmax(logits[0, :-1], -1)
+        ent[i, 1:n] = -(p * torch.log_softmax(logits[0, :-1], -1)).sum(-1)
+    return lp * target, ent * target
+
+
+@pytest.mark.parametrize("pack", [True, False, 12])  # 12: packs of at most 12 tokens (rows split apart)
+@pytest.mark.parametrize("model_fixture", ["tiny_model", "tiny_dense_model"])
+def test_policy_matches_full_logits_values_and_gradients(model_fixture, pack, request):
+    path = request.getfixturevalue(model_fixture)
+    ids, lengths, target = rows()
+    temperature = 0.7
+    ref_model = AutoModelForCausalLM.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    policy = Policy(model, temperature=temperature, chunk_tokens=5, pack=bool(pack),
+                    pack_tokens=pack if pack is not True else 8192)
+    lp, ent = policy(ids, lengths, target, with_entropy=True)
+    ref_lp, ref_ent = naive(ref_model, ids, lengths, target, temperature)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    assert (lp[~target] == 0).all() and (ent[~target] == 0).all()
+
+    w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
+    ((lp * w).sum() + 0.3 * (ent * w).sum()).backward()
+    ((ref_lp * w).sum() + 0.3 * (ref_ent * w).sum()).backward()
+    ref_params = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        q = ref_params[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_policy_refuses_a_target_at_position_zero(tiny_dense_model):
+    ids, lengths, target = rows()
+    target[0, 0] = True
+    with pytest.raises(ValueError, match="first token"):
+        Policy(AutoModelForCausalLM.from_pretrained(tiny_dense_model))(ids, lengths, target)
