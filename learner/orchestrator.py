@@ -49,6 +49,7 @@ from cascade_rl.protocol.messages import (
 from cascade_rl.protocol.sockets import bind_router, recv_routed, send
 from cascade_rl.protocol.worker_main import worker_start
 
+from . import checkpoint
 from .tasks import Example, load_task
 
 log = logging.getLogger("orchestrator")
@@ -72,6 +73,7 @@ class Group:
     rollouts: dict[int, Rollout] = dataclasses.field(default_factory=dict)
     scores: dict[int, Score] = dataclasses.field(default_factory=dict)
     error: str = ""
+    masked: bool = False  # trained with its loss masked (no rollout scored above orchestrator.mask_threshold)
 
     @property
     def complete(self) -> bool:
@@ -132,6 +134,7 @@ class Orchestrator:
         splits = load_task(d.task, {"heldout": d.heldout_size, "rl": d.train_size}, seed=d.seed)
         self.train_pool, self.heldout = splits["rl"], splits["heldout"]
         self.rng = random.Random(cfg.orchestrator.seed)
+        self.examples_drawn = 0  # the data cursor: resuming replays this many draws
         self.ctx = zmq.Context.instance()
         self.router = bind_router(self.ctx, cfg.endpoints.orchestrator)
         self.beat = None
@@ -156,6 +159,12 @@ class Orchestrator:
         self._seq = 0
         self._prompt_ids: dict[str, np.ndarray] = {}
         self.mismatch: list[dict[str, float]] = []  # per step: engine vs trainer log-probs
+        self.start_step = self._resume()
+        self.tb = None
+        if cfg.orchestrator.tensorboard:  # optional extra: fails here, at start, if it is not installed
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     # ------------------------------------------------------------------ the stage, top to bottom
 
@@ -164,11 +173,13 @@ class Orchestrator:
         steps = self.cfg.trainer.steps
         self.status["state"] = "waiting for workers"
         self.pump(lambda: self._have("trainer") and self._have("sampler") and self._have("verifier"))
+        if self.start_step:  # resumed: the trainer publishes the checkpoint's weights before anything samples
+            self.pump(lambda: self.weights is not None and self.weights.version >= self.start_step)
         self.status["state"] = "eval"
         before = self.evaluate()
         per_question_before = dict(self.per_question)
         self._log({"step": 0, **before})
-        for step in range(steps):
+        for step in range(self.start_step, steps):
             self.status.update(state="sampling", step=step)
             t0 = time.perf_counter()
             groups = self.sample_batch(step)
@@ -192,6 +203,7 @@ class Orchestrator:
             **{f"{k}_after": v for k, v in after.items()},
             "heldout_gain": self.paired_gain(per_question_before),
             "steps": steps,
+            "resumed_from_step": self.start_step,
             "policy_version": self.version,
             "wall_s": time.perf_counter() - t_start,
             "books": books,
@@ -207,10 +219,11 @@ class Orchestrator:
         return summary
 
     def sample_batch(self, step: int) -> list[Group]:
-        """``prompts_per_step`` complete groups sampled on the newest weights (strictly on-policy)."""
-        t = self.cfg.trainer
+        """``prompts_per_step`` complete groups sampled on the newest weights (strictly on-policy).
+        Filtered and stale groups are replaced by new ones, for at most ``max_refill_rounds`` rounds."""
+        t, o = self.cfg.trainer, self.cfg.orchestrator
         wanted, kept = t.prompts_per_step, []
-        while len(kept) < wanted:
+        for _ in range(o.max_refill_rounds + 1):
             batch = [self._new_group(self._next_example(), t.group_size, self._train_sampling(), True)
                      for _ in range(wanted - len(kept))]
             self.pump(lambda batch=batch: all(g.complete for g in batch))
@@ -223,8 +236,22 @@ class Orchestrator:
                 elif self._is_stale(g):
                     self.books.stale += g.n
                 else:
+                    g.masked = o.mask_threshold is not None and bool(self.rewards(g).max() <= o.mask_threshold)
                     kept.append(g)
-        return kept
+            if len(kept) == wanted:
+                return kept
+        raise RuntimeError(
+            f"step {step}: only {len(kept)} of {wanted} groups survived {o.max_refill_rounds} refill rounds "
+            f"(filtered so far: {dict(self.books.filtered_reasons)}); the prompts are all too easy or too hard "
+            f"for this model, or raise orchestrator.max_refill_rounds")
+
+    def rewards(self, g: Group) -> np.ndarray:
+        """The rewards trained on: the verifiers' scores, 0 for a truncated response under
+        ``overlong_penalty``."""
+        r = np.array([g.scores[i].reward for i in range(g.n)], np.float32)
+        if self.cfg.orchestrator.overlong_penalty:
+            r[[g.rollouts[i].finish_reason == "length" for i in range(g.n)]] = 0.0
+        return r
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy under the current weights: avg@eval_n at eval_temperature (the paper's
@@ -258,7 +285,7 @@ class Orchestrator:
         return out
 
     def build_batch(self, step: int, groups: list[Group]) -> TrainBatch:
-        rows = [(g.rollouts[i], g.scores[i]) for g in groups for i in range(g.n)]
+        rows = [(g.rollouts[i], g.masked) for g in groups for i in range(g.n)]
         width = max(len(r.prompt_ids) + len(r.response_ids) for r, _ in rows)
         pad = self.tokenizer.pad_token_id or 0
         input_ids = np.full((len(rows), width), pad, np.int32)
@@ -277,13 +304,15 @@ class Orchestrator:
             input_ids=input_ids,
             response_mask=response_mask,
             inf_logprobs=inf_logprobs,
-            rewards=np.array([s.reward for _, s in rows], np.float32),
+            rewards=np.concatenate([self.rewards(g) for g in groups]),
             versions=np.array([r.policy_version for r, _ in rows], np.int32),
+            loss_masked=np.array([masked for _, masked in rows], bool),
+            cursor={"examples_drawn": self.examples_drawn},
         )
 
     def step_metrics(self, step: int, groups: list[Group], t_sample: float, t_step: float) -> dict:
         rollouts = [g.rollouts[i] for g in groups for i in range(g.n)]
-        rewards = [g.scores[i].reward for g in groups for i in range(g.n)]
+        rewards = np.concatenate([self.rewards(g) for g in groups])
         tokens = sum(len(r.response_ids) for r in rollouts)
         trainer = self.step_done.metrics
         self.mismatch.append({k.removeprefix("mismatch/"): v for k, v in trainer.items() if k.startswith("mismatch/")})
@@ -291,6 +320,8 @@ class Orchestrator:
             "step": step + 1,
             "version": self.version,
             "reward_mean": float(np.mean(rewards)),
+            "verifier_reward_mean": float(np.mean([g.scores[i].reward for g in groups for i in range(g.n)])),
+            "masked_groups": sum(g.masked for g in groups),
             "response_len_mean": tokens / len(rollouts),
             "truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts])),
             "staleness_mean": float(np.mean([step - r.policy_version for r in rollouts])),
@@ -309,7 +340,20 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ groups
 
+    def _resume(self) -> int:
+        """With ``trainer.resume_from``: the checkpoint's step, with the data cursor replayed to it."""
+        path = checkpoint.resolve(self.cfg.trainer.resume_from, self.run_dir)
+        if path is None:
+            return 0
+        info = json.loads((path / checkpoint.STATE_JSON).read_text())
+        for _ in range(info["extra"].get("orchestrator", {}).get("examples_drawn", 0)):
+            self._next_example()
+        self.version = info["step"]
+        log.info("resuming at step %d (%d examples drawn)", info["step"], self.examples_drawn)
+        return info["step"]
+
     def _next_example(self) -> Example:
+        self.examples_drawn += 1
         return self.train_pool[self.rng.randrange(len(self.train_pool))]
 
     def _train_sampling(self) -> SamplingParams:
@@ -334,6 +378,8 @@ class Orchestrator:
     def _filter_reason(self, g: Group) -> str:
         if g.error:
             return f"sampler_error: {g.error}"
+        if self.cfg.orchestrator.dynamic_filtering and np.all(self.rewards(g) == self.rewards(g)[0]):
+            return "uniform_rewards"  # dynamic filtering: all right or all wrong, no signal
         return ""
 
     def _is_stale(self, g: Group) -> bool:
@@ -529,6 +575,11 @@ class Orchestrator:
     def _log(self, metrics: dict) -> None:
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, global_step=metrics.get("step", 0))
+            self.tb.flush()
         self.status["last"] = {k: v for k, v in metrics.items()
                                if not k.startswith("trainer/") or k.startswith("trainer/mismatch/")}
         self._heartbeat(force=True)

@@ -61,7 +61,7 @@ class SamplingConfig:
 @dataclass
 class TrainerConfig:
     algorithm: str = "grpo"
-    """grpo: the update rule (learner/losses.py)."""
+    """grpo | mopd: the update rule (learner/losses.py; MOPD needs teacher log-probs in every batch)."""
     steps: int = 20
     """Optimizer steps in this stage; one policy version each."""
     prompts_per_step: int = 128
@@ -88,6 +88,27 @@ class TrainerConfig:
     """Torch seed of the trainer."""
     threads: int = 0
     """torch.set_num_threads (0: torch's default)."""
+    kl_coef: float = 0.0
+    """k3 KL penalty to a frozen reference (the stage's starting weights); paper: 0, RLHF 0.03."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (paper: 0)."""
+    importance_weights: bool = False
+    """GRPO: weight each token by the truncated ratio w_t = π_θ/π_inf in [eps_low, eps_high], else 0
+    (for off-policy rollouts or engine/trainer drift; MOPD always does)."""
+    eps_low: float = 0.5
+    """Lower end of the importance-ratio band (paper: 0.5)."""
+    eps_high: float = 2.0
+    """Upper end of the importance-ratio band (paper: 2.0)."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens per chunk of the LM-head log-prob pass (memory ~ chunk x vocab x 4 bytes, never the batch's)."""
+    pack: bool = True
+    """Pack a micro-batch's rollouts into rows without padding (position ids restart per sequence)."""
+    pack_tokens: int = 8192
+    """Most tokens in one packed row (SDPA builds a [T, T] mask per pack; flash-attn varlen none)."""
+    world_size: int = 1
+    """Trainer ranks (torchrun; FSDP2 over gloo on CPU, NCCL on GPU)."""
+    resume_from: str = ""
+    """A checkpoint directory to resume from ("latest": the newest under run_dir/checkpoints)."""
 
 
 @dataclass
@@ -110,6 +131,17 @@ class OrchestratorConfig:
     """Also report greedy (temperature 0) pass@1 on the held-out set."""
     seed: int = 0
     """Seed of the prompt order."""
+    dynamic_filtering: bool = False
+    """Drop groups whose rewards are all equal (no signal) and sample replacements (DAPO; paper: IF-RL)."""
+    overlong_penalty: bool = False
+    """Reward 0 for a response cut off at max_tokens (paper: on, except RLHF)."""
+    tensorboard: bool = False
+    """Also write the step metrics as TensorBoard events under run_dir/tensorboard (pip install -e .[tensorboard])."""
+    max_refill_rounds: int = 16
+    """Rounds of replacement groups per step before the step fails with the filter counts (as verl's
+    max_num_gen_batches): a stage whose prompts all give uniform rewards stops instead of spinning."""
+    mask_threshold: float | None = None
+    """Drop groups where no rollout scores above this (paper: 0.5 for agentless SWE RL); null: off."""
 
 
 @dataclass
@@ -166,7 +198,7 @@ class LaunchConfig:
 ConfigStore.instance().store(name="launch_schema", node=LaunchConfig)
 
 
-def compose(preset: str | None, overrides: list[str]) -> DictConfig:
+def compose(preset: str | None, overrides: list[str], check: bool = True) -> DictConfig:
     """Resolve a launch config from a preset name (configs/run/NAME.yaml) or a YAML path."""
     overrides = list(overrides)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
@@ -179,7 +211,8 @@ def compose(preset: str | None, overrides: list[str]) -> DictConfig:
     cfg = OmegaConf.merge(OmegaConf.structured(LaunchConfig), cfg)
     if not cfg.run_dir:
         cfg.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 
@@ -187,6 +220,14 @@ def validate(cfg: DictConfig) -> None:
     """Cross-process rules, checked once at launch with a message that says what to change."""
     problems = []
     t, w, o = cfg.trainer, cfg.workers, cfg.orchestrator
+    if t.algorithm not in ("grpo", "mopd"):
+        problems.append(f"trainer.algorithm={t.algorithm!r}: choose grpo or mopd")
+    if not 0 < t.eps_low <= 1 <= t.eps_high:
+        problems.append("need 0 < trainer.eps_low <= 1 <= trainer.eps_high (the band must hold ratio 1)")
+    if t.kl_coef < 0 or t.entropy_coef < 0:
+        problems.append("trainer.kl_coef and trainer.entropy_coef must be >= 0")
+    if t.world_size < 1 or t.prompts_per_step % t.world_size:
+        problems.append("trainer.prompts_per_step must be a multiple of trainer.world_size (>= 1)")
     if t.group_size < 2 and t.algorithm == "grpo":
         problems.append("trainer.group_size must be >= 2 for GRPO (advantages are group-normalised)")
     if t.micro_batch_groups and t.prompts_per_step % t.micro_batch_groups:
@@ -199,6 +240,15 @@ def validate(cfg: DictConfig) -> None:
         problems.append("sampling.max_tokens must be >= 1")
     if not Path(cfg.model.path).is_dir():
         problems.append(f"model.path={cfg.model.path} is not a directory (make one: cascade-rl make-tiny-model)")
+    from cascade_rl.verifiers.registry import VERIFIERS
+
+    if unknown := [d for d in w.verifier_domains if d not in VERIFIERS]:
+        problems.append(f"workers.verifier_domains: no verifier for {unknown} (registered: {sorted(VERIFIERS)})")
+    if t.algorithm == "mopd":
+        problems.append("trainer.algorithm=mopd needs teacher servers for the teacher log-probs, and launch "
+                        "starts none yet (the loss and trainer path are in learner/objectives.py)")
+    if t.algorithm == "mopd" and (t.kl_coef or t.entropy_coef):
+        problems.append("trainer.kl_coef / entropy_coef apply to grpo only")
     if problems:
         raise ValueError("invalid launch config:\n  " + "\n  ".join(problems))
 

@@ -111,3 +111,29 @@ def test_stopping_the_supervisor_stops_every_worker(tiny_model, tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.slow
+def test_two_rank_trainer_then_resume_from_its_checkpoint(tiny_model, tmp_path):
+    """trainer.world_size=2: the supervisor starts the trainer under torchrun (FSDP2, gloo); a second launch
+    with trainer.resume_from=latest continues at the checkpoint's step with the saved data cursor."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
+    common = [f"run_dir={run_dir}", f"model.path={tiny_model}", "supervisor.progress=plain"]
+    r = cli("launch", "tiny", *common, "trainer.world_size=2", "trainer.steps=2", env=env, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "trainer rank 0 of 2" in log and "trainer rank 1 of 2" in log  # two ranks under torchrun
+    first = json.loads((run_dir / "summary.json").read_text())
+    assert first["steps"] == 2 and first["books"]["lost"] == 0
+    state = json.loads((run_dir / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["extra"]["orchestrator"]["examples_drawn"] >= 2 * 8
+
+    r = cli("launch", "tiny", *common, "trainer.steps=4", "trainer.resume_from=latest", env=env, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    second = json.loads((run_dir / "summary.json").read_text())
+    assert second["resumed_from_step"] == 2 and second["policy_version"] == 4
+    assert second["books"]["trained"] == 2 * 8 * 4 and second["books"]["lost"] == 0  # steps 3 and 4 only
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics if "version" in m] == [1, 2, 3, 4]
+    assert all(m["staleness_mean"] == 0.0 for m in metrics if "version" in m)

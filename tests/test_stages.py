@@ -1,0 +1,50 @@
+"""Stage presets (configs/stage/*.yaml) carry the paper's numbers (DESIGN §4) over the schema's defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from cascade_rl.supervisor.config import compose
+
+PAPER_DEFAULTS = {"trainer.prompts_per_step": 128, "trainer.group_size": 16, "trainer.lr": 3e-6,
+                  "sampling.temperature": 1.0, "sampling.top_p": 1.0, "trainer.kl_coef": 0.0,
+                  "trainer.entropy_coef": 0.0, "orchestrator.max_staleness": 0}
+
+STAGES = {
+    "if_rl": {"trainer.steps": 180, "sampling.max_tokens": 49152, "orchestrator.dynamic_filtering": True},
+    "multi_domain": {"trainer.steps": 70, "sampling.max_tokens": 49152},
+    "mopd": {"trainer.algorithm": "mopd", "trainer.group_size": 4, "trainer.lr": 2e-6, "trainer.warmup_steps": 30,
+             "trainer.warmup_start_lr": 2e-7, "trainer.eps_low": 0.5, "trainer.eps_high": 2.0},
+    "rlhf": {"trainer.kl_coef": 0.03, "sampling.max_tokens": 16384, "orchestrator.overlong_penalty": False,
+             "trainer.steps": 30},
+    "long_context": {"trainer.steps": 30},
+    "code_rl": {"sampling.top_p": 0.95, "sampling.max_tokens": 118000, "trainer.steps": 22},
+    "swe_agentless": {"orchestrator.mask_threshold": 0.5, "sampling.max_tokens": 98304},
+}
+
+
+def get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_stage_preset_has_the_papers_numbers(stage, tiny_model):
+    cfg = compose(None, [f"stage={stage}", f"model.path={tiny_model}"], check=False)
+    expected = {**PAPER_DEFAULTS, **STAGES[stage]}
+    for key, value in expected.items():
+        assert get(cfg, key) == pytest.approx(value) if isinstance(value, float) else get(cfg, key) == value, key
+
+
+def test_a_run_preset_overrides_the_stage_where_it_sets_scale(tiny_model):
+    cfg = compose("tiny", ["stage=rlhf", f"model.path={tiny_model}"], check=False)
+    assert cfg.trainer.kl_coef == 0.03  # from the stage
+    assert cfg.trainer.prompts_per_step == 8 and cfg.sampling.max_tokens == 24  # from the run preset
+
+
+def test_validation_names_missing_verifiers_and_teachers(tiny_model):
+    with pytest.raises(ValueError) as e:
+        compose("tiny", ["stage=mopd", f"model.path={tiny_model}", "workers.verifier_domains=[math,genrm]"])
+    assert "no verifier for ['genrm']" in str(e.value) and "teacher servers" in str(e.value)
+    compose("tiny", ["stage=rlhf", f"model.path={tiny_model}", "workers.verifier_domains=[math]"])  # valid
