@@ -175,3 +175,47 @@ def packed_token_logprobs(logits: Tensor, packed: Packed, temperature: float = 1
     lp = token_logprobs(logits, packed.input_ids, temperature=temperature)
     starts = packed.cu_seqlens[:-1].long()
     return lp.index_fill(1, starts, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lanes:
+    """Rows bin-packed into lanes of one width: a [lanes, width] batch in which every lane holds whole rows
+    back to back, position ids restarting per row (the free tail of a lane restarts too, as a row of its
+    own that nothing reads). Row i's token t sits at ``[lane[i], offset[i] + t]``."""
+
+    input_ids: Tensor  # [lanes, width] long
+    position_ids: Tensor  # [lanes, width] long
+    lane: Tensor  # [N] long
+    offset: Tensor  # [N] long
+
+
+def pack_lanes(input_ids: Tensor, lengths: Tensor, width: int | None = None, pad_id: int = 0) -> Lanes:
+    """Right-padded input_ids [N, L] with lengths [N] -> lanes of ``width`` (default: the longest row),
+    first-fit decreasing.
+
+    For attention that needs a mask (SDPA, eager): transformers builds the per-row block mask of a
+    [lanes, width] batch from position_ids, so attention per token is at most ``width`` (as for the
+    padded batch) while the MLPs run on about the real tokens only; one forward pass for the batch."""
+    n, length = input_ids.shape
+    sizes = [int(x) for x in lengths.tolist()]
+    width = width or max(sizes, default=1)
+    if max(sizes, default=0) > width:
+        raise ValueError(f"a row of {max(sizes)} tokens does not fit lanes of {width}")
+    free: list[int] = []  # room left in each lane
+    lane, offset = [0] * n, [0] * n
+    for i in sorted(range(n), key=lambda r: -sizes[r]):
+        k = next((j for j, room in enumerate(free) if room >= sizes[i]), len(free))
+        if k == len(free):
+            free.append(width)
+        lane[i], offset[i] = k, width - free[k]
+        free[k] -= sizes[i]
+    device = input_ids.device
+    ids = torch.full((max(len(free), 1), width), pad_id, dtype=input_ids.dtype, device=device)
+    pos = torch.arange(width, device=device).repeat(ids.shape[0], 1)
+    lane_t, offset_t = torch.tensor(lane, device=device), torch.tensor(offset, device=device)
+    for i in range(n):
+        ids[lane[i], offset[i]: offset[i] + sizes[i]] = input_ids[i, : sizes[i]]
+        pos[lane[i], offset[i]: offset[i] + sizes[i]] = torch.arange(sizes[i], device=device)
+    for k, room in enumerate(free):  # the free tail: positions from 0 again, a separate "row"
+        pos[k, width - room:] = torch.arange(room, device=device)
+    return Lanes(ids, pos, lane_t, offset_t)

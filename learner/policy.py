@@ -6,10 +6,16 @@
 Never builds [tokens x vocab] logits: the base model gives hidden states, and
 ``learner.logprobs.linear_logprobs`` applies the LM head in chunks, only at the
 positions that predict a response token (prompt positions cost no LM-head work
-at all). With ``pack=True`` the rows run as one padding-free sequence
-(``learner.packing``: position ids restart per row, attention stays within a
-row); otherwise as a right-padded batch with an attention mask. Both give the
-same numbers (tests/test_policy.py).
+at all). Layouts (``learner.packing``), all giving the same numbers
+(tests/test_policy.py):
+
+- ``pack=True`` with flash-attn varlen (CUDA, ``flash_attention_2``): padding-free
+  [1, T] sequences of at most ``pack_tokens``, rows told apart by cu_seqlens.
+- ``pack=True`` otherwise (SDPA, eager): rows bin-packed into lanes as wide as
+  the longest row, position ids restarting per row. transformers turns those
+  into a per-row block mask; packing everything into one [1, T] row instead
+  would make SDPA attend over T x T (measured: 7x slower steps in the demo).
+- ``pack=False``: the right-padded batch with an attention mask.
 
 The module is the unit FSDP2 shards last (``learner.parallel.parallelize``):
 its forward runs the base model and reads the LM head weight, so the root's
@@ -22,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from .logprobs import linear_logprobs
-from .packing import pack, pack_values, packed_forward, unpack
+from .packing import VARLEN_KWARGS, pack, pack_lanes, pack_values, packed_forward, unpack
 
 
 class Policy(nn.Module):
@@ -43,14 +49,25 @@ class Policy(nn.Module):
             raise ValueError("a row's first token has no prediction: target_mask[:, 0] must be False")
         head = self.model.get_output_embeddings().weight
         n, length = input_ids.shape
-        if not self.pack:
+        rows, cols = target_mask.nonzero(as_tuple=True)
+        if self.pack and self.model.config._attn_implementation in VARLEN_KWARGS:
+            return self._varlen(input_ids, lengths, target_mask, head, with_entropy)
+        if self.pack:  # rows bin-packed into lanes as wide as the longest: one pass, block-diagonal attention
+            lanes = pack_lanes(input_ids, lengths, pad_id=int(input_ids[0, -1]))
+            hidden = self.model.base_model(input_ids=lanes.input_ids, position_ids=lanes.position_ids,
+                                           attention_mask=None, use_cache=False).last_hidden_state
+            h = hidden[lanes.lane[rows], lanes.offset[rows] + cols - 1]
+        else:
             hidden = self.model.base_model(input_ids=input_ids, attention_mask=self._padding_mask(lengths, length),
                                            use_cache=False).last_hidden_state  # [N, L, H]
-            rows, cols = target_mask.nonzero(as_tuple=True)
-            lp, ent = linear_logprobs(hidden[rows, cols - 1], head, input_ids[rows, cols], self.temperature,
-                                      self.chunk_tokens, with_entropy)
-            flat = rows * length + cols
-            return self._scatter(lp, flat, n, length), self._scatter(ent, flat, n, length)
+            h = hidden[rows, cols - 1]
+        lp, ent = linear_logprobs(h, head, input_ids[rows, cols], self.temperature, self.chunk_tokens, with_entropy)
+        flat = rows * length + cols
+        return self._scatter(lp, flat, n, length), self._scatter(ent, flat, n, length)
+
+    def _varlen(self, input_ids, lengths, target_mask, head, with_entropy):
+        """flash-attn varlen: [1, T] packs of at most ``pack_tokens`` with cu_seqlens, no mask at all."""
+        n, length = input_ids.shape
         logprobs = input_ids.new_zeros((n, length), dtype=torch.float32)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
         for p in pack(input_ids, lengths, self.pack_tokens):

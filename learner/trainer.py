@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                 checkpoint_dir = save_state(policy, optimizer, tokenizer, run_dir, version,
                                             {"policy_version": version, "orchestrator": dict(msg.cursor)}, ranks)
             metrics["train_s"] = time.perf_counter() - t0
+            metrics["tokens_per_s"] = int(batch.lengths.sum()) * ranks.world_size / metrics["train_s"]
             if not ranks.main:
                 continue
             notice = transport.publish(strip_prefix(weights), version)

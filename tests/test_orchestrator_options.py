@@ -3,6 +3,8 @@ and the data cursor carried to checkpoints. (The event loop itself is exercised 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -69,3 +71,18 @@ def test_masked_groups_travel_as_loss_masked_rows_with_the_cursor(make):
     assert batch.response_mask[:4].any()  # the tokens stay (log-prob mismatch is still measured on them)
     assert batch.cursor == {"examples_drawn": 40}
     assert batch.validate() == ""
+
+
+def test_metrics_go_to_jsonl_and_tensorboard(make, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    o = make(tensorboard=True)
+    o._log({"step": 1, "reward_mean": 0.25, "trainer/loss": -0.5, "note": "text is skipped"})
+    o._log({"step": 2, "reward_mean": 0.5, "trainer/loss": -0.25})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["reward_mean"] for x in lines] == [0.25, 0.5]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 0.25), (2, 0.5)]
+    assert [e.value for e in events.Scalars("trainer/loss")] == [-0.5, -0.25]
+    assert "note" not in events.Tags()["scalars"]

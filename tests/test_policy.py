@@ -35,16 +35,22 @@ def naive(model, ids, lengths, target, temperature):
     return lp * target, ent * target
 
 
-@pytest.mark.parametrize("pack", [True, False, 12])  # 12: packs of at most 12 tokens (rows split apart)
+@pytest.mark.parametrize("layout", ["lanes", "padded", "varlen"])
 @pytest.mark.parametrize("model_fixture", ["tiny_model", "tiny_dense_model"])
-def test_policy_matches_full_logits_values_and_gradients(model_fixture, pack, request):
+def test_policy_matches_full_logits_values_and_gradients(model_fixture, layout, request, monkeypatch):
     path = request.getfixturevalue(model_fixture)
     ids, lengths, target = rows()
     temperature = 0.7
     ref_model = AutoModelForCausalLM.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
-    policy = Policy(model, temperature=temperature, chunk_tokens=5, pack=bool(pack),
-                    pack_tokens=pack if pack is not True else 8192)
+    if layout == "varlen":  # no flash-attn on CPU: its varlen contract in plain torch (tests/test_packing.py)
+        from test_packing import reference_varlen_attention
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "flash_attention_2", reference_varlen_attention)
+        model.config._attn_implementation = "flash_attention_2"
+    # pack_tokens 20: the varlen layout splits the batch into several [1, T] packs
+    policy = Policy(model, temperature=temperature, chunk_tokens=5, pack=layout != "padded", pack_tokens=20)
     lp, ent = policy(ids, lengths, target, with_entropy=True)
     ref_lp, ref_ent = naive(ref_model, ids, lengths, target, temperature)
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
@@ -67,3 +73,15 @@ def test_policy_refuses_a_target_at_position_zero(tiny_dense_model):
     target[0, 0] = True
     with pytest.raises(ValueError, match="first token"):
         Policy(AutoModelForCausalLM.from_pretrained(tiny_dense_model))(ids, lengths, target)
+
+
+def test_lanes_hold_whole_rows_and_fewer_tokens_than_padding():
+    from cascade_rl.learner.packing import pack_lanes
+
+    ids, lengths, _ = rows()
+    lanes = pack_lanes(ids, lengths)
+    assert lanes.input_ids.shape == (4, 14)  # first-fit decreasing: 14 | 11+3 | 9 | 6, 4 lanes for 5 rows
+    for i, n in enumerate(lengths.tolist()):
+        lane, off = lanes.lane[i], lanes.offset[i]
+        assert torch.equal(lanes.input_ids[lane, off:off + n], ids[i, :n])
+        assert lanes.position_ids[lane, off:off + n].tolist() == list(range(n))
