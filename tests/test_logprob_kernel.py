@@ -1,0 +1,201 @@
+"""kernels/logprob.py (Triton) against its torch references: values, gradients, edge cases, GPU compilation.
+
+Without CUDA the kernels run under the Triton interpreter (fp32 numpy, one program at a time, 16-wide
+tiles), so shapes stay tiny but ragged: N, H, V not multiples of 16, several vocab splits. With CUDA the
+same tests run the compiled kernels at their GPU tile sizes, plus a determinism check. The last test
+compiles the kernels for sm_90 ahead of time in a subprocess (no GPU needed) to catch what the
+interpreter cannot: unsupported ops, layouts, shared memory.
+
+    .venv/bin/pytest tests/test_logprob_kernel.py
+"""
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # Before triton decorates the kernels (tests/conftest.py may have set it already).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")  # CPU torch wheels do not bring it
+
+from cascade_rl.kernels import logprob as kernel  # noqa: E402
+from cascade_rl.learner import logprobs as torch_paths  # noqa: E402
+
+assert DEVICE == "cuda" or kernel.INTERPRETED, (
+    "kernels.logprob was imported before TRITON_INTERPRET=1 was set; without CUDA it must run interpreted")
+
+REFERENCES = {"naive": torch_paths.linear_logprobs_reference, "chunked": torch_paths.linear_logprobs}
+
+
+def make(n, h, v, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=g) * scale).to(DEVICE, dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(DEVICE, dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    up_lp, up_ent = torch.randn(n, generator=g).to(DEVICE), torch.randn(n, generator=g).to(DEVICE)
+    return hidden, weight, targets, up_lp, up_ent
+
+
+def run(fn, hidden, weight, targets, up_lp, up_ent, use_lp=True, use_ent=True, **kw):
+    """Values and grads (of the inputs that want them) of Σ up_lp·logprob + Σ up_ent·entropy."""
+    lp, ent = fn(hidden, weight, targets, **kw)
+    loss = (lp * up_lp).sum() if use_lp else 0.0
+    if ent is not None and use_ent:
+        loss = loss + (ent * up_ent).sum()
+    grads = torch.autograd.grad(loss, [t for t in (hidden, weight) if t.requires_grad])
+    return lp.detach(), None if ent is None else ent.detach(), grads
+
+
+def close(got, want, tol=1e-5):
+    """max |Δ| ≤ tol, scaled by the reference's magnitude where that exceeds 1."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.numel() == 0:
+        return
+    scale = max(1.0, want.abs().max().item())
+    diff = (got.float() - want.float()).abs().max().item()
+    assert diff <= tol * scale, f"max |Δ| {diff:.3g} > {tol * scale:.3g}"
+
+
+def check_against_references(args, tol=1e-5, grad_tol=1e-5, **kw):
+    lp, ent, grads = run(kernel.linear_logprobs, *args, **kw)
+    for name, ref in REFERENCES.items():
+        ref_lp, ref_ent, ref_grads = run(ref, *args, chunk_tokens=8, **kw)
+        assert lp.dtype == torch.float32, name
+        close(lp, ref_lp, tol)
+        if ref_ent is None:
+            assert ent is None
+        else:
+            close(ent, ref_ent, tol)
+        assert len(grads) == len(ref_grads)
+        for g, r in zip(grads, ref_grads, strict=True):
+            close(g, r, grad_tol)
+
+
+# (20, 40, 70): two token blocks, three H slices, five vocab tiles over two splits, all ragged;
+# (7, 24, 37): one ragged block, three splits of one tile; (32, 32, 64): exact multiples of 16.
+@pytest.mark.parametrize("n,h,v", [(20, 40, 70), (7, 24, 37), (32, 32, 64)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_matches_references(n, h, v, temperature, with_entropy):
+    check_against_references(make(n, h, v), temperature=temperature, with_entropy=with_entropy)
+
+
+@pytest.mark.parametrize("use_lp,use_ent", [(True, False), (False, True)])
+def test_only_one_output_in_the_loss(use_lp, use_ent):
+    # The unused output's grad reaches backward as None: its term drops out.
+    check_against_references(make(20, 40, 70, seed=1), temperature=0.7, with_entropy=True, use_lp=use_lp,
+                             use_ent=use_ent)
+
+
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+def test_one_input_without_grad(frozen):
+    hidden, weight, *rest = make(20, 40, 70, seed=2)
+    (weight if frozen == "weight" else hidden).requires_grad_(False)
+    check_against_references((hidden, weight, *rest), temperature=0.7, with_entropy=True)
+
+
+def test_large_logits():
+    # Logits of a few hundred: the online max keeps every exp ≤ 1; |logprob| ~ 1e2 scales the bound.
+    check_against_references(make(20, 16, 70, seed=3, scale=30.0), temperature=0.9, with_entropy=True,
+                             grad_tol=1e-4)
+
+
+def test_bf16_inputs():
+    # bf16 × bf16 products are exact in fp32, so the values match the fp32 torch paths on the same numbers;
+    # ∂L/∂z is rounded to bf16 before its matmuls (and the grads come back in bf16): bf16-sized error there.
+    check_against_references(make(20, 40, 70, dtype=torch.bfloat16, seed=4), temperature=0.7, with_entropy=True,
+                             grad_tol=2e-2)
+
+
+@pytest.mark.parametrize("n,v", [(0, 70), (1, 70), (5, 1)])
+def test_edge_sizes(n, v):
+    # No tokens; one token; a vocabulary of one (logprob 0, entropy 0, zero grads).
+    check_against_references(make(n, 24, v, seed=5), with_entropy=True)
+
+
+def test_vocab_splits_cover_the_vocabulary():
+    for blocks in (1, 2, 3, 64, 1000):
+        for tiles in (1, 2, 5, 7, 1187):
+            splits, per_split = kernel._vocab_splits(blocks, tiles, programs=264)
+            assert splits >= 1 and (splits - 1) * per_split < tiles <= splits * per_split  # none empty, all covered
+            assert blocks * splits <= max(264, blocks) + blocks  # no more programs than asked for (one round up)
+
+
+def test_same_signature_as_the_reference():
+    assert inspect.signature(kernel.linear_logprobs) == inspect.signature(torch_paths.linear_logprobs)
+
+
+def test_rejects_bad_inputs():
+    hidden, weight, targets, *_ = make(4, 8, 16)
+    with pytest.raises(TypeError, match="float64"):
+        kernel.linear_logprobs(hidden.double(), weight.double(), targets)
+    with pytest.raises(ValueError):
+        kernel.linear_logprobs(hidden, weight[:, :4], targets)
+    with pytest.raises(ValueError):
+        kernel.linear_logprobs(hidden, weight, targets[:2])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter runs one program at a time: trivially deterministic")
+def test_gradients_are_deterministic():
+    args = make(300, 64, 1000, dtype=torch.bfloat16, seed=6)
+    first = run(kernel.linear_logprobs, *args, with_entropy=True)
+    second = run(kernel.linear_logprobs, *args, with_entropy=True)
+    for a, b in zip((first[0], first[1], *first[2]), (second[0], second[1], *second[2]), strict=True):
+        assert torch.equal(a, b)
+
+
+# --- ahead-of-time compilation for a GPU this machine may not have ----------------------------------
+
+AOT_SCRIPT = r"""
+import itertools, json, os, subprocess, sys, tempfile, warnings
+warnings.filterwarnings("ignore")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cascade_rl.kernels import logprob as K
+assert not K.INTERPRETED
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+out = []
+for (bits, dtype), ent in itertools.product(((16, "bf16"), (32, "fp32")), (False, True)):
+    for which, fn, flags in (("forward", K._forward_kernel, {"WITH_ENTROPY": ent}),
+                             ("grad_hidden", K._grad_hidden_kernel, {"HAS_GENT": ent}),
+                             ("grad_weight", K._grad_weight_kernel, {"HAS_GENT": ent})):
+        t = K._GPU_TILES[bits, which]
+        consts = dict(flags, BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h, PRECISION=K._DOT_PRECISION)
+        sig = {a: "constexpr" if a in consts else f"*{dtype}" if a in ("h_ptr", "w_ptr") else "*i64"
+               if a == "tgt_ptr" else "*fp32" if a.endswith("_ptr") else "fp32" if a == "inv_t" else "i32"
+               for a in fn.arg_names}
+        # What a launch specialises on: 16-byte aligned pointers, H and V multiples of 16.
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                 if a.endswith("_ptr") or a in ("H", "V")}
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=t.num_warps, num_stages=t.num_stages))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"]); f.flush()
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        regs = dict(kv.split(":") for kv in next(ln for ln in usage.splitlines() if "REG:" in ln).split()[:2])
+        out.append({"kernel": which, "dtype": dtype, "entropy": ent, "shared": k.metadata.shared, "regs": int(regs["REG"]),
+                    "stack": int(regs["STACK"])})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90():
+    nvidia_bin = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (nvidia_bin / "ptxas").exists() or not (nvidia_bin / "cuobjdump").exists():
+        pytest.skip("this triton has no bundled ptxas/cuobjdump")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for k in json.loads(proc.stdout.strip().splitlines()[-1]):
+        print(k)
+        assert k["shared"] <= 227 * 1024, k  # an H100/H200 block's shared-memory limit
+        assert k["stack"] == 0, f"register spills: {k}"  # tile sizes were picked for none (triton 3.9)
