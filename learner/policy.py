@@ -4,7 +4,8 @@
     logprobs, entropy = policy(input_ids, lengths, response_mask, with_entropy=True)   # [N, L] each
 
 Never builds [tokens x vocab] logits: the base model gives hidden states, and
-``learner.logprobs.linear_logprobs`` applies the LM head in chunks, only at the
+``learner.logprobs.linear_logprobs`` (or the fused Triton kernel of kernels/logprob.py,
+``logprob_impl="triton"``) applies the LM head in chunks, only at the
 positions that predict a response token (prompt positions cost no LM-head work
 at all). Layouts (``learner.packing``), all giving the same numbers
 (tests/test_policy.py):
@@ -27,18 +28,34 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .logprobs import linear_logprobs
+from cascade_rl.protocol.registry import Registry
+
+from . import logprobs as torch_logprobs
 from .packing import VARLEN_KWARGS, pack, pack_lanes, pack_values, packed_forward, unpack
+
+# name -> fn(hidden [M, H], weight [V, H], targets [M], temperature, chunk_tokens, with_entropy)
+#         -> (logprob [M], entropy [M] | None)            (``trainer.logprob_impl``)
+LOGPROB_IMPLS = Registry("log-prob implementation")
+LOGPROB_IMPLS.register("torch")(torch_logprobs.linear_logprobs)
+
+
+@LOGPROB_IMPLS.register("triton")
+def triton_logprobs(*args, **kwargs):
+    """kernels/logprob.py: the fused Triton kernel (CUDA; on CPU only under TRITON_INTERPRET=1, for tests)."""
+    from cascade_rl.kernels.logprob import linear_logprobs
+
+    return linear_logprobs(*args, **kwargs)
 
 
 class Policy(nn.Module):
     def __init__(self, model: nn.Module, temperature: float = 1.0, chunk_tokens: int = 1024,
-                 pack: bool = True, pack_tokens: int = 8192) -> None:
+                 pack: bool = True, pack_tokens: int = 8192, logprob_impl: str = "torch") -> None:
         """``pack_tokens`` caps one packed sequence: with SDPA transformers builds a [T, T] mask for it
         (flash-attn varlen needs none), so a micro-batch runs as several packs of at most that size."""
         super().__init__()
         self.model = model
         self.temperature, self.chunk_tokens, self.pack, self.pack_tokens = temperature, chunk_tokens, pack, pack_tokens
+        self.linear_logprobs = LOGPROB_IMPLS[logprob_impl]
 
     def forward(self, input_ids: Tensor, lengths: Tensor, target_mask: Tensor,
                 with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -61,7 +78,8 @@ class Policy(nn.Module):
             hidden = self.model.base_model(input_ids=input_ids, attention_mask=self._padding_mask(lengths, length),
                                            use_cache=False).last_hidden_state  # [N, L, H]
             h = hidden[rows, cols - 1]
-        lp, ent = linear_logprobs(h, head, input_ids[rows, cols], self.temperature, self.chunk_tokens, with_entropy)
+        lp, ent = self.linear_logprobs(h, head, input_ids[rows, cols], self.temperature, self.chunk_tokens,
+                                       with_entropy)
         flat = rows * length + cols
         return self._scatter(lp, flat, n, length), self._scatter(ent, flat, n, length)
 
@@ -73,8 +91,8 @@ class Policy(nn.Module):
         for p in pack(input_ids, lengths, self.pack_tokens):
             hidden = packed_forward(self.model, p, hidden_states=True)[0]  # [T, H]
             (where,) = pack_values(target_mask, p)[0].nonzero(as_tuple=True)  # never a row's first token
-            lp, ent = linear_logprobs(hidden[where - 1], head, p.input_ids[0, where], self.temperature,
-                                      self.chunk_tokens, with_entropy)
+            lp, ent = self.linear_logprobs(hidden[where - 1], head, p.input_ids[0, where], self.temperature,
+                                           self.chunk_tokens, with_entropy)
             logprobs = logprobs.index_copy(0, p.rows, unpack(self._scatter(lp, where, 1, p.num_tokens)[..., None],
                                                              p, length)[..., 0])
             if with_entropy:

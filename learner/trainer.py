@@ -160,9 +160,10 @@ def build(cfg, ranks: parallel.Ranks):
     if t.kl_coef > 0:  # the stage's starting policy; each rank holds a full copy (no gradient, no optimizer)
         ref_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
         reference = Policy(ref_model.requires_grad_(False).eval(), cfg.sampling.temperature,
-                           t.logprob_chunk_tokens, t.pack, t.pack_tokens)
+                           t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl)
     policy = parallel.parallelize(
-        Policy(model, cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens), ranks)
+        Policy(model, cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl),
+        ranks)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr_at(0, t), betas=tuple(t.betas),
                                   weight_decay=t.weight_decay)
     state = {"step": 0, "extra": {}}

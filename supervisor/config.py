@@ -12,6 +12,7 @@ workers never re-implement defaults.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,8 @@ class TrainerConfig:
     """Upper end of the importance-ratio band (paper: 2.0)."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the LM-head log-prob pass (memory ~ chunk x vocab x 4 bytes, never the batch's)."""
+    logprob_impl: str = "torch"
+    """torch (chunked, learner/logprobs.py) | triton (fused kernel, kernels/logprob.py; CUDA)."""
     pack: bool = True
     """Pack a micro-batch's rollouts into rows without padding (position ids restart per sequence)."""
     pack_tokens: int = 8192
@@ -247,10 +250,21 @@ def validate(cfg: DictConfig) -> None:
     if t.algorithm == "mopd":
         problems.append("trainer.algorithm=mopd needs teacher servers for the teacher log-probs, and launch "
                         "starts none yet (the loss and trainer path are in learner/objectives.py)")
+    if t.logprob_impl not in ("torch", "triton"):
+        problems.append(f"trainer.logprob_impl={t.logprob_impl!r}: choose torch or triton")
+    if t.logprob_impl == "triton" and not _cuda() and os.environ.get("TRITON_INTERPRET") != "1":
+        problems.append("trainer.logprob_impl=triton needs CUDA (or TRITON_INTERPRET=1: Triton's interpreter, "
+                        "for tests only)")
     if t.algorithm == "mopd" and (t.kl_coef or t.entropy_coef):
         problems.append("trainer.kl_coef / entropy_coef apply to grpo only")
     if problems:
         raise ValueError("invalid launch config:\n  " + "\n  ".join(problems))
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -85,3 +85,18 @@ def test_lanes_hold_whole_rows_and_fewer_tokens_than_padding():
         lane, off = lanes.lane[i], lanes.offset[i]
         assert torch.equal(lanes.input_ids[lane, off:off + n], ids[i, :n])
         assert lanes.position_ids[lane, off:off + n].tolist() == list(range(n))
+
+
+def test_triton_logprob_kernel_in_the_policy_matches_torch(tiny_dense_model):
+    """trainer.logprob_impl=triton: the fused kernel (interpreter on CPU) gives the chunked torch numbers."""
+    pytest.importorskip("triton")
+    ids, lengths, target = rows()
+    out = {}
+    for impl in ("torch", "triton"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_dense_model)
+        lp, ent = Policy(model, temperature=0.7, logprob_impl=impl)(ids, lengths, target, with_entropy=True)
+        (lp.sum() + 0.5 * ent.sum()).backward()
+        out[impl] = (lp.detach(), ent.detach(), model.lm_head.weight.grad.clone(),
+                     model.model.layers[-1].mlp.down_proj.weight.grad.clone())
+    for a, b in zip(out["torch"], out["triton"]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
