@@ -37,6 +37,7 @@ from cascade_rl.protocol.sockets import WorkerLink, send
 from cascade_rl.protocol.worker_main import worker_start
 
 from . import checkpoint, parallel
+from .experts import use_moe_impl
 from .losses import group_advantages, group_token_mean, mismatch_stats
 from .objectives import OBJECTIVES, Terms
 from .policy import Policy
@@ -155,10 +156,12 @@ def build(cfg, ranks: parallel.Ranks):
     state to resume from (``{"step": 0, "extra": {}}`` for a fresh stage)."""
     t = cfg.trainer
     resume = checkpoint.resolve(cfg.trainer.resume_from, Path(cfg.run_dir))
-    model = AutoModelForCausalLM.from_pretrained(resume or cfg.model.path, dtype=DTYPES[cfg.model.dtype])
+    model = use_moe_impl(AutoModelForCausalLM.from_pretrained(resume or cfg.model.path, dtype=DTYPES[cfg.model.dtype]),
+                         cfg.model.moe_impl)
     reference = None
     if t.kl_coef > 0:  # the stage's starting policy; each rank holds a full copy (no gradient, no optimizer)
-        ref_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
+        ref_model = use_moe_impl(AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype]),
+                                 cfg.model.moe_impl)
         reference = Policy(ref_model.requires_grad_(False).eval(), cfg.sampling.temperature,
                            t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl)
     policy = parallel.parallelize(

@@ -35,6 +35,9 @@ class ModelConfig:
     """HF model directory (weights + tokenizer); version 0 of the policy."""
     dtype: str = "float32"
     """float32 | bfloat16: parameter dtype in trainer and samplers (fp32 on CPU)."""
+    moe_impl: str = "hf"
+    """Trainer's MoE experts: hf (transformers' grouped_mm; fastest on CPU) | torch (kernels/moe.py reference)
+    | triton (kernels/moe.py; CUDA, or TRITON_INTERPRET=1 for tests)."""
 
 
 @dataclass
@@ -250,6 +253,11 @@ def validate(cfg: DictConfig) -> None:
     if t.algorithm == "mopd":
         problems.append("trainer.algorithm=mopd needs teacher servers for the teacher log-probs, and launch "
                         "starts none yet (the loss and trainer path are in learner/objectives.py)")
+    if cfg.model.moe_impl not in ("hf", "torch", "triton"):
+        problems.append(f"model.moe_impl={cfg.model.moe_impl!r}: choose hf, torch or triton")
+    if cfg.model.moe_impl == "triton" and not _cuda() and os.environ.get("TRITON_INTERPRET") != "1":
+        problems.append("model.moe_impl=triton needs CUDA (or TRITON_INTERPRET=1: Triton's interpreter, for tests "
+                        "only)")
     if t.logprob_impl not in ("torch", "triton"):
         problems.append(f"trainer.logprob_impl={t.logprob_impl!r}: choose torch or triton")
     if t.logprob_impl == "triton" and not _cuda() and os.environ.get("TRITON_INTERPRET") != "1":
