@@ -87,6 +87,7 @@ class Worker:
     version: int = 0
     domains: tuple[str, ...] = ()
     assigned: dict = dataclasses.field(default_factory=dict)  # group id or score key -> slots it takes
+    draining: bool = False  # retiring (a swap): finishes what it holds, gets nothing new
 
     @property
     def load(self) -> int:
@@ -94,7 +95,7 @@ class Worker:
 
     def fits(self, need: int) -> bool:
         """Room for ``need`` more; an idle worker takes any item (a group larger than its slots)."""
-        return self.load + need <= self.slots or not self.assigned
+        return not self.draining and (self.load + need <= self.slots or not self.assigned)
 
 
 @dataclasses.dataclass
@@ -423,6 +424,11 @@ class Orchestrator:
 
     def _on_ready(self, ident: bytes, msg: Ready) -> None:
         old = self.workers.get(ident)
+        if msg.draining:  # retiring: what it holds still comes back, so nothing is requeued
+            if old is not None:
+                old.draining = True
+            log.info("%s is draining (%d items in hand)", ident.decode(), len(old.assigned) if old else 0)
+            return
         if old is not None:  # a restarted worker: whatever it held is gone with its predecessor
             self._requeue_worker(ident, old, "worker restarted")
         self.workers[ident] = Worker(msg.role, msg.slots, msg.version, tuple(msg.domains))

@@ -39,6 +39,7 @@ class Ready:
     slots: int
     version: int = 0
     domains: list[str] = field(default_factory=list)  # verifiers/teachers: domains served
+    draining: bool = False  # no more work for me: I finish what I hold, then exit (a swap retiring me)
 
     def validate(self) -> str:
         return "slots must be >= 0" if self.slots < 0 else ""

@@ -6,6 +6,7 @@
     cascade-rl launch PRESET --dry-run                       print the resolved config
     cascade-rl ctl [--run-dir DIR] status [--json]
     cascade-rl ctl [--run-dir DIR] stop
+    cascade-rl ctl [--run-dir DIR] swap verifier DOMAIN NAME   # new workers score DOMAIN with NAME; old ones drain
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(_control_endpoint(args.run_dir))
-    send(sock, Control(args.op, {}))
+    request = {"role": args.role, "domain": args.domain, "impl": args.impl} if args.op == "swap" else {}
+    send(sock, Control(args.op, request))
     if not sock.poll(5000):
         print("supervisor did not answer within 5 s (is the run still going?)", file=sys.stderr)
         return 2
@@ -78,6 +80,9 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     if not reply.ok:
         print(f"error: {reply.error}", file=sys.stderr)
         return 1
+    if args.op == "swap":
+        print(json.dumps(reply.result))
+        return _wait_for_swap(sock, reply.result, args.timeout) if args.wait else 0
     if args.op == "status":
         workers = reply.result["workers"]
         if args.json:
@@ -97,6 +102,29 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     else:
         print(json.dumps(reply.result))
     return 0
+
+
+def _wait_for_swap(sock, started: dict, timeout_s: float) -> int:
+    """Poll the supervisor until the retiring workers are gone (drained and exited)."""
+    import time
+
+    from cascade_rl.protocol.messages import Control, ControlReply
+    from cascade_rl.protocol.sockets import recv, send
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        send(sock, Control("status", {}))
+        if not sock.poll(5000):
+            print("supervisor stopped answering", file=sys.stderr)
+            return 2
+        rows = {w["id"]: w["state"] for w in recv(sock, (ControlReply,)).result["workers"]}
+        if all(rows.get(w, "").startswith("retired") for w in started["retiring"]):
+            print(json.dumps({"swapped": started["impl"], "retired": started["retiring"],
+                              "serving": started["started"]}))
+            return 0
+        time.sleep(0.3)
+    print(f"swap did not finish within {timeout_s} s", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,8 +151,13 @@ def main(argv: list[str] | None = None) -> int:
 
     c = sub.add_parser("ctl", help="talk to a running supervisor")
     c.add_argument("--run-dir", default=None, help="default: the newest run")
-    c.add_argument("op", choices=["status", "stop"])
+    c.add_argument("op", choices=["status", "stop", "swap"])
+    c.add_argument("role", nargs="?", default="verifier", help="swap: the role (verifier)")
+    c.add_argument("domain", nargs="?", default="", help="swap: the domain whose verifier changes")
+    c.add_argument("impl", nargs="?", default="", help="swap: the registered verifier to score it with")
     c.add_argument("--json", action="store_true")
+    c.add_argument("--no-wait", dest="wait", action="store_false", help="swap: return once the new workers start")
+    c.add_argument("--timeout", type=float, default=120.0, help="swap: seconds to wait for the old workers to drain")
     c.set_defaults(fn=cmd_ctl)
 
     args = p.parse_args(argv)

@@ -162,8 +162,12 @@ class WorkersConfig:
     """Sequences (group members) a sampler takes at once; they decode together in one batch."""
     sampler_threads: int = 0
     """torch threads per sampler (0: torch's default)."""
+    verifier_procs: int = 2
+    """Scoring processes per verifier worker (CPU-bound checks in parallel; a hung one is killed and replaced)."""
     verifier_domains: list[str] = field(default_factory=lambda: ["math"])
-    """Reward domains served by the verifier pool (verifiers/registry.py)."""
+    """Reward domains the verifier workers serve (each scored by the verifier registered under its name)."""
+    verifier_plugins: list[str] = field(default_factory=list)
+    """Modules the verifier workers import first: they register more verifiers (``@register_verifier``)."""
 
 
 @dataclass

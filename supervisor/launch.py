@@ -74,6 +74,9 @@ class Proc:
     state: str = "starting"
     version: int = 0
     counters: dict = dataclasses.field(default_factory=dict)
+    args: list[str] = dataclasses.field(default_factory=list)  # extra arguments (a verifier's --impl)
+    replaced_by: list[str] = dataclasses.field(default_factory=list)  # a swap retires this once they run
+    draining: bool = False  # SIGTERM sent: it finishes what it holds and exits; never restarted
 
     def row(self) -> dict:
         return {
@@ -108,6 +111,8 @@ class Supervisor:
         self.control = self.ctx.socket(zmq.REP)
         self.control.bind(cfg.endpoints.control)
         self.procs: dict[str, Proc] = {}
+        self.retired: list[dict] = []  # workers a swap replaced, as they last reported
+        self.verifier_impls: dict[str, str] = {}  # domain -> verifier name, as swaps set them
         self.started = time.monotonic()
         self.stop_requested = False
         info = {"pid": os.getpid(), "control": cfg.endpoints.control, "run_dir": str(self.run_dir)}
@@ -127,7 +132,8 @@ class Supervisor:
         if proc.role == "trainer" and self.cfg.trainer.world_size > 1:  # one process per rank, torchrun's
             launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={self.cfg.trainer.world_size}",
                          "-m"]
-        cmd = [*launcher, MODULES[proc.role], "--config", str(self.config_path), "--worker-id", proc.worker_id]
+        cmd = [*launcher, MODULES[proc.role], "--config", str(self.config_path), "--worker-id", proc.worker_id,
+               *proc.args]
         proc.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                       preexec_fn=_die_with_parent)
         log.close()
@@ -146,7 +152,10 @@ class Supervisor:
         """Check every process once; returns 'running', 'done' or a failure reason."""
         now = time.monotonic()
         sup = self.cfg.supervisor
+        self._retire()
         for p in self.procs.values():
+            if p.draining:
+                continue
             if p.popen is None:
                 if now >= p.restart_at:
                     self.spawn(p)
@@ -170,6 +179,44 @@ class Supervisor:
         if self.stop_requested:
             return "stopped by ctl stop"
         return "running"
+
+    def _retire(self) -> None:
+        """Swaps in progress: once a retiring worker's replacements all run, SIGTERM it (it drains: finishes
+        what it holds, tells the orchestrator it takes no more, exits 0); once it has exited, drop it."""
+        for p in list(self.procs.values()):
+            if p.replaced_by and not p.draining and all(
+                    self.procs[r].state == "running" for r in p.replaced_by if r in self.procs):
+                if p.popen is not None and p.popen.poll() is None:
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+                p.draining, p.state = True, "draining"
+            if p.draining and (p.popen is None or p.popen.poll() is not None):
+                self.retired.append({**p.row(), "state": f"retired({p.popen.returncode if p.popen else None})"})
+                del self.procs[p.worker_id]
+
+    def swap(self, role: str, domain: str, impl: str) -> dict:
+        """Replace the workers of ``role`` serving ``domain`` by as many new ones that score it with ``impl``."""
+        if role != "verifier":
+            raise ValueError(f"swap supports verifiers, not {role!r}")
+        if domain not in self.cfg.workers.verifier_domains:
+            raise ValueError(f"no verifier serves domain {domain!r} (served: {list(self.cfg.workers.verifier_domains)})")
+        from cascade_rl.verifiers.registry import VERIFIERS
+
+        if impl not in VERIFIERS:
+            raise ValueError(f"no verifier named {impl!r} (registered: {sorted(VERIFIERS)})")
+        old = [p for p in self.procs.values() if p.role == "verifier" and not p.replaced_by and not p.draining]
+        self.verifier_impls[domain] = impl
+        args = [a for d, name in self.verifier_impls.items() for a in ("--impl", f"{d}={name}")]
+        taken = {int(w.split("-")[-1]) for w in [*self.procs, *(r["id"] for r in self.retired)] if w.startswith("verifier-")}
+        started = []
+        for i in range(len(old)):
+            n = max(taken | {-1}) + 1 + i
+            proc = Proc("verifier", f"verifier-{n}", args=args)
+            self.procs[proc.worker_id] = proc
+            self.spawn(proc)
+            started.append(proc.worker_id)
+        for p in old:
+            p.replaced_by = started
+        return {"started": started, "retiring": [p.worker_id for p in old], "impl": {domain: impl}}
 
     def stop_all(self) -> None:
         for p in self.procs.values():
@@ -224,10 +271,16 @@ class Supervisor:
         if msg.op == "stop":
             self.stop_requested = True
             return ControlReply(True, {"stopping": True})
+        if msg.op == "swap":
+            try:
+                return ControlReply(True, self.swap(msg.args.get("role", ""), msg.args.get("domain", ""),
+                                                    msg.args.get("impl", "")))
+            except ValueError as e:
+                return ControlReply(False, None, str(e))
         return ControlReply(False, None, f"op {msg.op!r} is not available in this version of the supervisor")
 
     def table(self) -> list[dict]:
-        return [p.row() for p in self.procs.values()]
+        return [p.row() for p in self.procs.values()] + self.retired
 
     # ------------------------------------------------------------------ main loop
 
@@ -253,6 +306,7 @@ class Supervisor:
         if outcome == "done" and summary_path.is_file():
             summary = json.loads(summary_path.read_text())
             summary["restarts"] = {p.worker_id: p.restarts for p in self.procs.values()}
+            summary["workers"] = self.table()  # final counters of every worker, retired ones included
             summary_path.write_text(json.dumps(summary, indent=2))
             display.final(summary)
             return 0

@@ -137,3 +137,40 @@ def test_two_rank_trainer_then_resume_from_its_checkpoint(tiny_model, tmp_path):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics if "version" in m] == [1, 2, 3, 4]
     assert all(m["staleness_mean"] == 0.0 for m in metrics if "version" in m)
+
+
+@pytest.mark.slow
+def test_swapping_a_verifier_during_a_run_loses_and_doubles_no_score(tiny_model, tmp_path):
+    """`ctl swap verifier math math` mid-run: new workers start, the old one drains and exits; every rollout
+    is scored exactly once and trained once."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
+    steps = 8
+    proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}",
+                             f"trainer.steps={steps}", "supervisor.progress=none"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # wait until training has begun (some scores are in)
+        r = cli("ctl", "--run-dir", str(run_dir), "status", "--json", env=env, timeout=30)
+        if r.returncode == 0 and any(w["role"] == "verifier" and w["counters"].get("scored", 0) > 40
+                                     for w in json.loads(r.stdout)):
+            break
+        time.sleep(0.3)
+    swap = cli("ctl", "--run-dir", str(run_dir), "swap", "verifier", "math", "math", env=env, timeout=150)
+    assert swap.returncode == 0, swap.stdout + swap.stderr
+    done = json.loads(swap.stdout.splitlines()[-1])
+    assert done["retired"] == ["verifier-0"] and done["serving"] == ["verifier-1"]
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-3000:]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    books = summary["books"]
+    assert books["lost"] == 0 and books["in_flight"] == 0 and books["duplicates_dropped"] == 0
+    assert books["trained"] == steps * 8 * 4 == books["dispatched"]
+    verifiers = {w["id"]: w for w in summary["workers"] if w["role"] == "verifier"}
+    assert verifiers["verifier-0"]["state"] == "retired(0)"  # drained, exited cleanly
+    old, new = (verifiers[v]["counters"]["scored"] for v in ("verifier-0", "verifier-1"))
+    assert old > 0 and new > 0  # both scored: the swap happened mid-run
+    evaluations = 2 * 16 * 2  # before and after: 16 held-out questions, avg@1 and greedy
+    assert old + new == books["dispatched"] + evaluations  # every rollout scored exactly once
+    assert all(v["counters"]["failed"] == 0 for v in verifiers.values())

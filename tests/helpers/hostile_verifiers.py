@@ -1,0 +1,30 @@
+"""Verifiers that misbehave, registered for tests/test_verifier_worker.py (a ``workers.verifier_plugins`` module)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from cascade_rl.verifiers.registry import register_verifier
+
+
+@register_verifier("test_hang")
+def hang(response: str, reference: str, metadata: dict) -> float:
+    while True:
+        time.sleep(1)
+
+
+@register_verifier("test_die")
+def die(response: str, reference: str, metadata: dict) -> float:
+    os._exit(3)
+
+
+@register_verifier("test_raise")
+def boom(response: str, reference: str, metadata: dict) -> float:
+    raise RuntimeError("verifier bug")
+
+
+@register_verifier("test_slow_ok")
+def slow_ok(response: str, reference: str, metadata: dict) -> float:
+    time.sleep(float(metadata.get("sleep", 0.3)))
+    return 1.0

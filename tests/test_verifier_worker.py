@@ -1,0 +1,68 @@
+"""The verifier worker's process pool: failing verifiers give ok=False with a reason and never take the worker
+down; deadlines are enforced by killing the scoring process; scoring runs in parallel."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cascade_rl.protocol.messages import ScoreRequest
+from cascade_rl.verifiers.worker import Pool, parse_impls
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # spawned pool processes inherit sys.path
+PLUGINS = ["hostile_verifiers"]
+
+
+@pytest.fixture
+def pool():
+    p = Pool(2, {}, PLUGINS)
+    yield p
+    p.close()
+
+
+def run(pool: Pool, reqs: list[ScoreRequest], limit_s: float = 20.0) -> dict[str, object]:
+    pending, out = list(reqs), {}
+    t_end = time.monotonic() + limit_s
+    while len(out) < len(reqs) and time.monotonic() < t_end:
+        while pending and pool.idle:
+            pool.submit(pending.pop(0))
+        for s in pool.collect(0.02):
+            out[s.key] = s
+    return out
+
+
+def req(key: str, domain: str, text: str = r"\boxed{4}", reference: str = "4", deadline_s: float = 5.0, **meta):
+    return ScoreRequest(key, domain, text, reference, meta, deadline_s)
+
+
+def test_a_hanging_verifier_is_killed_at_its_deadline_and_the_pool_goes_on(pool):
+    t0 = time.monotonic()
+    out = run(pool, [req("h", "test_hang", deadline_s=1.0), req("m", "math")])
+    assert not out["h"].ok and out["h"].reward == 0.0 and "timeout" in out["h"].reason
+    assert time.monotonic() - t0 < 1.0 + 1.5  # within the deadline plus the kill and a poll
+    assert out["m"].ok and out["m"].reward == 1.0
+    assert run(pool, [req("again", "math")])["again"].reward == 1.0  # the replaced process serves
+
+
+def test_a_verifier_that_kills_its_process_or_raises_scores_zero_with_the_reason(pool):
+    out = run(pool, [req("d", "test_die"), req("r", "test_raise"), req("u", "no_such_domain"), req("m", "math")])
+    assert not out["d"].ok and "died" in out["d"].reason and "exit code 3" in out["d"].reason
+    assert not out["r"].ok and "RuntimeError: verifier bug" in out["r"].reason
+    assert not out["u"].ok and "no verifier" in out["u"].reason
+    assert out["m"].ok and out["m"].reward == 1.0
+
+
+def test_scoring_runs_in_parallel(pool):
+    t0 = time.monotonic()
+    out = run(pool, [req(str(i), "test_slow_ok", sleep=0.6) for i in range(4)])
+    assert all(s.ok for s in out.values()) and len(out) == 4
+    assert time.monotonic() - t0 < 4 * 0.6  # 2 processes: about half the serial time
+
+
+def test_impl_overrides_parse_and_refuse_garbage():
+    assert parse_impls(["math=math", "code=code_v2"]) == {"math": "math", "code": "code_v2"}
+    with pytest.raises(SystemExit, match="DOMAIN=NAME"):
+        parse_impls(["math"])
