@@ -35,6 +35,7 @@ from transformers import AutoTokenizer
 
 from cascade_rl.protocol.codec import ProtocolError
 from cascade_rl.protocol.messages import (
+    GroupScoreRequest,
     Heartbeat,
     PromptRequest,
     Ready,
@@ -48,6 +49,7 @@ from cascade_rl.protocol.messages import (
 )
 from cascade_rl.protocol.sockets import bind_router, recv_routed, send
 from cascade_rl.protocol.worker_main import worker_start
+from cascade_rl.verifiers.registry import is_group_domain
 
 from . import checkpoint
 from .tasks import Example, load_task
@@ -452,7 +454,15 @@ class Orchestrator:
         g.rollouts[r.index] = r
         if len(g.rollouts) == g.n:
             self._release(g)
-        self.score_queue.append((g.group_id, r.index))
+        self._queue_score(g, r.index)
+
+    def _queue_score(self, g: Group, index: int) -> None:
+        """Queue rollout ``index`` for scoring; for a group domain (GenRM), queue the whole group once, when
+        every rollout is in (index -1: every rollout still without a score)."""
+        if not is_group_domain(g.example.domain):
+            self.score_queue.append((g.group_id, index))
+        elif len(g.rollouts) == g.n and (g.group_id, -1) not in self.score_queue:
+            self.score_queue.append((g.group_id, -1))
 
     def _on_score(self, ident: bytes, s: Score) -> None:
         w = self.workers.get(ident)
@@ -500,23 +510,30 @@ class Orchestrator:
         while self.score_queue:
             group_id, index = self.score_queue[0]
             g = self.groups.get(group_id)
-            if g is None or index not in g.rollouts:
+            indices = [i for i in range(g.n) if i not in g.scores] if g is not None and index == -1 else [index]
+            if g is None or not indices or any(i not in g.rollouts for i in indices):
                 self.score_queue.popleft()
                 continue
             domain = g.example.domain
             free = [(i, w) for i, w in self.workers.items()
-                    if w.role == "verifier" and domain in w.domains and w.fits(1)]
+                    if w.role == "verifier" and domain in w.domains and w.fits(len(indices))]
             if not free:
                 return
             ident, w = min(free, key=lambda iw: iw[1].load)
             self.score_queue.popleft()
-            key = f"{group_id}/{index}/{g.attempt}"
+            keys = [f"{group_id}/{i}/{g.attempt}" for i in indices]
             # the prompt ended with the thinking-mode "<think>\n": give the verifier the whole turn
-            text = "<think>\n" + self.tokenizer.decode(g.rollouts[index].response_ids, skip_special_tokens=True)
-            req = ScoreRequest(key, domain, text, g.example.answer, {}, self.cfg.orchestrator.verifier_timeout_s)
+            texts = ["<think>\n" + self.tokenizer.decode(g.rollouts[i].response_ids, skip_special_tokens=True)
+                     for i in indices]
+            deadline_s = self.cfg.orchestrator.verifier_timeout_s
+            if index == -1:
+                req = GroupScoreRequest(keys, domain, g.example.prompt, texts, g.example.answer, {}, deadline_s)
+            else:
+                req = ScoreRequest(keys[0], domain, texts[0], g.example.answer, {}, deadline_s)
             if self._send(ident, req):
-                w.assigned[key] = 1
-                self.score_deadlines[key] = time.monotonic() + self.cfg.orchestrator.verifier_timeout_s
+                for key in keys:
+                    w.assigned[key] = 1
+                    self.score_deadlines[key] = time.monotonic() + deadline_s
             else:
                 self.score_queue.appendleft((group_id, index))
 
@@ -534,7 +551,7 @@ class Orchestrator:
                     w.assigned.pop(key, None)
                 if group_id in self.groups:
                     log.warning("score %s missed its deadline; re-requesting", key)
-                    self.score_queue.append((group_id, int(index)))
+                    self._queue_score(self.groups[group_id], int(index))
 
     def _redispatch(self, g: Group) -> None:
         self._release(g)
@@ -553,7 +570,7 @@ class Orchestrator:
                 group_id, index, _ = item.rsplit("/", 2)
                 self.score_deadlines.pop(item, None)
                 if group_id in self.groups:
-                    self.score_queue.append((group_id, int(index)))
+                    self._queue_score(self.groups[group_id], int(index))
         w.assigned.clear()
 
     def _send(self, ident: bytes, msg) -> bool:

@@ -95,6 +95,25 @@ class ScoreRequest:
     deadline_s: float = 30.0
 
 
+@message("group_score_request")
+class GroupScoreRequest:
+    """orchestrator → verifier: score a group's responses together (pairwise judges: GenRM); one ``Score`` per
+    key comes back, ``keys[i]`` for ``texts[i]``."""
+
+    keys: list[str]
+    domain: str
+    prompt: str
+    texts: list[str]
+    reference: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    deadline_s: float = 60.0
+
+    def validate(self) -> str:
+        if not self.keys or len(self.keys) != len(self.texts):
+            return f"{len(self.keys)} keys for {len(self.texts)} texts"
+        return ""
+
+
 @message("score")
 class Score:
     """verifier → orchestrator: the reward of one response."""

@@ -151,6 +151,20 @@ class OrchestratorConfig:
 
 
 @dataclass
+class JudgeConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    """OpenAI-compatible endpoint of the judge model (GenRM, LLM judge): vLLM's, SGLang's or a hosted one."""
+    model: str = ""
+    """Model name sent to the endpoint."""
+    api_key_env: str = "JUDGE_API_KEY"
+    """Environment variable holding the bearer key (empty or unset: none)."""
+    concurrency: int = 8
+    """Judge requests in flight per scoring process."""
+    timeout_s: float = 60.0
+    """Per-request timeout."""
+
+
+@dataclass
 class WorkersConfig:
     samplers: int = 1
     """Sampler processes."""
@@ -166,6 +180,8 @@ class WorkersConfig:
     """Scoring processes per verifier worker (CPU-bound checks in parallel; a hung one is killed and replaced)."""
     verifier_domains: list[str] = field(default_factory=lambda: ["math"])
     """Reward domains the verifier workers serve (each scored by the verifier registered under its name)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The judge endpoint for model-judged domains (genrm, llm_judge)."""
     verifier_plugins: list[str] = field(default_factory=list)
     """Modules the verifier workers import first: they register more verifiers (``@register_verifier``)."""
 
@@ -250,10 +266,13 @@ def validate(cfg: DictConfig) -> None:
         problems.append("sampling.max_tokens must be >= 1")
     if not Path(cfg.model.path).is_dir():
         problems.append(f"model.path={cfg.model.path} is not a directory (make one: cascade-rl make-tiny-model)")
-    from cascade_rl.verifiers.registry import VERIFIERS
+    from cascade_rl.verifiers.registry import GROUP_VERIFIERS, VERIFIERS
 
-    if unknown := [d for d in w.verifier_domains if d not in VERIFIERS]:
-        problems.append(f"workers.verifier_domains: no verifier for {unknown} (registered: {sorted(VERIFIERS)})")
+    known = set(VERIFIERS) | set(GROUP_VERIFIERS)
+    if w.verifier_plugins:
+        known |= set(w.verifier_domains)  # plugins register theirs in the worker; the worker checks them
+    if unknown := [d for d in w.verifier_domains if d not in known]:
+        problems.append(f"workers.verifier_domains: no verifier for {unknown} (registered: {sorted(known)})")
     if t.algorithm == "mopd":
         problems.append("trainer.algorithm=mopd needs teacher servers for the teacher log-probs, and launch "
                         "starts none yet (the loss and trainer path are in learner/objectives.py)")

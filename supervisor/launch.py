@@ -199,10 +199,10 @@ class Supervisor:
             raise ValueError(f"swap supports verifiers, not {role!r}")
         if domain not in self.cfg.workers.verifier_domains:
             raise ValueError(f"no verifier serves domain {domain!r} (served: {list(self.cfg.workers.verifier_domains)})")
-        from cascade_rl.verifiers.registry import VERIFIERS
+        from cascade_rl.verifiers.registry import GROUP_VERIFIERS, VERIFIERS
 
-        if impl not in VERIFIERS:
-            raise ValueError(f"no verifier named {impl!r} (registered: {sorted(VERIFIERS)})")
+        if impl not in VERIFIERS and impl not in GROUP_VERIFIERS:
+            raise ValueError(f"no verifier named {impl!r} (registered: {sorted(set(VERIFIERS) | set(GROUP_VERIFIERS))})")
         old = [p for p in self.procs.values() if p.role == "verifier" and not p.replaced_by and not p.draining]
         self.verifier_impls[domain] = impl
         args = [a for d, name in self.verifier_impls.items() for a in ("--impl", f"{d}={name}")]

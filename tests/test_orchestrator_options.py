@@ -86,3 +86,46 @@ def test_metrics_go_to_jsonl_and_tensorboard(make, tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 0.25), (2, 0.5)]
     assert [e.value for e in events.Scalars("trainer/loss")] == [-0.5, -0.25]
     assert "note" not in events.Tags()["scalars"]
+
+
+def test_a_group_domain_is_scored_as_one_request_when_the_group_is_complete(make, tmp_path):
+    import sys
+    from pathlib import Path
+
+    import zmq
+
+    from cascade_rl.learner.tasks import Example
+    from cascade_rl.protocol.messages import GroupScoreRequest, Ready
+    from cascade_rl.protocol.sockets import recv, send
+
+    sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+    import hostile_verifiers  # noqa: F401  (registers the group verifier test_group_len)
+
+    o = make()
+    verifier = zmq.Context.instance().socket(zmq.DEALER)  # a real peer on the orchestrator's ROUTER
+    verifier.setsockopt(zmq.IDENTITY, b"verifier-9")
+    verifier.setsockopt(zmq.LINGER, 0)
+    verifier.connect(o.cfg.endpoints.orchestrator)
+    send(verifier, Ready("verifier-9", "verifier", slots=8, domains=["test_group_len"]))
+    o.pump(lambda: b"verifier-9" in o.workers, timeout_s=10)
+    g = group(o, [0.0] * 4, ["stop"] * 4)
+    g.example = Example("q", "a", "test_group_len", "")
+    o.groups[g.group_id] = g
+    rollouts = dict(g.rollouts)
+    g.rollouts.clear()
+    g.scores.clear()
+    for i in range(3):  # not complete: nothing is queued yet
+        g.rollouts[i] = rollouts[i]
+        o._queue_score(g, i)
+    assert not o.score_queue
+    g.rollouts[3] = rollouts[3]
+    o._queue_score(g, 3)
+    o._queue_score(g, 3)  # queued once only
+    assert list(o.score_queue) == [(g.group_id, -1)]
+    o._dispatch_scores()
+    assert verifier.poll(5000)
+    req = recv(verifier, (GroupScoreRequest,))
+    assert req.keys == [f"{g.group_id}/{i}/0" for i in range(4)] and len(req.texts) == 4
+    assert req.domain == "test_group_len" and req.prompt == g.example.prompt
+    assert set(o.workers[b"verifier-9"].assigned) == set(req.keys)
+    verifier.close(0)

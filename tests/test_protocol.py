@@ -19,6 +19,7 @@ from cascade_rl.protocol.codec import MAX_HEADER_BYTES, PROTOCOL_VERSION, Protoc
 from cascade_rl.protocol.messages import (
     Control,
     ControlReply,
+    GroupScoreRequest,
     Heartbeat,
     PromptRequest,
     Ready,
@@ -100,6 +101,8 @@ def sample_messages() -> list[Any]:
             deadline_s=12.5,
         ),
         ScoreRequest(key="k", domain="code", text=""),
+        GroupScoreRequest(keys=["g-1/0/0", "g-1/1/0"], domain="genrm", prompt="Write a haiku.",
+                          texts=["an old pond", "frog jumps in"], metadata={"lang": "en"}, deadline_s=90.0),
         Score(key="g-1/3", reward=1.0, ok=True, reason="match", t_verify=0.012, worker_id="verifier-2"),
         Score(key="g-1/4", reward=-0.5, ok=False),
         _train_batch(),
@@ -758,3 +761,8 @@ def test_random_mutations_raise_only_protocol_error():
     assert outcomes["rejected"] >= 500, outcomes
     assert outcomes["accepted"] - outcomes["unchanged"] >= 50, outcomes
     assert len(reasons) >= 15, reasons  # the mutations reached many different checks
+
+
+def test_group_score_request_needs_one_key_per_text():
+    with pytest.raises(ProtocolError, match="2 keys for 1 texts"):
+        decode(encode(GroupScoreRequest(keys=["a", "b"], domain="genrm", prompt="p", texts=["x"])))

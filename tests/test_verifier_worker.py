@@ -66,3 +66,19 @@ def test_impl_overrides_parse_and_refuse_garbage():
     assert parse_impls(["math=math", "code=code_v2"]) == {"math": "math", "code": "code_v2"}
     with pytest.raises(SystemExit, match="DOMAIN=NAME"):
         parse_impls(["math"])
+
+
+def test_group_requests_get_one_score_per_response(pool):
+    from cascade_rl.protocol.messages import GroupScoreRequest
+
+    good = GroupScoreRequest(["g/0/0", "g/1/0", "g/2/0"], "test_group_len", "p", ["aa", "a", "aaa"])
+    bad = GroupScoreRequest(["b/0/0", "b/1/0"], "test_group_short", "p", ["x", "y"])
+    out = {}
+    pool.submit(good)
+    pool.submit(bad)
+    t_end = time.monotonic() + 20
+    while len(out) < 5 and time.monotonic() < t_end:
+        for s in pool.collect(0.02):
+            out[s.key] = s
+    assert [out[k].reward for k in good.keys] == [0.5, 0.0, 1.0] and all(out[k].ok for k in good.keys)
+    assert all(not out[k].ok and "1 rewards for 2 responses" in out[k].reason for k in bad.keys)

@@ -15,6 +15,11 @@ a verifier cannot take the worker down with it:
 - one whose process dies (a segfault, ``os._exit``, the OOM killer) yields
   ``ok=False`` with the exit code, and the process is replaced.
 
+Group domains (``verifiers.registry.GROUP_VERIFIERS``: pairwise GenRM) get one
+``GroupScoreRequest`` per group and answer one ``Score`` per response; the
+same deadlines apply. Scoring processes see ``workers.judge`` (endpoint, model,
+API-key variable) in ``registry.SETTINGS``.
+
 SIGTERM drains: the worker tells the orchestrator it takes no more work
 (``Ready(draining=True)``), scores what it holds, then exits 0. That is how the
 supervisor retires the old workers of a swap without losing a score.
@@ -31,11 +36,14 @@ import signal
 import time
 from multiprocessing.connection import Connection, wait
 
-from cascade_rl.protocol.messages import Ready, Score, ScoreRequest
+from omegaconf import OmegaConf
+
+from cascade_rl.protocol.messages import GroupScoreRequest, Ready, Score, ScoreRequest
 from cascade_rl.protocol.sockets import WorkerLink
 from cascade_rl.protocol.worker_main import worker_start
 
-from .registry import VERIFIERS
+from . import registry
+from .registry import GROUP_VERIFIERS, VERIFIERS
 
 log = logging.getLogger("verifier")
 
@@ -53,35 +61,56 @@ def score_one(req: ScoreRequest, impls: dict[str, str] | None = None) -> Score:
         return Score(req.key, 0.0, False, f"{type(e).__name__}: {e}", time.perf_counter() - t0)
 
 
+def score_group(req: GroupScoreRequest, impls: dict[str, str] | None = None) -> list[Score]:
+    """Score a group's responses together in this process (one Score per key); never raises."""
+    t0 = time.perf_counter()
+    fn = GROUP_VERIFIERS.get((impls or {}).get(req.domain, req.domain))
+
+    def failed(reason: str) -> list[Score]:
+        return [Score(k, 0.0, False, reason, time.perf_counter() - t0) for k in req.keys]
+
+    if fn is None:
+        return failed(f"no group verifier for domain {req.domain!r}")
+    try:
+        rewards = [float(r) for r in fn(req.prompt, list(req.texts), req.reference, req.metadata)]
+    except Exception as e:
+        return failed(f"{type(e).__name__}: {e}")
+    if len(rewards) != len(req.keys):
+        return failed(f"group verifier returned {len(rewards)} rewards for {len(req.keys)} responses")
+    return [Score(k, r, True, "", time.perf_counter() - t0) for k, r in zip(req.keys, rewards)]
+
+
 def load_plugins(modules: list[str]) -> None:
     """Import modules that register more verifiers (``workers.verifier_plugins``)."""
     for name in modules:
         importlib.import_module(name)
 
 
-def _child(conn: Connection, impls: dict[str, str], plugins: list[str]) -> None:
+def _child(conn: Connection, impls: dict[str, str], plugins: list[str], settings: dict) -> None:
     """A pool process: requests in, scores out, until the pipe closes."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    registry.SETTINGS.update(settings)
     load_plugins(plugins)
     while True:
         try:
             req = conn.recv()
         except EOFError:
             return
-        conn.send(score_one(req, impls))
+        conn.send(score_group(req, impls) if isinstance(req, GroupScoreRequest) else [score_one(req, impls)])
 
 
 class Pool:
     """``size`` scoring processes; a request past its deadline gets its process killed and replaced."""
 
-    def __init__(self, size: int, impls: dict[str, str], plugins: list[str] = ()) -> None:
+    def __init__(self, size: int, impls: dict[str, str], plugins: list[str] = (), settings: dict | None = None) -> None:
         self.ctx = mp.get_context("spawn")  # a fresh interpreter: no sockets or threads inherited
-        self.impls, self.plugins = impls, list(plugins)
+        self.impls, self.plugins, self.settings = impls, list(plugins), dict(settings or {})
         self.slots: list[dict] = [self._spawn() for _ in range(max(1, size))]
 
     def _spawn(self) -> dict:
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_child, args=(child, self.impls, self.plugins), daemon=True)
+        proc = self.ctx.Process(target=_child, args=(child, self.impls, self.plugins, self.settings),
+                                daemon=True)
         proc.start()
         child.close()
         return {"proc": proc, "conn": parent, "req": None, "deadline": 0.0, "t0": 0.0}
@@ -94,7 +123,7 @@ class Pool:
     def busy(self) -> int:
         return len(self.slots) - self.idle
 
-    def submit(self, req: ScoreRequest) -> None:
+    def submit(self, req: ScoreRequest | GroupScoreRequest) -> None:
         slot = next(s for s in self.slots if s["req"] is None)
         slot.update(req=req, t0=time.monotonic(), deadline=time.monotonic() + req.deadline_s)
         slot["conn"].send(req)
@@ -106,27 +135,28 @@ class Pool:
         for conn in wait(list(busy), timeout) if busy else []:
             slot = busy[conn]
             try:
-                out.append(conn.recv())
+                out.extend(conn.recv())
                 slot["req"] = None
             except (EOFError, OSError):
                 slot["proc"].join(timeout=1.0)  # reap it, for the exit code
-                out.append(self._replace(slot, f"verifier process died (exit code {slot['proc'].exitcode})"))
+                out.extend(self._replace(slot, f"verifier process died (exit code {slot['proc'].exitcode})"))
         now = time.monotonic()
         for slot in self.slots:
             if slot["req"] is not None and now > slot["deadline"]:
-                out.append(self._replace(slot, f"timeout: no score within {slot['req'].deadline_s:g} s"))
+                out.extend(self._replace(slot, f"timeout: no score within {slot['req'].deadline_s:g} s"))
         if not busy:
             time.sleep(timeout)
         return out
 
-    def _replace(self, slot: dict, reason: str) -> Score:
+    def _replace(self, slot: dict, reason: str) -> list[Score]:
         req, t0 = slot["req"], slot["t0"]
         slot["proc"].kill()
         slot["proc"].join()
         slot["conn"].close()
         slot.update(self._spawn())
-        log.warning("%s: %s", req.key, reason)
-        return Score(req.key, 0.0, False, reason, time.monotonic() - t0)
+        keys = req.keys if isinstance(req, GroupScoreRequest) else [req.key]
+        log.warning("%s: %s", keys[0], reason)
+        return [Score(k, 0.0, False, reason, time.monotonic() - t0) for k in keys]
 
     def close(self) -> None:
         for s in self.slots:
@@ -154,24 +184,24 @@ def main(argv: list[str] | None = None) -> None:
     plugins = list(cfg.workers.verifier_plugins)
     load_plugins(plugins)
     domains = list(cfg.workers.verifier_domains)
-    unknown = [d for d in domains if impls.get(d, d) not in VERIFIERS]
+    unknown = [d for d in domains if impls.get(d, d) not in VERIFIERS and impls.get(d, d) not in GROUP_VERIFIERS]
     if unknown:
         raise SystemExit(f"no verifier registered for domains {unknown}; known: {sorted(VERIFIERS)}")
 
     # --- pool, link, drain on SIGTERM
-    pool = Pool(cfg.workers.verifier_procs, impls, plugins)
+    pool = Pool(cfg.workers.verifier_procs, impls, plugins, {"judge": OmegaConf.to_container(cfg.workers.judge)})
     counters = {"scored": 0, "failed": 0, "verify_s": 0.0}
     state = {"state": "running", "counters": counters}
     ep = cfg.endpoints
     link = WorkerLink(args.worker_id, "verifier", ep.orchestrator, ep.get("heartbeat"), None,
-                      expect=(ScoreRequest,), status=lambda: state, heartbeat_s=cfg.supervisor.heartbeat_s).start()
+                      expect=(ScoreRequest, GroupScoreRequest), status=lambda: state, heartbeat_s=cfg.supervisor.heartbeat_s).start()
     draining = []
     signal.signal(signal.SIGTERM, lambda *_: draining.append(time.monotonic()))
     slots = 4 * len(pool.slots)  # requests held at once: the pool's plus a queue so it never idles
     link.send(Ready(args.worker_id, "verifier", slots=slots, domains=domains))
 
     # --- loop: queue -> pool -> scores; drain and exit once asked and empty
-    pending: collections.deque[ScoreRequest] = collections.deque()
+    pending: collections.deque[ScoreRequest | GroupScoreRequest] = collections.deque()
     announced, last_request = False, time.monotonic()
     try:
         while True:
