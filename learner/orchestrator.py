@@ -529,7 +529,8 @@ class Orchestrator:
             if index == -1:
                 req = GroupScoreRequest(keys, domain, g.example.prompt, texts, g.example.answer, {}, deadline_s)
             else:
-                req = ScoreRequest(keys[0], domain, texts[0], g.example.answer, {}, deadline_s)
+                req = ScoreRequest(keys[0], domain, texts[0], g.example.answer, {"question": g.example.question},
+                                   deadline_s)
             if self._send(ident, req):
                 for key in keys:
                     w.assigned[key] = 1

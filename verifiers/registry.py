@@ -35,3 +35,46 @@ def _math(response: str, reference: str, metadata: dict[str, Any]) -> float:
     from .math import score_math  # math-verify imports sympy: pay for it only where math is scored
 
     return score_math(response, reference)
+
+
+def judge_endpoint():
+    """The judge endpoint of ``workers.judge`` (handed to scoring processes in ``SETTINGS``)."""
+    from .llm_judge import JudgeEndpoint
+
+    cfg = SETTINGS.get("judge") or {}
+    if not cfg.get("model"):
+        raise ValueError("workers.judge.model is not set: model-judged domains need a judge endpoint")
+    return JudgeEndpoint(base_url=cfg["base_url"], model=cfg["model"], api_key_env=cfg.get("api_key_env", ""),
+                         concurrency=cfg.get("concurrency", 8), timeout_s=cfg.get("timeout_s", 60.0))
+
+
+@register_group_verifier("genrm")
+def _genrm(prompt: str, responses: list[str], reference: str, metadata: dict[str, Any]) -> list[float]:
+    """RLHF: pairwise GenRM judging of the whole group (verifiers/genrm.py: win rate, length terms)."""
+    import asyncio
+
+    from .genrm import GenRMConfig, score_group
+    from .llm_judge import ChatClient
+
+    async def run() -> list[float]:
+        async with ChatClient(judge_endpoint()) as client:
+            return list((await score_group(client, prompt, responses, GenRMConfig())).rewards)
+
+    return asyncio.run(run())
+
+
+@register_verifier("llm_judge")
+def _llm_judge(response: str, reference: str, metadata: dict[str, Any]) -> float:
+    """Long-context QA: a judge model decides whether the answer matches the reference (verifiers/llm_judge.py)."""
+    import asyncio
+
+    from .llm_judge import ChatClient, judge_answer
+
+    async def run() -> float:
+        async with ChatClient(judge_endpoint()) as client:
+            reward, reason = await judge_answer(client, metadata.get("question", ""), response, reference)
+            if reason.startswith("unparseable"):
+                raise ValueError(reason)  # ok=false with the reason: a judge failure, not a wrong answer
+            return reward
+
+    return asyncio.run(run())
