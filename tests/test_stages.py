@@ -45,6 +45,6 @@ def test_a_run_preset_overrides_the_stage_where_it_sets_scale(tiny_model):
 
 def test_validation_names_missing_verifiers_and_teachers(tiny_model):
     with pytest.raises(ValueError) as e:
-        compose("tiny", ["stage=mopd", f"model.path={tiny_model}", "workers.verifier_domains=[math,genrm]"])
-    assert "no verifier for ['genrm']" in str(e.value) and "teacher servers" in str(e.value)
+        compose("tiny", ["stage=mopd", f"model.path={tiny_model}", "workers.verifier_domains=[math,swe]"])
+    assert "no verifier for ['swe']" in str(e.value) and "teacher servers" in str(e.value)
     compose("tiny", ["stage=rlhf", f"model.path={tiny_model}", "workers.verifier_domains=[math]"])  # valid

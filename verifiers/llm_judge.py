@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+from .text import final_answer_text
 
 
 class JudgeError(RuntimeError):
@@ -156,15 +156,10 @@ class ChatClient:
 
 
 def final_text(text: str) -> str | None:
-    """The text after the last ``</think>``; None if a ``<think>`` was opened and never closed.
-
-    Applied to a policy response it is the answer the judge sees; applied to a judge's
-    reply it is where the verdict is read (a thinking judge may weigh "[[A]]" while it
-    deliberates, so only what follows its reasoning counts).
-    """
-    if _THINK_CLOSE in text:
-        return text.rsplit(_THINK_CLOSE, 1)[1]
-    return None if _THINK_OPEN in text else text
+    """``text.final_answer_text``: applied to a policy response it is the answer the judge sees; applied
+    to a judge's reply it is where the verdict is read (a thinking judge may weigh "[[A]]" while it
+    deliberates, so only what follows its reasoning counts)."""
+    return final_answer_text(text)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ import threading
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
+from .text import final_answer_text
+
 _BOXED = "\\boxed{"
-_THINK_OPEN = "<think>"
-_THINK_CLOSE = "</think>"
 # Seconds math-verify may spend on one parse or one comparison (sympy can blow up).
 _TIMEOUT_S = 5
 
@@ -55,16 +55,6 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
-def final_answer_text(response: str) -> str | None:
-    """The part of the response that may hold the answer: after the last ``</think>``.
-
-    None when a ``<think>`` block was opened and never closed (no answer given).
-    """
-    if _THINK_CLOSE in response:
-        return response.rsplit(_THINK_CLOSE, 1)[1]
-    if _THINK_OPEN in response:
-        return None
-    return response
 
 
 def score_math(response: str, reference: str) -> float:

@@ -37,6 +37,37 @@ def _math(response: str, reference: str, metadata: dict[str, Any]) -> float:
     return score_math(response, reference)
 
 
+# Each domain's module is imported when that domain is first scored (nltk, jsonschema ... only where used).
+
+
+@register_verifier("mcqa")
+def _mcqa(response: str, reference: str, metadata: dict[str, Any]) -> float:
+    from .mcqa import score_mcqa
+
+    return score_mcqa(response, reference, metadata)
+
+
+@register_verifier("instruction_following")
+def _instruction_following(response: str, reference: str, metadata: dict[str, Any]) -> float:
+    from .instruction_following import score_instruction_following
+
+    return score_instruction_following(response, reference, metadata)
+
+
+@register_verifier("structured_output")
+def _structured_output(response: str, reference: str, metadata: dict[str, Any]) -> float:
+    from .structured_output import score_structured_output
+
+    return score_structured_output(response, reference, metadata)
+
+
+@register_verifier("tool_call")
+def _tool_call(response: str, reference: str, metadata: dict[str, Any]) -> float:
+    from .tool_call import score_tool_call
+
+    return score_tool_call(response, reference, metadata)
+
+
 def judge_endpoint():
     """The judge endpoint of ``workers.judge`` (handed to scoring processes in ``SETTINGS``)."""
     from .llm_judge import JudgeEndpoint
