@@ -61,6 +61,14 @@ def _structured_output(response: str, reference: str, metadata: dict[str, Any]) 
     return score_structured_output(response, reference, metadata)
 
 
+@register_verifier("code")
+def _code(response: str, reference: str, metadata: dict[str, Any]) -> float:
+    """Strict binary: the program passes every test, run in verifiers/sandbox.py (needs root for namespaces)."""
+    from .code import score_code
+
+    return score_code(response, reference, metadata)
+
+
 @register_verifier("tool_call")
 def _tool_call(response: str, reference: str, metadata: dict[str, Any]) -> float:
     from .tool_call import score_tool_call
