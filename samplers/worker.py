@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import signal
 import time
 import zlib
 
@@ -70,11 +71,26 @@ class Sampler:
         return {"state": self.state, "version": self.engine.version, "counters": dict(self.counters)}
 
     def run(self) -> None:
+        """Serve until drained: SIGTERM (``ctl scale`` removing this sampler) stops new work; what it holds is
+        generated and sent, then it exits."""
+        draining: list[float] = []
+        signal.signal(signal.SIGTERM, lambda *_: draining.append(time.monotonic()))
         self.link.start()
         self.link.send(Ready(self.worker_id, "sampler", self.slots, self.engine.version))
+        quiet_since = None
         while True:
+            if draining and quiet_since is None:
+                self.link.send(Ready(self.worker_id, "sampler", 0, self.engine.version, draining=True))
+                self.state, quiet_since = "draining", time.monotonic()
+            if quiet_since is not None and not self.pending and time.monotonic() - quiet_since > 1.0:
+                log.info("drained: %d rollouts", self.counters["rollouts"])
+                self.link.close()
+                return
             # block while nothing can be generated (no requests, or all wait for newer weights)
+            n_before = len(self.pending)
             self._collect(block=not any(r.min_version <= self.engine.version for r in self.pending))
+            if quiet_since is not None and len(self.pending) > n_before:
+                quiet_since = time.monotonic()  # requests sent before our notice was read: serve them too
             self._maybe_load_weights()
             ready = [r for r in self.pending if r.min_version <= self.engine.version]
             if not ready:
@@ -85,7 +101,7 @@ class Sampler:
     def _collect(self, block: bool) -> None:
         """Move arrived messages into ``pending``; after the first, wait a few ms for the rest of a burst
         (the orchestrator dispatches a step's groups back to back), so they share one batch."""
-        timeout = 1.0 if block else 0.0
+        timeout = 0.25 if block else 0.0
         while True:
             try:
                 msg = self.link.inbox.get(timeout=timeout) if timeout else self.link.inbox.get_nowait()

@@ -7,6 +7,7 @@
     cascade-rl ctl [--run-dir DIR] status [--json]
     cascade-rl ctl [--run-dir DIR] stop
     cascade-rl ctl [--run-dir DIR] swap verifier DOMAIN NAME   # new workers score DOMAIN with NAME; old ones drain
+    cascade-rl ctl [--run-dir DIR] scale samplers=N            # add samplers, or drain the newest
 """
 
 from __future__ import annotations
@@ -71,7 +72,14 @@ def cmd_ctl(args: argparse.Namespace) -> int:
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(_control_endpoint(args.run_dir))
-    request = {"role": args.role, "domain": args.domain, "impl": args.impl} if args.op == "swap" else {}
+    request = {}
+    if args.op == "swap":
+        request = {"role": args.role, "domain": args.domain, "impl": args.impl}
+    elif args.op == "scale":  # ctl scale samplers=N
+        key, sep, value = args.role.partition("=")
+        if not sep or not value.isdigit():
+            raise SystemExit(f"ctl scale wants ROLEs=N (e.g. samplers=2), got {args.role!r}")
+        request = {key: int(value)}
     send(sock, Control(args.op, request))
     if not sock.poll(5000):
         print("supervisor did not answer within 5 s (is the run still going?)", file=sys.stderr)
@@ -151,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
     c = sub.add_parser("ctl", help="talk to a running supervisor")
     c.add_argument("--run-dir", default=None, help="default: the newest run")
-    c.add_argument("op", choices=["status", "stop", "swap"])
-    c.add_argument("role", nargs="?", default="verifier", help="swap: the role (verifier)")
+    c.add_argument("op", choices=["status", "stop", "swap", "scale"])
+    c.add_argument("role", nargs="?", default="verifier", help="swap: the role (verifier); scale: samplers=N")
     c.add_argument("domain", nargs="?", default="", help="swap: the domain whose verifier changes")
     c.add_argument("impl", nargs="?", default="", help="swap: the registered verifier to score it with")
     c.add_argument("--json", action="store_true")

@@ -193,6 +193,28 @@ class Supervisor:
                 self.retired.append({**p.row(), "state": f"retired({p.popen.returncode if p.popen else None})"})
                 del self.procs[p.worker_id]
 
+    def scale(self, role: str, count: int) -> dict:
+        """Run ``count`` workers of ``role`` (samplers): start new ones (they get the current weights from the
+        orchestrator before any work), or drain the newest ones (they finish what they hold, then exit)."""
+        if role not in ("sampler", "verifier") or count < 1:
+            raise ValueError(f"scale wants samplers=N or verifiers=N with N >= 1, got {role}s={count}")
+        live = [p for p in self.procs.values() if p.role == role and not p.draining and not p.replaced_by]
+        started, draining = [], []
+        taken = {int(w.split("-")[-1]) for w in [*self.procs, *(r["id"] for r in self.retired)]
+                 if w.startswith(f"{role}-")}
+        for i in range(count - len(live)):
+            args = live[0].args if live else []
+            proc = Proc(role, f"{role}-{max(taken | {-1}) + 1 + i}", args=list(args))
+            self.procs[proc.worker_id] = proc
+            self.spawn(proc)
+            started.append(proc.worker_id)
+        for p in live[count:][::-1] if len(live) > count else []:
+            if p.popen is not None and p.popen.poll() is None:
+                os.killpg(p.popen.pid, signal.SIGTERM)
+            p.draining, p.state = True, "draining"
+            draining.append(p.worker_id)
+        return {"started": started, "draining": draining, role + "s": count}
+
     def swap(self, role: str, domain: str, impl: str) -> dict:
         """Replace the workers of ``role`` serving ``domain`` by as many new ones that score it with ``impl``."""
         if role != "verifier":
@@ -271,6 +293,12 @@ class Supervisor:
         if msg.op == "stop":
             self.stop_requested = True
             return ControlReply(True, {"stopping": True})
+        if msg.op == "scale":
+            try:
+                (key, value), = msg.args.items()
+                return ControlReply(True, self.scale(key.removesuffix("s"), int(value)))
+            except (ValueError, TypeError) as e:
+                return ControlReply(False, None, f"scale: {e}")
         if msg.op == "swap":
             try:
                 return ControlReply(True, self.swap(msg.args.get("role", ""), msg.args.get("domain", ""),

@@ -174,3 +174,47 @@ def test_swapping_a_verifier_during_a_run_loses_and_doubles_no_score(tiny_model,
     evaluations = 2 * 16 * 2  # before and after: 16 held-out questions, avg@1 and greedy
     assert old + new == books["dispatched"] + evaluations  # every rollout scored exactly once
     assert all(v["counters"]["failed"] == 0 for v in verifiers.values())
+
+
+@pytest.mark.slow
+def test_scaling_samplers_up_and_down_during_a_run(tiny_model, tmp_path):
+    """`ctl scale samplers=2` mid-run starts a sampler that loads the current weights before it takes work;
+    `ctl scale samplers=1` drains the newest one; nothing is lost."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
+    steps = 30
+    proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}",
+                             f"trainer.steps={steps}", "supervisor.progress=none"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def table() -> dict:
+        r = cli("ctl", "--run-dir", str(run_dir), "status", "--json", env=env, timeout=30)
+        return {w["id"]: w for w in json.loads(r.stdout)} if r.returncode == 0 else {}
+
+    def wait_for(cond, what: str, limit: float = 90) -> dict:
+        t_end = time.monotonic() + limit
+        while time.monotonic() < t_end:
+            if cond(t := table()):
+                return t
+            time.sleep(0.3)
+        raise AssertionError(f"never: {what}")
+
+    wait_for(lambda t: t.get("orchestrator", {}).get("version", 0) >= 2, "training began")
+    up = cli("ctl", "--run-dir", str(run_dir), "scale", "samplers=2", env=env, timeout=30)
+    assert up.returncode == 0 and json.loads(up.stdout)["started"] == ["sampler-1"], up.stdout + up.stderr
+    wait_for(lambda t: t.get("sampler-1", {}).get("counters", {}).get("rollouts", 0) > 0, "sampler-1 sampled")
+    down = cli("ctl", "--run-dir", str(run_dir), "scale", "samplers=1", env=env, timeout=30)
+    assert down.returncode == 0 and json.loads(down.stdout)["draining"] == ["sampler-1"], down.stdout + down.stderr
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    books = summary["books"]
+    assert books["lost"] == 0 and books["in_flight"] == 0
+    assert books["trained"] == steps * 8 * 4
+    workers = {w["id"]: w for w in summary["workers"]}
+    assert workers["sampler-1"]["state"] == "retired(0)"  # drained and exited cleanly
+    assert workers["sampler-1"]["counters"]["weight_loads"] >= 1  # joined late: current weights first
+    assert workers["sampler-0"]["restarts"] == 0
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["staleness_mean"] == 0.0 for m in metrics if "version" in m)  # still strictly on-policy
