@@ -495,6 +495,7 @@ class Orchestrator:
             self.prompt_queue.popleft()
             if w.version < g.min_version and self.weights is not None and self.weights.version >= g.min_version:
                 if not self._send(ident, self.weights):  # a late joiner: hand it the newest weights first
+                    self.prompt_queue.appendleft(g.group_id)  # it is gone (dropped by _send): another takes it
                     continue
                 w.version = self.weights.version
             g.worker, g.deadline = ident, time.monotonic() + self.cfg.orchestrator.sampler_timeout_s

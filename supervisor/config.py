@@ -206,6 +206,8 @@ class SupervisorConfig:
 class LaunchConfig:
     run_dir: str = ""
     """Where logs, checkpoints, metrics and summary go (default runs/<timestamp>)."""
+    resume: bool = False
+    """Continue this run_dir from its newest checkpoint (the same as trainer.resume_from=latest)."""
     run_id: str = ""
     """Filled by the supervisor: a short unique id (names the shm weights folder and socket dir)."""
     weights_transport: str = "shm"
@@ -237,6 +239,8 @@ def compose(preset: str | None, overrides: list[str], check: bool = True) -> Dic
     cfg = OmegaConf.merge(OmegaConf.structured(LaunchConfig), cfg)
     if not cfg.run_dir:
         cfg.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    if cfg.resume and not cfg.trainer.resume_from:
+        cfg.trainer.resume_from = "latest"
     if check:
         validate(cfg)
     return cfg

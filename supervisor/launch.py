@@ -163,6 +163,9 @@ class Supervisor:
             rc = p.popen.poll()
             if p.role == "orchestrator" and rc is not None:
                 return "done" if rc == 0 else f"orchestrator exited with code {rc} (see logs/orchestrator.log)"
+            if p.role == "trainer" and rc is not None:  # a fresh trainer would restart at version 0: resume instead
+                return (f"trainer exited with code {rc} (see logs/trainer-0.log); continue from the last checkpoint "
+                        f"with: cascade-rl launch ... run_dir={self.run_dir} resume=true")
             silent = now - p.last_beat > sup.heartbeat_timeout_s
             if rc is None and not silent:
                 continue

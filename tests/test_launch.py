@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -218,3 +220,54 @@ def test_scaling_samplers_up_and_down_during_a_run(tiny_model, tmp_path):
     assert workers["sampler-0"]["restarts"] == 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(m["staleness_mean"] == 0.0 for m in metrics if "version" in m)  # still strictly on-policy
+
+
+@pytest.mark.slow
+def test_faults_killed_workers_are_restarted_and_a_killed_trainer_resumes(tiny_model, tmp_path):
+    """SIGKILL a sampler and a verifier mid-run: they restart, the run completes, books balance with nothing
+    lost. SIGKILL the trainer: the run stops with how to resume; `resume=true` continues from the checkpoint."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
+    common = [f"run_dir={run_dir}", f"model.path={tiny_model}", "supervisor.progress=none",
+              "supervisor.restart_backoff_s=0.2", "orchestrator.sampler_timeout_s=20",
+              "orchestrator.verifier_timeout_s=10", "trainer.save_every=2"]
+
+    def table() -> dict:
+        r = cli("ctl", "--run-dir", str(run_dir), "status", "--json", env=env, timeout=30)
+        return {w["id"]: w for w in json.loads(r.stdout)} if r.returncode == 0 else {}
+
+    def wait_version(v: int) -> dict:
+        t_end = time.monotonic() + 90
+        while time.monotonic() < t_end:
+            if (t := table()).get("orchestrator", {}).get("version", 0) >= v:
+                return t
+            time.sleep(0.2)
+        raise AssertionError(f"version {v} never reached")
+
+    steps = 10
+    proc = subprocess.Popen([*CLI, "launch", "tiny", *common, f"trainer.steps={steps}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t = wait_version(2)
+    os.kill(t["sampler-0"]["pid"], signal.SIGKILL)
+    os.kill(t["verifier-0"]["pid"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    books = summary["books"]
+    assert summary["restarts"]["sampler-0"] >= 1 and summary["restarts"]["verifier-0"] >= 1
+    assert books["lost"] == 0 and books["in_flight"] == 0
+    assert books["dispatched"] == books["trained"] + books["filtered"] + books["stale"]
+    assert books["trained"] == steps * 8 * 4
+
+    # the trainer: killed mid-run, the run stops and says how to go on
+    shutil.rmtree(run_dir)
+    proc = subprocess.Popen([*CLI, "launch", "tiny", *common, "trainer.steps=12"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t = wait_version(5)
+    os.kill(t["trainer-0"]["pid"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "resume=true" in out, out[-3000:]
+    r = cli("launch", "tiny", *common, "trainer.steps=12", "resume=true", env=env, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] >= 4 and summary["policy_version"] == 12 and summary["books"]["lost"] == 0
