@@ -162,6 +162,8 @@ class JudgeConfig:
     """Judge requests in flight per scoring process."""
     timeout_s: float = 60.0
     """Per-request timeout."""
+    max_tokens: int = 4096
+    """Most tokens of one judgment (thinking judges need many, or their verdicts are cut off)."""
 
 
 @dataclass

@@ -459,7 +459,7 @@ def test_registered_judges_score_through_the_verifier_worker_pool(judge_server, 
     from cascade_rl.verifiers.worker import Pool
 
     pool = Pool(1, {}, [], {"judge": {"base_url": judge_server, "model": SERVED, "api_key_env": "",
-                                      "concurrency": 4, "timeout_s": 60}})
+                                      "concurrency": 4, "timeout_s": 60, "max_tokens": 16}})
     try:
         pool.submit(GroupScoreRequest(["g/0/0", "g/1/0", "g/2/0"], "genrm", "Capital of France?",
                                       ["Paris.", "It is Paris.", "Lyon."], deadline_s=120))

@@ -84,7 +84,8 @@ def judge_endpoint():
     if not cfg.get("model"):
         raise ValueError("workers.judge.model is not set: model-judged domains need a judge endpoint")
     return JudgeEndpoint(base_url=cfg["base_url"], model=cfg["model"], api_key_env=cfg.get("api_key_env", ""),
-                         concurrency=cfg.get("concurrency", 8), timeout_s=cfg.get("timeout_s", 60.0))
+                         concurrency=cfg.get("concurrency", 8), timeout_s=cfg.get("timeout_s", 60.0),
+                         max_tokens=cfg.get("max_tokens", 4096))
 
 
 @register_group_verifier("genrm")

@@ -162,6 +162,8 @@ class Pool:
         for s in self.slots:
             s["conn"].close()
             s["proc"].kill()
+        for s in self.slots:
+            s["proc"].join(timeout=5)  # reap: no zombies left behind
 
 
 def parse_impls(pairs: list[str]) -> dict[str, str]:
