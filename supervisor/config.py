@@ -176,6 +176,8 @@ class WorkersConfig:
     """Engine registered in samplers/engine.py."""
     sampler_slots: int = 256
     """Sequences (group members) a sampler takes at once; they decode together in one batch."""
+    sampler_launcher: list[str] = field(default_factory=list)
+    """A command prefix for sampler processes, e.g. [ip, netns, exec, NAME] or [ssh, HOST] (with ``host``)."""
     sampler_threads: int = 0
     """torch threads per sampler (0: torch's default)."""
     verifier_procs: int = 2
@@ -215,7 +217,11 @@ class LaunchConfig:
     weights_transport: str = "shm"
     """WeightTransport registered in learner/weights.py."""
     endpoints: dict[str, str] = field(default_factory=dict)
-    """Filled by the supervisor at launch (ipc:// under a short temp dir)."""
+    host: str = ""
+    """Empty: ipc endpoints (one machine). An address of this machine: tcp endpoints on it, so workers on
+    other hosts (or network namespaces) can connect; pair with weights_transport=stream without a shared
+    file system."""
+    """Filled by the supervisor at launch: ipc:// under a short temp dir, or tcp:// on ``host``."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

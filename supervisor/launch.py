@@ -57,6 +57,20 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports free now (the OS picks them; held together so they differ)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def state_dir() -> Path:
     """Where the supervisor records the newest run (for ``ctl`` without --run-dir)."""
     base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
@@ -99,8 +113,11 @@ class Supervisor:
         self.sock_dir = Path(tempfile.gettempdir()) / f"crl-{run_id}"
         self.sock_dir.mkdir(parents=True)
         cfg.run_dir, cfg.run_id = str(self.run_dir), run_id
-        cfg.endpoints = {name: f"ipc://{self.sock_dir}/{name}" for name in
-                         ("orchestrator", "weights", "heartbeat", "control")}
+        names = ("orchestrator", "weights", "heartbeat", "control")
+        if cfg.host:  # tcp: reachable from other hosts / network namespaces
+            cfg.endpoints = {name: f"tcp://{cfg.host}:{port}" for name, port in zip(names, free_ports(len(names)))}
+        else:
+            cfg.endpoints = {name: f"ipc://{self.sock_dir}/{name}" for name in names}
         cfg.model.path = str(Path(cfg.model.path).resolve())
         self.cfg = cfg
         self.config_path = self.run_dir / "config.yaml"
@@ -129,6 +146,8 @@ class Supervisor:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", PYTHONSAFEPATH="1")
         log = open(self.run_dir / "logs" / f"{proc.worker_id}.log", "ab")
         launcher = [sys.executable, "-P", "-m"]
+        if proc.role == "sampler" and self.cfg.workers.sampler_launcher:  # elsewhere: a netns, another host
+            launcher = [*self.cfg.workers.sampler_launcher, *launcher]
         if proc.role == "trainer" and self.cfg.trainer.world_size > 1:  # one process per rank, torchrun's
             launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={self.cfg.trainer.world_size}",
                          "-m"]
@@ -286,8 +305,9 @@ class Supervisor:
 
     def _on_beat(self, hb: Heartbeat) -> None:
         p = self.procs.get(hb.worker_id)
-        if p is None or p.popen is None or p.popen.pid != hb.pid:
-            return  # a beat from a process we already replaced
+        remote = p is not None and p.role == "sampler" and bool(self.cfg.workers.sampler_launcher)
+        if p is None or p.popen is None or (p.popen.pid != hb.pid and not remote):
+            return  # a beat from a process we already replaced (a launcher prefix, e.g. ssh, changes pids)
         p.last_beat, p.state, p.version, p.counters = time.monotonic(), hb.state, hb.version, hb.counters
 
     def _on_control(self, msg: Control) -> ControlReply:
