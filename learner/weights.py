@@ -1,27 +1,63 @@
 """Publishing side of weight transports, registered by name.
 
-``shm`` (default on one machine): the trainer writes the policy as one
-safetensors file under /dev/shm (atomic rename, so a reader never sees a
-partial file), keeps the newest ``keep`` versions, and announces each with a
-``WeightsReady`` carrying size and checksum. Samplers resolve it with
-``cascade_rl.protocol.weights.resolve`` and load it in place.
+Both transports publish the same bytes: the policy as one safetensors file,
+byte for byte what ``save_model`` (a module: tied embeddings stored once) or
+``save_file`` (a state dict) writes, laid out by ``layout`` and checksummed
+while it is written (blake2b-128 of the file; see protocol/weights.py).
+Samplers resolve a ``WeightsReady`` with ``cascade_rl.protocol.weights.resolve``
+and load a local file either way. The trainer builds one transport,
+``TRANSPORTS[name](run_id=..., **options)``; ``bench/weight_transport.py``
+times both against a memory copy.
+
+* ``shm`` (default on one machine): the file goes to /dev/shm (atomic rename,
+  so a reader never sees a partial file); the newest ``keep`` versions stay.
+* ``stream`` (hosts without a shared file system): the file is built once per
+  version in memory (one copy of the weights: the trainer changes them in the
+  next step) and served in chunks from a background thread that owns a ROUTER
+  bound on ``endpoint``; chunks go out as zero-copy frames over the snapshot,
+  so many samplers fetch concurrently without further copies. The newest
+  ``keep`` versions stay in memory, and the last evicted one, whose buffer the
+  next version reuses once no frame of it is in flight (touching fresh pages
+  costs more than the copy): (keep + 1) x the model's bytes.
+  The notice's URI is ``stream+tcp://HOST:PORT/VERSION``: HOST is ``host`` if
+  given, else the bound address if it is not a wildcard, else this machine's
+  hostname (if it resolves; 127.0.0.1 otherwise). Set ``host`` when samplers
+  reach the trainer under another name or address.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import queue
 import shutil
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgpack
+import numpy as np
 import torch
-from safetensors.torch import save_file, save_model
+import zmq
+from safetensors.torch import _remove_duplicate_names  # save_model's rule for tied weights (safetensors pinned)
 
 from cascade_rl.protocol.messages import WeightsReady
 from cascade_rl.protocol.registry import Registry
-from cascade_rl.protocol.weights import file_checksum, shm_dir
+from cascade_rl.protocol.weights import STREAM_PROTOCOL, Checksum, WeightsError, shm_dir
+
+log = logging.getLogger(__name__)
 
 TRANSPORTS = Registry("weight transport")  # name -> class(run_id) with publish(model, version), close()
 register_transport = TRANSPORTS.register
+
+Weights = torch.nn.Module | dict[str, torch.Tensor]
+
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
 @register_transport("shm")
@@ -32,24 +68,256 @@ class ShmTransport:
         self.keep = keep
         self._published: list[Path] = []
 
-    def publish(self, model: torch.nn.Module | dict[str, torch.Tensor], version: int) -> WeightsReady:
+    def publish(self, model: Weights, version: int) -> WeightsReady:
         """``model``: the policy, or its full state dict in HF names (gathered from FSDP2 shards)."""
         path = self.dir / f"policy-v{version:06d}.safetensors"
         tmp = path.with_suffix(".tmp")
-        if isinstance(model, dict):
-            save_file(unshared(model), str(tmp))
-        else:
-            save_model(model, str(tmp))  # handles tied embeddings (shared tensors)
+        lay, checksum = layout(model), Checksum()
+        try:
+            with open(tmp, "wb") as f:  # one copy (the write); the checksum thread hashes the same buffers meanwhile
+                f.write(lay.header)
+                checksum.update(lay.header)
+                for data, _ in lay.tensors:
+                    data = data.cpu().numpy()
+                    f.write(data)
+                    checksum.update(data)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            digest = checksum.hexdigest()
         os.replace(tmp, path)
         self._published.append(path)
         while len(self._published) > self.keep:
             self._published.pop(0).unlink(missing_ok=True)
-        return WeightsReady(
-            version=version, uri=f"file://{path}", nbytes=path.stat().st_size, checksum=file_checksum(path)
-        )
+        return WeightsReady(version=version, uri=f"file://{path}", nbytes=lay.nbytes, checksum=digest)
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@dataclass
+class Snapshot:
+    """One published version of the stream transport: the safetensors file's bytes and checksum, and
+    a tracker for each reply frame sent from them (the buffer is reused only once all are done)."""
+
+    data: np.ndarray
+    checksum: str
+    trackers: list = field(default_factory=list)
+
+    def in_flight(self) -> bool:
+        self.trackers = [t for t in self.trackers if not t.done]
+        return bool(self.trackers)
+
+
+@register_transport("stream")
+class StreamTransport:
+    def __init__(self, run_id: str, keep: int = 2, endpoint: str = "tcp://0.0.0.0:0", host: str = "",
+                 chunk_mb: int = 16) -> None:
+        """``endpoint``: where the ROUTER binds (port 0: a free one); ``host``: the name samplers connect
+        to (see the module docstring); ``chunk_mb``: the size of one reply frame."""
+        self.keep, self.chunk = keep, chunk_mb << 20
+        self.malformed = 0  # requests that could not be parsed (answered with a refusal when possible)
+        self.dropped = 0  # replies to peers that vanished or stopped reading
+        self._snapshots: dict[int, Snapshot] = {}
+        self._retired: Snapshot | None = None  # the last evicted version: its buffer is the next one's
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ctx = zmq.Context(io_threads=1)  # its own IO thread: transfers never delay the trainer's sockets
+        bound: queue.Queue = queue.Queue(1)
+        self._thread = threading.Thread(target=self._serve, args=(endpoint, bound), name="weights-stream", daemon=True)
+        self._thread.start()
+        self.endpoint = bound.get(timeout=30)
+        if isinstance(self.endpoint, Exception):
+            self._ctx.term()
+            raise self.endpoint
+        address, port = self.endpoint.split("://", 1)[1].rsplit(":", 1)
+        self.host, self.port = host or advertised_host(address), int(port)
+
+    def publish(self, weights: Weights, version: int) -> WeightsReady:
+        """``weights``: the policy, or its full state dict in HF names. Returns once the snapshot is
+        built and hashed; samplers fetch it from the server thread afterwards."""
+        with self._lock:  # reuse a warm buffer: fresh pages cost more than the copy (page faults, zeroing)
+            old, self._retired = self._retired, None
+            reuse = old.data if old is not None and not old.in_flight() else None
+        snap = snapshot(weights, reuse)
+        with self._lock:
+            self._snapshots[version] = snap
+            for v in sorted(self._snapshots)[: -self.keep]:
+                self._retired = self._snapshots.pop(v)  # fetches of it now get "evicted"
+        return WeightsReady(version=version, uri=f"stream+tcp://{self.host}:{self.port}/{version}",
+                            nbytes=len(snap.data), checksum=snap.checksum)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._ctx.term()
+        self._snapshots.clear()
+
+    # ------------------------------------------------------------------ server thread
+
+    def _serve(self, endpoint: str, bound: queue.Queue) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises instead of vanishing
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(endpoint)
+        except Exception as e:
+            sock.close()
+            bound.put(WeightsError(f"stream weights transport cannot bind {endpoint}: {e}"))
+            return
+        bound.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        try:
+            while not self._stop.is_set():
+                if sock.poll(100):  # the stop flag is checked at least every 100 ms
+                    self._answer(sock)
+        finally:
+            sock.close(linger=0)
+
+    def _answer(self, sock: zmq.Socket) -> None:
+        frames = sock.recv_multipart(copy=False)
+        identity, version = frames[0].bytes, -1  # bytes: a received Frame cannot be sent tracked
+        try:
+            version, chunk = parse_request(frames[1:])
+            with self._lock:  # the snapshot cannot be retired and reused between lookup and tracking
+                snap = self._snapshots.get(version)
+                if snap is not None:
+                    self._send_chunk(sock, identity, version, chunk, snap)
+                    return
+                served = sorted(self._snapshots)
+            reason = f"version {version} is not served (evicted or never published); serving {served}"
+        except ValueError as e:
+            self.malformed += 1
+            log.warning("weights stream: malformed request: %s", e)
+            reason = f"malformed request: {e}"
+        except Exception as e:  # never let one request stop the server
+            log.exception("weights stream: request failed")
+            reason = f"publisher error: {e}"
+        self._send(sock, [identity, refusal(version, reason)])
+
+    def _send_chunk(self, sock: zmq.Socket, identity, version: int, chunk: int, snap: Snapshot) -> None:
+        nbytes = len(snap.data)
+        chunks = max(1, -(-nbytes // self.chunk))
+        if chunk >= chunks:
+            self._send(sock, [identity, refusal(version, f"chunk {chunk} out of range: v{version} has {chunks}")])
+            return
+        head = {"t": "weights_chunk", "v": STREAM_PROTOCOL, "version": version, "chunk": chunk, "chunks": chunks,
+                "nbytes": nbytes, "checksum": snap.checksum}
+        data = memoryview(snap.data)[chunk * self.chunk : (chunk + 1) * self.chunk]  # zero-copy: zmq reads the snapshot
+        if tracker := self._send(sock, [identity, msgpack.packb(head), data], track=True):
+            snap.trackers.append(tracker)
+            if len(snap.trackers) > 256:
+                snap.in_flight()  # drop the finished ones
+
+    def _send(self, sock: zmq.Socket, frames: list, track: bool = False):
+        try:
+            return sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=track)
+        except zmq.ZMQError:  # peer gone (ROUTER_MANDATORY) or its queue full: it times out and retries
+            self.dropped += 1
+            return None
+
+
+def parse_request(frames: list) -> tuple[int, int]:
+    """(version, chunk) of a stream request; ValueError says what is wrong."""
+    if len(frames) != 1:
+        raise ValueError(f"{len(frames)} frames, expected 1")
+    try:
+        req = msgpack.unpackb(frames[0].bytes)
+    except Exception as e:
+        raise ValueError(f"undecodable header ({e})") from None
+    if not isinstance(req, dict) or req.get("t") != "weights_get" or req.get("v") != STREAM_PROTOCOL:
+        raise ValueError(f"not a weights_get of protocol {STREAM_PROTOCOL}: {req!r:.100}")
+    version, chunk = req.get("version"), req.get("chunk")
+    if not (isinstance(version, int) and isinstance(chunk, int) and version >= 0 and chunk >= 0):
+        raise ValueError(f"version and chunk must be integers >= 0, got {version!r}, {chunk!r}")
+    return version, chunk
+
+
+def refusal(version: int, reason: str) -> bytes:
+    return msgpack.packb({"t": "weights_error", "v": STREAM_PROTOCOL, "version": version, "reason": reason})
+
+
+def advertised_host(address: str) -> str:
+    if address not in ("0.0.0.0", "*", "::", "[::]"):
+        return address
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+        return name
+    except OSError:
+        return "127.0.0.1"
+
+
+# --------------------------------------------------------------------------- serialisation
+
+
+@dataclass
+class Layout:
+    """A safetensors file to be written: its header, and each tensor's bytes (a 1-D uint8 view, on the
+    tensor's device) with its offset in the file, in file order."""
+
+    header: bytes
+    tensors: list[tuple[torch.Tensor, int]]
+    nbytes: int
+
+
+def layout(weights: Weights) -> Layout:
+    """The safetensors layout of ``weights``: tensors sorted by element size (largest first) then name,
+    as safetensors does, so every tensor is aligned for zero-copy loading."""
+    state, metadata = named_tensors(weights)
+    names = sorted(state, key=lambda k: (-state[k].element_size(), k))
+    entries: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in names:
+        t = state[name]
+        if t.dtype not in DTYPES:
+            raise ValueError(f"weights {name}: dtype {t.dtype} has no safetensors name here")
+        n = t.numel() * t.element_size()
+        entries[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # data starts 8-byte aligned
+    header = struct.pack("<Q", len(text)) + text
+    tensors, start = [], len(header)
+    for name in names:
+        data = state[name].detach().contiguous().reshape(-1).view(torch.uint8)
+        tensors.append((data, start + entries[name]["data_offsets"][0]))
+    return Layout(header, tensors, start + offset)
+
+
+def snapshot(weights: Weights, reuse: np.ndarray | None = None) -> Snapshot:
+    """The file's bytes in one buffer (``reuse`` if it has the right size, else a fresh one): one copy,
+    device tensors straight into it; hashed by a second thread while later tensors are copied."""
+    lay, checksum = layout(weights), Checksum()
+    data = reuse if reuse is not None and len(reuse) == lay.nbytes else np.empty(lay.nbytes, np.uint8)
+    out = torch.from_numpy(data)
+    data[: len(lay.header)] = np.frombuffer(lay.header, np.uint8)
+    hashed = 0
+    for t, start in lay.tensors:
+        end = start + t.numel()
+        if t.is_cpu:
+            data[start:end] = t.numpy()  # numpy's copy is one thread: torch's would fight the hash thread
+        else:
+            out[start:end].copy_(t)
+        if end - hashed >= Checksum.SMALL:  # hash in contiguous runs, not tensor by tensor
+            checksum.update(data[hashed:end])
+            hashed = end
+    checksum.update(data[hashed:])
+    return Snapshot(data, checksum.hexdigest())
+
+
+def named_tensors(weights: Weights) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(name -> tensor, metadata): a module's state dict without duplicate names of one storage (the
+    metadata maps each dropped name to the kept one, as ``save_model`` writes); a state dict as is,
+    with shared storages copied."""
+    if isinstance(weights, dict):
+        return unshared(weights), {}
+    state, metadata = weights.state_dict(), {}
+    for kept, dropped in _remove_duplicate_names(state).items():
+        for name in dropped:
+            metadata[name] = kept
+            del state[name]
+    return state, metadata
 
 
 def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,17 +1,57 @@
 """Receiving side of weight transports: resolve a ``WeightsReady`` to a verified local file.
 
-The publishing side lives with the trainer (learner/weights.py). ``shm``
-notices carry a ``file://`` URI of a safetensors file in /dev/shm (or any
-shared path) and its blake2b checksum; a file that changed or vanished is
-refused with a reason rather than loaded half-written.
+The publishing side lives with the trainer (learner/weights.py). Whatever the
+transport, a sampler ends up with one local safetensors file whose size and
+checksum match the notice, and loads it by path (torch engine, vLLM, SGLang).
+Resolvers are registered by URI scheme:
+
+* ``file://PATH`` (``shm`` transport): a file in /dev/shm (or any shared path),
+  written with an atomic rename; checked in place and returned as is.
+* ``stream+tcp://HOST:PORT/VERSION`` (``stream`` transport, for hosts without a
+  shared file system): fetched from the trainer's ROUTER in chunks, written
+  under this process's receive folder (``receive_dir``, in /dev/shm) with an
+  atomic rename; the folder keeps the returned file and the newest other one.
+
+Checksum (both transports, both sides): blake2b with a 16-byte digest, as
+hex, over the bytes of the safetensors file in order -- what ``file_checksum``
+of the file gives. The stream sends exactly the file's bytes, so the receiver
+hashes the chunks as they arrive and never re-reads what it wrote. (A notice
+without a checksum is checked against the one in the publisher's replies.)
+
+Stream wire protocol (DEALER of the sampler -> ROUTER of the trainer; every
+header is one msgpack map, ``"v"`` is ``STREAM_PROTOCOL``):
+
+    request   [{"t": "weights_get", "v", "version", "chunk"}]
+    reply     [{"t": "weights_chunk", "v", "version", "chunk", "chunks", "nbytes", "checksum"}, DATA]
+    refusal   [{"t": "weights_error", "v", "version", "reason"}]
+
+Chunk ``i`` is bytes ``[i*S, min((i+1)*S, nbytes))`` of the file (``S`` is the
+publisher's chunk size; ``chunks`` tells the count). The receiver asks for
+chunk 0, then keeps at most ``window`` requests in flight (credit-based flow
+control: a slow sampler never makes the trainer queue more than ``window``
+chunks for it). Replies on one connection arrive in request order.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import os
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgpack
+import zmq
+
 from .messages import WeightsReady
+from .registry import Registry
+
+STREAM_PROTOCOL = 1
+STREAM_URI = re.compile(r"^stream\+tcp://(?P<addr>.+:\d+)/(?P<version>\d+)$")
+
+RESOLVERS = Registry("weights uri scheme")  # scheme -> fn(notice, run_id, timeout_s) -> local path
 
 
 def shm_dir(run_id: str, root: str = "/dev/shm") -> Path:
@@ -20,24 +60,95 @@ def shm_dir(run_id: str, root: str = "/dev/shm") -> Path:
     return base / f"cascade-rl-{run_id}"
 
 
+def receive_dir(run_id: str) -> Path:
+    """This process's folder for streamed weights: inside the run's shm folder (RAM; the supervisor
+    removes it at the end of a run on this host), one per process so that no sampler deletes a file
+    another is loading. Removed at exit."""
+    path = shm_dir(run_id or "local") / f"stream-{os.getpid()}"
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True)
+        atexit.register(_remove_receive_dir, path)
+    return path
+
+
+def _remove_receive_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        path.parent.rmdir()  # the run's folder, if no one else uses it
+    except OSError:
+        pass
+
+
 class WeightsError(RuntimeError):
     """A weights notice that cannot be honoured (missing file, bad checksum, unknown format)."""
+
+
+class Checksum:
+    """The weights checksum (see the module docstring), fed from a worker thread: hashlib releases
+    the GIL on large updates, so hashing chunk i overlaps copying or receiving chunk i+1. blake2b runs
+    at about 1 GB/s a core, slower than a memory copy: it is the largest cost of a transfer."""
+
+    SMALL = 1 << 16  # buffers below this are batched (copied) into one update: a task per tiny tensor costs more
+
+    def __init__(self, max_pending: int = 8) -> None:
+        self._h = hashlib.blake2b(digest_size=16)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checksum")  # one worker: updates stay in order
+        self._pending: list = []
+        self._max_pending = max_pending
+        self._small = bytearray()
+
+    def update(self, data) -> None:
+        """Queue ``data`` (any buffer; it must not change until hashed). Waits while ``max_pending``
+        buffers are queued, so a slow hash holds back the producer instead of buffering a model."""
+        data = memoryview(data).cast("B")
+        if len(data) < self.SMALL:
+            self._small += data
+            if len(self._small) >= 16 * self.SMALL:
+                self._flush()
+            return
+        self._flush()
+        self._submit(data)
+
+    def hexdigest(self) -> str:
+        self._flush()
+        self._pool.shutdown(wait=True)
+        return self._h.hexdigest()
+
+    def _flush(self) -> None:
+        if self._small:
+            self._submit(self._small)
+            self._small = bytearray()
+
+    def _submit(self, data) -> None:
+        self._pending.append(self._pool.submit(self._h.update, data))
+        if len(self._pending) > self._max_pending:
+            self._pending.pop(0).result()
 
 
 def file_checksum(path: str | Path, chunk: int = 1 << 22) -> str:
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while n := f.readinto(buf):  # one reused buffer: no allocation per block
+            h.update(view[:n])
     return h.hexdigest()
 
 
-def resolve(notice: WeightsReady) -> str:
-    """Local path of the weights announced by ``notice``, after checking size and checksum."""
+def resolve(notice: WeightsReady, run_id: str = "", timeout_s: float = 30.0) -> str:
+    """Local path of the weights announced by ``notice``, after checking size and checksum.
+    ``run_id`` names the folder streamed weights land in; ``timeout_s`` bounds each wait for the
+    publisher (stream)."""
     if notice.format != "safetensors":
         raise WeightsError(f"weights format {notice.format!r} not supported")
-    if not notice.uri.startswith("file://"):
-        raise WeightsError(f"weights uri {notice.uri!r}: only file:// (shm transport) is resolvable here")
+    scheme = notice.uri.split("://", 1)[0] if "://" in notice.uri else ""
+    if scheme not in RESOLVERS:
+        raise WeightsError(f"weights uri {notice.uri!r}: scheme not resolvable here; known: {sorted(RESOLVERS)}")
+    return RESOLVERS[scheme](notice, run_id, timeout_s)
+
+
+@RESOLVERS.register("file")
+def resolve_file(notice: WeightsReady, run_id: str, timeout_s: float) -> str:
     path = Path(notice.uri[len("file://") :])
     if not path.is_file():
         raise WeightsError(f"weights file {path} is gone (version {notice.version})")
@@ -46,3 +157,98 @@ def resolve(notice: WeightsReady) -> str:
     if notice.checksum and file_checksum(path) != notice.checksum:
         raise WeightsError(f"weights file {path} fails its checksum")
     return str(path)
+
+
+# --------------------------------------------------------------------------- stream
+
+
+def stream_request(version: int, chunk: int) -> bytes:
+    return msgpack.packb({"t": "weights_get", "v": STREAM_PROTOCOL, "version": version, "chunk": chunk})
+
+
+@RESOLVERS.register("stream+tcp")
+def resolve_stream(notice: WeightsReady, run_id: str, timeout_s: float, window: int = 4) -> str:
+    m = STREAM_URI.match(notice.uri)
+    if m is None or int(m["version"]) != notice.version:
+        raise WeightsError(f"weights uri {notice.uri!r}: want stream+tcp://HOST:PORT/{notice.version}")
+    folder = receive_dir(run_id)
+    path = folder / f"policy-v{notice.version:06d}.safetensors"
+    tmp = path.with_suffix(".tmp")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{m['addr']}")
+    try:
+        with open(tmp, "wb") as f:
+            nbytes, checksum, head = _receive(sock, notice, f, timeout_s, window)
+        if notice.nbytes and nbytes != notice.nbytes:
+            raise WeightsError(f"streamed weights v{notice.version}: {nbytes} bytes, notice says {notice.nbytes}")
+        if checksum != (notice.checksum or head.get("checksum")):  # a notice without one: the publisher's
+            raise WeightsError(f"streamed weights v{notice.version} from {m['addr']} fail their checksum")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        sock.close(linger=0)
+    _keep_newest(folder, path, 2)  # the engine has loaded the older ones by now
+    return str(path)
+
+
+def _receive(sock: zmq.Socket, notice: WeightsReady, f, timeout_s: float, window: int) -> tuple[int, str, dict]:
+    """Fetch every chunk of ``notice.version`` in order into ``f``; (bytes received, their checksum,
+    the last reply header)."""
+    version, addr = notice.version, notice.uri
+    checksum = Checksum()  # holds each chunk's frame (through its memoryview) until hashed
+    try:
+        sock.send(stream_request(version, 0))
+        sent, got, chunks, nbytes = 1, 0, 1, 0
+        while got < chunks:
+            if not sock.poll(int(timeout_s * 1000)):
+                raise WeightsError(f"no reply from the weights publisher {addr} in {timeout_s:g}s "
+                                   f"(chunk {got}): is the trainer up and its weights host reachable from here?")
+            reply = sock.recv_multipart(copy=False)
+            head = _reply_header(reply, version, got)
+            if got == 0:
+                chunks = head["chunks"]
+                while sent < min(chunks, window):
+                    sock.send(stream_request(version, sent))
+                    sent += 1
+            data = reply[1].buffer
+            f.write(data)
+            checksum.update(data)
+            nbytes += len(data)
+            got += 1
+            if sent < chunks:
+                sock.send(stream_request(version, sent))
+                sent += 1
+        if nbytes != head["nbytes"]:
+            raise WeightsError(f"streamed weights v{version}: {nbytes} bytes, publisher says {head['nbytes']}")
+    finally:
+        digest = checksum.hexdigest()
+    return nbytes, digest, head
+
+
+def _reply_header(frames: list, version: int, chunk: int) -> dict:
+    try:
+        head = msgpack.unpackb(frames[0].bytes)
+    except Exception as e:
+        raise WeightsError(f"weights publisher sent an undecodable header: {e}") from None
+    if not isinstance(head, dict) or head.get("v") != STREAM_PROTOCOL:
+        raise WeightsError(f"weights publisher speaks another protocol: {head!r:.200}")
+    if head.get("t") == "weights_error":
+        raise WeightsError(f"weights v{version}: publisher refused: {head.get('reason')}")
+    if head.get("t") != "weights_chunk" or len(frames) != 2:
+        raise WeightsError(f"weights publisher sent {head.get('t')!r} with {len(frames)} frames")
+    if head.get("version") != version or head.get("chunk") != chunk:
+        raise WeightsError(f"weights publisher sent v{head.get('version')} chunk {head.get('chunk')}, "
+                           f"expected v{version} chunk {chunk}")
+    if not all(isinstance(head.get(k), int) and head[k] >= 0 for k in ("chunks", "nbytes")) or chunk >= head["chunks"]:
+        raise WeightsError(f"weights publisher sent a bad chunk count or size: {head!r:.200}")
+    return head
+
+
+def _keep_newest(folder: Path, current: Path, keep: int) -> None:
+    """Delete all but ``current`` and the newest ``keep - 1`` others."""
+    others = [p for p in sorted(folder.glob("policy-v*.safetensors")) if p != current]
+    for old in others[: max(0, len(others) - (keep - 1))]:
+        old.unlink(missing_ok=True)

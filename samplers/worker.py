@@ -66,6 +66,8 @@ class Sampler:
                                expect=(PromptRequest, WeightsReady), status=self.status,
                                heartbeat_s=cfg.supervisor.heartbeat_s)
         self.slots = cfg.workers.sampler_slots
+        self.delay_s = cfg.workers.sampler_delay_s
+        self.run_id = cfg.run_id  # names the folder that streamed weights land in
 
     def status(self) -> dict:
         return {"state": self.state, "version": self.engine.version, "counters": dict(self.counters)}
@@ -119,7 +121,7 @@ class Sampler:
             return
         self.state = "loading"
         try:
-            self.engine.load_weights(resolve(self.latest), self.latest.version)
+            self.engine.load_weights(resolve(self.latest, self.run_id), self.latest.version)
             self.counters["weight_loads"] += 1
         except (WeightsError, OSError, RuntimeError) as e:
             log.error("cannot load weights v%d: %s", self.latest.version, e)  # wait for the next notice
@@ -147,6 +149,8 @@ class Sampler:
                 self.link.send(error_rollout(req, self.worker_id, self.engine.version, f"engine error: {e}"))
             self.state = "idle"
             return
+        if self.delay_s:
+            time.sleep(self.delay_s)  # benchmarks: a slower sampler (workers.sampler_delay_s)
         t_gen = time.perf_counter() - t0
         self.counters["gen_s"] += t_gen
         for req, samples in zip(good, groups):
