@@ -162,6 +162,8 @@ class Orchestrator:
         self._seq = 0
         self._prompt_ids: dict[str, np.ndarray] = {}
         self.mismatch: list[dict[str, float]] = []  # per step: engine vs trainer log-probs
+        self.trainer_window = [0.0, 0.0]  # first batch sent, last StepDone: the trainer's share of the run
+        self.trainer_busy_s = 0.0
         self.start_step = self._resume()
         self.tb = None
         if cfg.orchestrator.tensorboard:  # optional extra: fails here, at start, if it is not installed
@@ -182,21 +184,28 @@ class Orchestrator:
         before = self.evaluate()
         per_question_before = dict(self.per_question)
         self._log({"step": 0, **before})
+        # With max_staleness = 0 each step samples on the newest weights, then waits for the trainer. With
+        # k > 0 the next batch is sampled while the trainer steps (one batch ahead: its rollouts are at most
+        # one version old when trained; truncated importance weights correct them).
+        in_training = None  # (step, groups, t0, t_sample) sent to the trainer, its StepDone not yet handled
+        t_loop = time.perf_counter()
         for step in range(self.start_step, steps):
             self.status.update(state="sampling", step=step)
             t0 = time.perf_counter()
             groups = self.sample_batch(step)
             t_sample = time.perf_counter() - t0
-            self.status["state"] = "training"
+            if in_training is not None:
+                self._finish_step(*in_training)
             self.step_done = None
             self._to_trainer(self.build_batch(step, groups))
-            self.pump(lambda: self.step_done is not None)
-            metrics = self.step_metrics(step, groups, t_sample, time.perf_counter() - t0)
-            if self.cfg.orchestrator.eval_every and (step + 1) % self.cfg.orchestrator.eval_every == 0 \
-                    and step + 1 < steps:
-                self.status["state"] = "eval"
-                metrics.update(self.evaluate())
-            self._log(metrics)
+            self.trainer_window[0] = self.trainer_window[0] or time.perf_counter()
+            in_training = (step, groups, t0, t_sample)
+            if self.cfg.orchestrator.max_staleness == 0:
+                self._finish_step(*in_training)
+                in_training = None
+        if in_training is not None:
+            self._finish_step(*in_training)
+        loop_s = time.perf_counter() - t_loop
         self.status.update(state="eval", step=steps)
         after = self.evaluate()
         self._log({"step": steps, **after})
@@ -207,6 +216,9 @@ class Orchestrator:
             "heldout_gain": self.paired_gain(per_question_before),
             "steps": steps,
             "resumed_from_step": self.start_step,
+            "max_staleness": self.cfg.orchestrator.max_staleness,
+            "loop_s": loop_s,  # the training steps alone (no evaluations before and after)
+            "trainer_busy_frac": self.trainer_busy_s / max(1e-9, self.trainer_window[1] - self.trainer_window[0]),
             "policy_version": self.version,
             "wall_s": time.perf_counter() - t_start,
             "books": books,
@@ -220,6 +232,19 @@ class Orchestrator:
         self.status["state"] = "done"
         self._heartbeat(force=True)
         return summary
+
+    def _finish_step(self, step: int, groups: list[Group], t0: float, t_sample: float) -> None:
+        """Wait for the trainer's StepDone of ``step``; log its metrics (and evaluate when due)."""
+        self.status["state"] = "training"
+        self.pump(lambda: self.step_done is not None)
+        self.trainer_window[1] = time.perf_counter()
+        self.trainer_busy_s += float(self.step_done.metrics.get("train_s", 0.0))
+        metrics = self.step_metrics(step, groups, t_sample, time.perf_counter() - t0)
+        steps = self.cfg.trainer.steps
+        if self.cfg.orchestrator.eval_every and (step + 1) % self.cfg.orchestrator.eval_every == 0 and step + 1 < steps:
+            self.status["state"] = "eval"
+            metrics.update(self.evaluate())
+        self._log(metrics)
 
     def sample_batch(self, step: int) -> list[Group]:
         """``prompts_per_step`` complete groups sampled on the newest weights (strictly on-policy).

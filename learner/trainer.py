@@ -227,7 +227,10 @@ def main(argv: list[str] | None = None) -> None:
     link = pub = transport = None
     status = {"state": "waiting", "version": version, "counters": {"steps": version, "train_s": 0.0}}
     if ranks.main:
-        transport = TRANSPORTS[cfg.weights_transport](run_id=cfg.run_id)
+        options = dict(cfg.weights_options)
+        if cfg.weights_transport == "stream" and cfg.host:
+            options.setdefault("host", cfg.host)  # the address samplers on other hosts reach us at
+        transport = TRANSPORTS[cfg.weights_transport](run_id=cfg.run_id, **options)
         pub = zmq.Context.instance().socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.bind(cfg.endpoints.weights)

@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
@@ -176,6 +177,8 @@ class WorkersConfig:
     """Engine registered in samplers/engine.py."""
     sampler_slots: int = 256
     """Sequences (group members) a sampler takes at once; they decode together in one batch."""
+    sampler_delay_s: float = 0.0
+    """Benchmarks only: each generate call of a sampler also sleeps this long (a slower sampler, to show overlap)."""
     sampler_launcher: list[str] = field(default_factory=list)
     """A command prefix for sampler processes, e.g. [ip, netns, exec, NAME] or [ssh, HOST] (with ``host``)."""
     sampler_threads: int = 0
@@ -215,7 +218,11 @@ class LaunchConfig:
     run_id: str = ""
     """Filled by the supervisor: a short unique id (names the shm weights folder and socket dir)."""
     weights_transport: str = "shm"
-    """WeightTransport registered in learner/weights.py."""
+    """shm (a file under /dev/shm: one machine) | stream (the file in chunks over ZeroMQ: no shared file system)."""
+    weights_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the transport. Both: keep (versions kept, 2). stream: endpoint (ROUTER bind,
+    "tcp://0.0.0.0:0" = a free port), host (the name samplers connect to; default ``host`` of this config,
+    else the bound address or this machine's hostname), chunk_mb (frame size, 16)."""
     endpoints: dict[str, str] = field(default_factory=dict)
     host: str = ""
     """Empty: ipc endpoints (one machine). An address of this machine: tcp endpoints on it, so workers on
@@ -266,6 +273,9 @@ def validate(cfg: DictConfig) -> None:
         problems.append("trainer.kl_coef and trainer.entropy_coef must be >= 0")
     if t.world_size < 1 or t.prompts_per_step % t.world_size:
         problems.append("trainer.prompts_per_step must be a multiple of trainer.world_size (>= 1)")
+    if o.max_staleness > 0 and t.algorithm == "grpo" and not t.importance_weights:
+        problems.append("orchestrator.max_staleness > 0 trains on rollouts of older weights: set "
+                        "trainer.importance_weights=true (the truncated weights correct them)")
     if t.group_size < 2 and t.algorithm == "grpo":
         problems.append("trainer.group_size must be >= 2 for GRPO (advantages are group-normalised)")
     if t.micro_batch_groups and t.prompts_per_step % t.micro_batch_groups:

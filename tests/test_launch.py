@@ -271,3 +271,24 @@ def test_faults_killed_workers_are_restarted_and_a_killed_trainer_resumes(tiny_m
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from_step"] >= 4 and summary["policy_version"] == 12 and summary["books"]["lost"] == 0
+
+
+@pytest.mark.slow
+def test_async_mode_samples_the_next_batch_while_the_trainer_steps(tiny_model, tmp_path):
+    """max_staleness=1: batches are at most one version old when trained (some are), nothing is lost, and the
+    launch refuses async GRPO without importance weights."""
+    run_dir = tmp_path / "run"
+    bad = cli("launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", "orchestrator.max_staleness=1",
+              timeout=60)
+    assert bad.returncode != 0 and "importance_weights" in bad.stderr
+    r = cli("launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", "orchestrator.max_staleness=1",
+            "trainer.importance_weights=true", "trainer.steps=5", "supervisor.progress=none",
+            "workers.sampler_delay_s=0.5", timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["books"]["lost"] == 0 and summary["books"]["trained"] == 5 * 8 * 4
+    assert 0.0 < summary["trainer_busy_frac"] <= 1.0
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    staleness = [m["staleness_mean"] for m in metrics if "version" in m]
+    assert staleness[0] == 0.0 and max(staleness) <= 1.0 and max(staleness) > 0.0
+    assert all(m["trainer/is_truncated_frac"] >= 0.0 for m in metrics if "version" in m)

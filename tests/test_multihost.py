@@ -1,5 +1,5 @@
 """Multi-host: the sampler runs in its own network namespace (a veth pair made here) and reaches the
-orchestrator, trainer and supervisor over TCP only."""
+orchestrator, trainer and supervisor over TCP only; weights come as a stream over TCP too (no shared file)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def test_a_sampler_in_another_network_namespace_over_tcp(netns, tiny_model, tmp_
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}",
                              f"host={host}", f"workers.sampler_launcher=[ip,netns,exec,{ns}]",
+                             "weights_transport=stream",
                              "supervisor.progress=none"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     sampler_ns = None
@@ -64,5 +65,9 @@ def test_a_sampler_in_another_network_namespace_over_tcp(netns, tiny_model, tmp_
     assert sampler_ns is not None and sampler_ns != os.readlink("/proc/self/ns/net")  # really elsewhere
     config = (run_dir / "config.yaml").read_text()
     assert f"tcp://{host}:" in config and "ipc://" not in config
+    log = (run_dir / "logs" / "sampler-0.log").read_text()
+    assert "cannot load weights" not in log
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["staleness_mean"] for m in metrics if "version" in m] == [0.0, 0.0, 0.0]  # streamed weights in use
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["books"]["lost"] == 0 and summary["books"]["trained"] == 3 * 8 * 4

@@ -1,0 +1,107 @@
+"""Async vs strictly on-policy: steps/hour, trainer idle fraction and reward per minute at max_staleness 0, 1, 2.
+
+    .venv/bin/python bench/async_vs_sync.py [--quick] [--delays 0,0.5]
+
+Each setting is one real `cascade-rl launch` of the tiny demo model (SFT'd if models/tiny-sft exists, else
+the random tiny model) on the same task, hardware and seed; the settings run alternately, the order
+rotating per round. ``--delays`` adds an artificial per-call sampler delay (``workers.sampler_delay_s``):
+with a slow sampler the overlap of sampling and training is what async buys; on 2 shared CPU cores the
+sampler and the trainer also compete for the same cores, which caps the gain without a delay.
+
+The orchestrator samples one batch ahead when max_staleness >= 1 (rollouts are at most one version old
+when trained), so k = 2 behaves as k = 1; it is run to show that.
+
+Writes bench/results/async_vs_sync.json; the last stdout line is the summary (k = 1 vs k = 0, steps/hour,
+at the largest delay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
+
+
+def model_dir() -> str:
+    for p in (ROOT.parent / "models" / "tiny-sft", ROOT.parent / "models" / "tiny"):
+        if (p / "config.json").exists():
+            return str(p)
+    from cascade_rl.learner.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
+
+
+def launch(k: int, delay: float, steps: int, model: str, work: Path) -> dict:
+    run_dir = work / f"k{k}-d{delay}-{time.monotonic_ns()}"
+    args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}",
+            f"orchestrator.max_staleness={k}", "trainer.importance_weights=true", "trainer.prompts_per_step=8",
+            "trainer.group_size=8", "sampling.max_tokens=32", "trainer.lr=2e-5", "data.heldout_size=8",
+            f"workers.sampler_delay_s={delay}", "supervisor.progress=none"]
+    r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=1800,
+                       env=dict(os.environ, XDG_STATE_HOME=str(work / "state")))
+    if r.returncode != 0:
+        raise RuntimeError(f"launch failed (k={k}, delay={delay}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    s = json.loads((run_dir / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [m["reward_mean"] for m in metrics if "version" in m]
+    minutes = s["loop_s"] / 60
+    return {"k": k, "delay_s": delay, "steps": steps, "loop_s": s["loop_s"], "steps_per_hour": steps / s["loop_s"] * 3600,
+            "trainer_busy_frac": s["trainer_busy_frac"], "trainer_idle_frac": 1 - s["trainer_busy_frac"],
+            "reward_mean": statistics.mean(rewards), "reward_per_minute": sum(rewards) / minutes,
+            "staleness_mean": statistics.mean(m["staleness_mean"] for m in metrics if "version" in m),
+            "lost": s["books"]["lost"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="6 steps, 1 round")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--delays", default="0,0.5")
+    args = ap.parse_args(argv)
+    rounds, steps = args.rounds or (1 if args.quick else 2), args.steps or (6 if args.quick else 16)
+    delays = [float(x) for x in args.delays.split(",")]
+    model = model_dir()
+    work = Path(tempfile.mkdtemp(prefix="crl-async-"))
+    settings = [(k, d) for d in delays for k in (0, 1, 2)]
+    runs = []
+    for r in range(rounds):
+        for k, d in settings[r % len(settings):] + settings[: r % len(settings)]:
+            runs.append(launch(k, d, steps, model, work))
+            x = runs[-1]
+            print(f"k={k} delay={d}: {x['steps_per_hour']:.0f} steps/h, trainer idle {x['trainer_idle_frac']:.0%}, "
+                  f"reward {x['reward_mean']:.3f}, staleness {x['staleness_mean']:.2f}", file=sys.stderr)
+
+    table = {}
+    for k, d in settings:
+        xs = [x for x in runs if x["k"] == k and x["delay_s"] == d]
+        table[f"k{k}_d{d}"] = {key: statistics.median(x[key] for x in xs) for key in
+                               ("steps_per_hour", "trainer_idle_frac", "reward_mean", "reward_per_minute",
+                                "staleness_mean")}
+    d = max(delays)
+    sync, async1 = table[f"k0_d{d}"], table[f"k1_d{d}"]
+    summary = {"name": "async_vs_sync", "metric": f"steps/hour, max_staleness 1 vs 0 (tiny model, sampler delay {d} s)",
+               "value": round(async1["steps_per_hour"], 1), "baseline": "max_staleness 0 (strictly on-policy)",
+               "baseline_value": round(sync["steps_per_hour"], 1),
+               "ratio": round(async1["steps_per_hour"] / sync["steps_per_hour"], 3), "target": None, "pass": None,
+               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+               "trainer_idle_frac_async": round(async1["trainer_idle_frac"], 3)}
+    out = {**summary, "table": table, "runs": runs, "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    (ROOT / "results").mkdir(exist_ok=True)
+    (ROOT / "results" / "async_vs_sync.json").write_text(json.dumps(out, indent=2))
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
