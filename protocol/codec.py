@@ -138,6 +138,29 @@ def _decode_array(where: str, ref: Any, spec: ArraySpec, frames: list, used: set
 _SCALARS = {int: "int", float: "float", str: "str", bool: "bool"}
 
 
+MAX_DEPTH = 32  # nesting allowed in free-form (Any) fields: far beyond any real message, far below recursion limits
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack ext type {code} is not part of the protocol")
+
+
+def _check_plain(where: str, value: Any) -> None:
+    """A free-form value must be plain and shallow: ``encode`` (and JSON, for the supervisor's status) can write
+    it back. Walked without recursion, so a deep value cannot overflow the stack here."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ProtocolError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+        if isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+        elif isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values())
+        elif not (v is None or isinstance(v, (bool, int, float, str, bytes))):
+            raise ProtocolError(f"{where}: {type(v).__name__} is not a plain value")
+
+
 def _check(where: str, value: Any, hint: Any) -> Any:
     """Validate a header value against a type hint; returns the (converted) value."""
     origin = typing.get_origin(hint)
@@ -154,6 +177,7 @@ def _check(where: str, value: Any, hint: Any) -> Any:
             raise ProtocolError(f"{where}: expected null")
         return None
     if hint is Any:
+        _check_plain(where, value)
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -217,7 +241,7 @@ def decode(frames: list, expect: tuple[type, ...] | None = None) -> Any:
     if head.nbytes > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {head.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True, max_ext_len=0)
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True, max_ext_len=0, ext_hook=_refuse_ext)
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"header is not msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):

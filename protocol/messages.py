@@ -9,6 +9,7 @@ context length) belong to the receiver.
 
 from __future__ import annotations
 
+import math
 from dataclasses import field
 from typing import Any
 
@@ -94,6 +95,9 @@ class ScoreRequest:
     metadata: dict[str, Any] = field(default_factory=dict)
     deadline_s: float = 30.0
 
+    def validate(self) -> str:
+        return "" if math.isfinite(self.deadline_s) and self.deadline_s > 0 else f"deadline_s {self.deadline_s}"
+
 
 @message("group_score_request")
 class GroupScoreRequest:
@@ -111,7 +115,7 @@ class GroupScoreRequest:
     def validate(self) -> str:
         if not self.keys or len(self.keys) != len(self.texts):
             return f"{len(self.keys)} keys for {len(self.texts)} texts"
-        return ""
+        return "" if math.isfinite(self.deadline_s) and self.deadline_s > 0 else f"deadline_s {self.deadline_s}"
 
 
 @message("score")
