@@ -33,7 +33,7 @@ test: install
 
 # Every benchmark in quick mode (DESIGN §9); full figures: run a script without --quick.
 bench: install
-	for b in bench/*.py; do $(VENV)/bin/python $$b --quick | tail -1; done
+	for b in bench/[!_]*.py; do $(VENV)/bin/python $$b --quick | tail -1; done
 
 lint: install
 	$(VENV)/bin/ruff check .

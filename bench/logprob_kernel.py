@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 from cascade_rl.learner.logprobs import linear_logprobs, linear_logprobs_reference
 
@@ -48,19 +47,6 @@ TOKENS, QUICK_TOKENS, HEADLINE_TOKENS = (8192, 16384, 32768), (8192,), 8192
 CPU_TOKENS, CPU_VOCAB, CPU_HIDDEN = 512, 8192, 256
 TARGET, VALUE_TOL = 0.5, 1e-3
 
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        import triton
-
-        return (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-                f"triton {triton.__version__}")
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), no GPU"
 
 
 def inputs(n: int, v: int, h: int, dtype: torch.dtype, device: str):

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,21 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+
 ROOT = Path(__file__).resolve().parent
 HIDDEN, VOCAB, TOKENS, QUICK_TOKENS = 256, 32768, 8192, 2048
 TARGET, VALUE_TOL = 0.125, 1e-5
 SIDES = ("naive", "lean")
 
-
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
 # --- the child: one side, one process ------------------------------------------------------------

@@ -33,8 +33,6 @@ Writes bench/results/moe_kernels.json; the last stdout line is the summary JSON 
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 from cascade_rl.kernels import moe
 
@@ -70,16 +69,6 @@ SHAPES = {
 def describe(s: Shape) -> str:
     return f"{s.tokens} tokens, {s.experts} experts top-{s.top_k}, hidden {s.hidden}, expert hidden {s.inter}"
 
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
 # --- sides ------------------------------------------------------------------------------------------------------

@@ -39,8 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -49,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 from cascade_rl.learner.losses import token_logprobs
 from cascade_rl.learner.packing import pack, pack_values, packed_forward, packed_token_logprobs, unpack
@@ -56,14 +55,6 @@ from cascade_rl.learner.packing import pack, pack_values, packed_forward, packed
 ROOT = Path(__file__).resolve().parent
 GROUPS, GROUP_SIZE, MAX_LEN, TIMING_SCALE, TARGET = 128, 8, 2048, 4, 1.0
 
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
 def rollout_lengths(groups: int, group_size: int, max_len: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

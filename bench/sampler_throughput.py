@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -44,21 +42,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent
 SEQS, NEW_TOKENS, TARGET = 64, 64, 3.0
 SIDES = ("generate", "torch", "vllm")
 
-
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
 def prompts(model_dir: str, n: int) -> list[list[int]]:

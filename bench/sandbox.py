@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,20 +31,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+
 from cascade_rl.verifiers.code import run_function_tests
 from cascade_rl.verifiers.sandbox import SandboxConfig, isolation_available, run_python
 
 ROOT = Path(__file__).resolve().parent
 TARGET_MS = 20.0
 
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
 
 
 def timed(fn) -> float:

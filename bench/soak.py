@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ import time
 from pathlib import Path
 
 import psutil
+from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
@@ -59,14 +59,6 @@ OVERRIDES = [
     "supervisor.progress=none",
 ]
 
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
 
 
 def vm_rss_kib(pid: int) -> int | None:

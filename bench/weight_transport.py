@@ -36,12 +36,12 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 from cascade_rl.learner.weights import TRANSPORTS
 from cascade_rl.protocol.weights import resolve
@@ -50,14 +50,6 @@ ROOT = Path(__file__).resolve().parent
 HIDDEN, VOCAB, TARGET = 1024, 8192, 1.5
 RUN_ID = f"bench-wt-{os.getpid()}"
 
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
 def make_weights(mib: int) -> dict[str, torch.Tensor]:
