@@ -3,7 +3,7 @@
 Both transports publish the same bytes: the policy as one safetensors file,
 byte for byte what ``save_model`` (a module: tied embeddings stored once) or
 ``save_file`` (a state dict) writes, laid out by ``layout`` and checksummed
-while it is written (blake2b-128 of the file; see protocol/weights.py).
+while it is written (XXH3-128 of the file; see protocol/weights.py).
 Samplers resolve a ``WeightsReady`` with ``cascade_rl.protocol.weights.resolve``
 and load a local file either way. The trainer builds one transport,
 ``TRANSPORTS[name](run_id=..., **options)``; ``bench/weight_transport.py``
