@@ -77,7 +77,7 @@ def inputs(n: int, h: int, v: int):
 def child(side: str, n: int, chunk: int, rounds: int, out_dir: Path) -> None:
     import torch
 
-    from cascade_rl.learner.logprobs import linear_logprobs, linear_logprobs_reference
+    from cascade_rl.learner.logprobs import allocator_peak, linear_logprobs, linear_logprobs_reference
 
     fn = {"naive": linear_logprobs_reference, "lean": linear_logprobs}[side]
 
@@ -118,27 +118,6 @@ def child(side: str, n: int, chunk: int, rounds: int, out_dir: Path) -> None:
     print(json.dumps({"base_rss_mib": base_rss, "hwm_reset": hwm_reset, "fwd_peak_mib": fwd_peak, "peak_mib": peak,
                       "allocator_peak_mib": alloc_peak / 2**20, "fwd_s": statistics.median(fwd_times),
                       "bwd_s": statistics.median(bwd_times), "rounds": rounds}))
-
-
-def allocator_peak(fn) -> int:
-    """Peak bytes held by torch's CPU allocator during ``fn``, above what was live before it."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-
-    def walk(nodes):
-        for node in nodes:
-            yield node
-            yield from walk(node.children)
-
-    allocs = [n for n in walk(prof.profiler.kineto_results.experimental_event_tree()) if n.tag == _EventType.Allocation]
-    running = peak = 0
-    for node in sorted(allocs, key=lambda n: n.start_time_ns):
-        running += node.extra_fields.alloc_size
-        peak = max(peak, running)
-    return peak
 
 
 # --- the parent ---------------------------------------------------------------------------------

@@ -74,6 +74,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from cascade_rl.learner.logprobs import check_args
+
 # ---------------------------------------------------------------------------------------------------------
 # Kernels
 
@@ -387,13 +389,7 @@ def linear_logprobs(
     targets [N] int in [0, V); returns fp32 (logprob [N], entropy [N] or None), differentiable once wrt
     hidden and weight. ``chunk_tokens`` is ignored. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"want hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
-                         f"{tuple(weight.shape)}, {tuple(targets.shape)}")
-    if hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden size {hidden.shape[1]} != weight's {weight.shape[1]}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    check_args(hidden, weight, targets, chunk_tokens)
     if not INTERPRETED and not (hidden.is_cuda and weight.is_cuda and targets.is_cuda):
         raise RuntimeError("kernels.logprob needs CUDA tensors, or TRITON_INTERPRET=1 set before it is imported "
                            "(CPU, slow); learner.logprobs.linear_logprobs is the CPU path")

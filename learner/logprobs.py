@@ -42,6 +42,45 @@ def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
 
 
+def check_args(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int) -> None:
+    """The shapes every ``linear_logprobs`` implementation takes (this one, kernels/logprob.py's)."""
+    if hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"want hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}, {tuple(targets.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden size {hidden.shape[1]} != weight's {weight.shape[1]}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+
+
+def allocator_peak(fn) -> int:
+    """Peak bytes held by torch's CPU allocator while ``fn`` runs, above what was live before it: what the
+    memory claim of this module is checked with (tests/test_logprobs.py, bench/logprob_memory.py).
+
+    The profiler records every CPU allocator call with its size (``profile_memory``); the running sum of
+    those, in time order, is what the process holds at each moment, temporaries inside one op included
+    (``tracemalloc`` cannot see them: torch's CPU allocator bypasses Python's). ``experimental_event_tree``
+    is private API, pinned with torch==2.13.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    allocs = [n for n in walk(prof.profiler.kineto_results.experimental_event_tree()) if n.tag == _EventType.Allocation]
+    running = peak = 0
+    for node in sorted(allocs, key=lambda n: n.start_time_ns):
+        running += node.extra_fields.alloc_size
+        peak = max(peak, running)
+    return peak
+
+
 def linear_logprobs_reference(
     hidden: Tensor,
     weight: Tensor,
@@ -166,13 +205,7 @@ def linear_logprobs(
     about ``2 · chunk_tokens · V`` float32 values at a time; larger chunks mean fewer,
     larger matmuls.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"want hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
-                         f"{tuple(weight.shape)}, {tuple(targets.shape)}")
-    if hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden size {hidden.shape[1]} != weight's {weight.shape[1]}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    check_args(hidden, weight, targets, chunk_tokens)
     logprob, entropy = _LinearLogprobs.apply(hidden, weight, targets.long(), float(temperature), chunk_tokens,
                                              with_entropy)
     return logprob, entropy if with_entropy else None

@@ -2,10 +2,8 @@
 
 import pytest
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
-from cascade_rl.learner.logprobs import linear_logprobs, linear_logprobs_reference
+from cascade_rl.learner.logprobs import allocator_peak, linear_logprobs, linear_logprobs_reference
 
 H, V = 16, 101
 
@@ -154,31 +152,6 @@ def test_rejects_bad_arguments():
 # --- peak memory --------------------------------------------------------------------------
 
 
-def peak_allocated_bytes(fn) -> int:
-    """Peak of CPU tensor bytes allocated by ``fn`` above what was live before it.
-
-    The profiler records every CPU allocator call with its size (``profile_memory``);
-    the running sum of those, in time order, is what the process holds at each moment.
-    It sees temporaries allocated and freed inside one op too. (``tracemalloc`` cannot:
-    torch's CPU allocator bypasses Python's.) ``experimental_event_tree`` is private API,
-    pinned with torch==2.13.
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-
-    def walk(nodes):
-        for node in nodes:
-            yield node
-            yield from walk(node.children)
-
-    allocs = [n for n in walk(prof.profiler.kineto_results.experimental_event_tree()) if n.tag == _EventType.Allocation]
-    running = peak = 0
-    for node in sorted(allocs, key=lambda n: n.start_time_ns):
-        running += node.extra_fields.alloc_size
-        peak = max(peak, running)
-    return peak
-
-
 def test_peak_memory_is_one_chunk_not_all_tokens():
     n, h, v, chunk = 1024, 32, 8192, 64
     hidden, weight, targets, up_lp, up_ent = make(n, h=h, v=v)
@@ -187,8 +160,8 @@ def test_peak_memory_is_one_chunk_not_all_tokens():
     def fwd_bwd(fn):
         return lambda: run(fn, hidden, weight, targets, up_lp, up_ent, chunk_tokens=chunk, with_entropy=True)
 
-    naive = peak_allocated_bytes(fwd_bwd(linear_logprobs_reference))
-    lean = peak_allocated_bytes(fwd_bwd(linear_logprobs))
+    naive = allocator_peak(fwd_bwd(linear_logprobs_reference))
+    lean = allocator_peak(fwd_bwd(linear_logprobs))
     # The measurement must see full logits when they exist, or the bound below proves nothing.
     assert naive >= 2 * full_logits
     # Two chunk buffers (logits, probabilities), the grads of W and h, and a little for [N] vectors
