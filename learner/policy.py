@@ -70,7 +70,7 @@ class Policy(nn.Module):
         if self.pack and self.model.config._attn_implementation in VARLEN_KWARGS:
             return self._varlen(input_ids, lengths, target_mask, head, with_entropy)
         if self.pack:  # rows bin-packed into lanes as wide as the longest: one pass, block-diagonal attention
-            lanes = pack_lanes(input_ids, lengths, pad_id=int(input_ids[0, -1]))
+            lanes = pack_lanes(input_ids, lengths)  # lane tails hold token 0: never read, attend only themselves
             hidden = self.model.base_model(input_ids=lanes.input_ids, position_ids=lanes.position_ids,
                                            attention_mask=None, use_cache=False).last_hidden_state
             h = hidden[lanes.lane[rows], lanes.offset[rows] + cols - 1]
