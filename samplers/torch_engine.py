@@ -27,12 +27,12 @@ distribution before top-p truncation (what the trainer recomputes at the same
 temperature); temperature 0 is greedy (log-prob at T=1). The response
 includes the EOS token.
 
-Speed (bench/sampler_throughput.py, 2 shared CPU cores, fp32): 1.75x the
-tokens/s of transformers' ``generate`` at 64 sequences x 64 tokens, 2.95x at
-32 prompts x 8 samples x 128 tokens. At 64 rows a decode step is ~4.8 ms, of
-which the expert grouped matmuls (~1.4 ms), attention over the cache (~0.8 ms)
-and the dense linears (~0.4 ms) are kernel time that generate spends too; the
-rest is per-op overhead (~150 small ops a step, ~1.75 ms at one row).
+Speed (bench/sampler_throughput.py, 2 CPU cores, fp32): 3.69x the tokens/s of
+transformers' ``generate`` at 64 sequences x 64 tokens, 5.06x at 32 prompts x
+8 samples x 128 tokens. On CPU in fp32 the model runs the C++ kernels of
+kernels/cpu_decode.cpp (a decode step is one op: ~1.7 ms at 64 rows on the
+tiny MoE, 0.4 ms at one row); elsewhere, or with ``cpu_kernels=False``, torch
+ops (1.75x).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 from transformers import AutoTokenizer, GenerationConfig
 
+from ..kernels import cpu_decode
 from .engine import GenerationRequest, Sample, check_request, register_engine
 from .torch_model import KVCache, Transformer
 
@@ -127,14 +128,25 @@ class Run:
 @register_engine("torch")
 class TorchEngine:
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 256,
-                 prefill_tokens: int = 8192, moe_impl: str | None = None, ignore_eos: bool = False) -> None:
+                 prefill_tokens: int = 8192, moe_impl: str | None = None, ignore_eos: bool = False,
+                 cpu_kernels: bool | None = None) -> None:
         """``max_batch``: decode slots (rows sampled at once); ``prefill_tokens``: most padded prompt tokens
-        in one prefill pass; ``moe_impl``: "grouped" or "dense" (samplers/torch_model.py), by default grouped
-        on CPU and dense elsewhere (CUDA's ``_grouped_mm`` wants bf16 on recent GPUs; untested here);
-        ``ignore_eos``: rows run to ``max_tokens`` (benchmarks)."""
+        in one prefill pass; ``moe_impl``: "grouped" or "dense" (samplers/torch_model.py) without the C++
+        kernels, by default grouped on CPU and dense elsewhere (CUDA's ``_grouped_mm`` wants bf16 on recent
+        GPUs; untested here); ``ignore_eos``: rows run to ``max_tokens`` (benchmarks); ``cpu_kernels``: the
+        C++ kernels (kernels/cpu_decode.cpp: MoE, RMS norm, decode attention), by default on for fp32 on CPU
+        when they build."""
         self.device, self.dtype = torch.device(device), DTYPES[dtype]
+        fits = self.device.type == "cpu" and self.dtype == torch.float32
+        if cpu_kernels and not fits:
+            raise ValueError("cpu_kernels=True needs device=cpu and dtype=float32")
+        if cpu_kernels and not cpu_decode.available():
+            raise RuntimeError(f"cpu_kernels=True but the C++ kernels did not build: {cpu_decode.build_error()}")
+        self.cpu_kernels = fits and cpu_decode.available() if cpu_kernels is None else cpu_kernels
         moe_impl = moe_impl or ("grouped" if self.device.type == "cpu" else "dense")
         self.model = Transformer.from_pretrained(model_path, self.dtype, self.device, moe_impl=moe_impl)
+        if self.cpu_kernels:
+            self.model.use_cpu_kernels()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_ids = torch.tensor(eos_token_ids(model_path, self.tokenizer), device=self.device)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(self.eos_ids[0])
@@ -260,8 +272,7 @@ class TorchEngine:
         """One token for every running slot: the logits of the next."""
         s, b = run.slots, run.active
         pos = s.pos[:b]
-        attend = self.cache.decode(pos, int(pos.max()) + 1)
-        logits = self.model(s.last[:b, None], pos[:, None], attend)[:, -1].float()
+        logits = self.model.decode(s.last[:b], pos, self.cache).float()
         pos += 1  # in place: s.pos
         return logits
 

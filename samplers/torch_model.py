@@ -3,7 +3,7 @@
     model = Transformer.from_pretrained("models/tiny")               # an HF directory
     cache = KVCache(model.args, slots=64, max_len=512)
     logits = model(prompts, positions, cache.prefill(slots, src), last=lengths - 1)  # [G, V]
-    logits = model(tokens[:, None], pos[:, None], cache.decode(pos, kv_len))[:, -1]  # rows = slots 0..B-1
+    logits = model.decode(tokens, pos, cache)  # [B, V], rows = slots 0..B-1 (one C++ op with use_cpu_kernels)
 
 Semantics are those of transformers 5.19 (models/qwen3*/modeling_*.py): RMSNorm
 in fp32 then scaled in the model dtype, q_norm/k_norm per head before RoPE
@@ -31,6 +31,11 @@ expert-major padded bmm 0.44 s; gathering each pair's expert matrices for a
 bmm was 5-10x slower than dense in isolation (the copies cost more than the
 arithmetic saved). Grouped is the default; dense is there for devices whose
 ``_grouped_mm`` lacks the dtype.
+
+``use_cpu_kernels()`` (fp32 on CPU; what the engine does there) swaps in the C++
+kernels of kernels/cpu_decode.cpp: the MoE block (routing, per-expert GEMMs run
+in parallel, combine) and RMS norm as one op each, and ``decode`` as one op for
+the whole step, so no Python runs between a step's ops.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
+
+from ..kernels import cpu_decode
 
 # attend(layer, q [B, T, heads, hd], k [B, T, kv_heads, hd], v [B, T, kv_heads, hd]) -> [B, T, heads * hd]
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -200,8 +207,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.cpu_kernel = False  # Transformer.use_cpu_kernels: one C++ pass (fp32 on CPU)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.cpu_kernel:
+            return cpu_decode.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -268,7 +278,7 @@ EXPERTS = {"grouped": experts_grouped, "dense": experts_dense}
 
 
 class MoE(nn.Module):
-    def __init__(self, a: ModelArgs, impl: Literal["grouped", "dense"] = "grouped") -> None:
+    def __init__(self, a: ModelArgs, impl: Literal["grouped", "dense", "cpu"] = "grouped") -> None:
         super().__init__()
         self.top_k, self.normalize, self.impl = a.top_k, a.norm_topk_prob, impl
         self.router = nn.Linear(a.dim, a.n_experts, bias=False)
@@ -277,6 +287,9 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        if self.impl == "cpu":  # routing, experts and combine in one C++ op
+            return cpu_decode.moe_forward(flat, self.router.weight, self.w13, self.w2, self.top_k,
+                                          self.normalize).view_as(x)
         weights, experts = route(self.router(flat), self.top_k, self.normalize)
         return EXPERTS[self.impl](flat, weights, experts, self.w13, self.w2).view_as(x)
 
@@ -296,17 +309,47 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, moe_impl: Literal["grouped", "dense"] = "grouped") -> None:
+    def __init__(self, args: ModelArgs, moe_impl: Literal["grouped", "dense", "cpu"] = "grouped") -> None:
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i, moe_impl) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.cpu_kernels = False  # use_cpu_kernels
         cos, sin = rope_table(args)
         self.rope_cos = nn.Buffer(cos, persistent=False)
         self.rope_sin = nn.Buffer(sin, persistent=False)
         self.tie()
+
+    def use_cpu_kernels(self) -> Transformer:
+        """The C++ CPU kernels (kernels/cpu_decode.cpp, fp32): ``decode`` runs as one op, prefills use the
+        MoE and RMS-norm kernels."""
+        if self.rope_cos.device.type != "cpu" or self.embed.weight.dtype != torch.float32:
+            raise ValueError("the C++ CPU kernels need an fp32 model on CPU")
+        self.cpu_kernels = True
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.cpu_kernel = True
+            elif isinstance(m, MoE):
+                m.impl = "cpu"
+        return self
+
+    def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        """Logits ``[B, V]`` of one new token per slot ``0..B-1`` (``tokens [B]`` at ``positions [B]``), its
+        K/V written into ``cache``. With the CPU kernels, one C++ op for the whole step."""
+        if not self.cpu_kernels:
+            attend = cache.decode(positions, int(positions.max()) + 1)
+            return self(tokens[:, None], positions[:, None], attend)[:, -1]
+        weights, no_router = [], self.embed.weight.new_empty(0)  # a dense layer has no router
+        for block in self.layers:
+            a, f = block.attn, block.ffn
+            weights += [block.attn_norm.weight, a.wqkv.weight, a.qk_norm, a.wo.weight, block.ffn_norm.weight]
+            weights += [f.router.weight, f.w13, f.w2] if isinstance(f, MoE) else [no_router, f.w13.weight, f.w2.weight]
+        weights += [self.embed.weight, self.norm.weight, self.lm_head.weight]
+        a = self.args
+        return cpu_decode.decode_forward(tokens, positions, weights, self.rope_cos, self.rope_sin, cache.k, cache.v,
+                                         a.n_heads, max(a.top_k, 1), a.norm_topk_prob, a.rms_norm_eps)
 
     def tie(self) -> None:
         if self.args.tie_word_embeddings:

@@ -6,12 +6,15 @@ without CUDA). The reference for log-probs is a plain transformers forward of th
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cascade_rl.kernels import cpu_decode
 from cascade_rl.learner.losses import token_logprobs
 from cascade_rl.samplers.engine import ENGINES, GenerationRequest
 from cascade_rl.samplers.sglang_engine import sglang_unavailable
@@ -30,7 +33,9 @@ def _skip_reason(name: str) -> str:
     return ""
 
 
-@pytest.fixture(scope="module", params=["torch", "vllm", "sglang"])
+# "torch" runs the C++ CPU kernels (kernels/cpu_decode.cpp) where they build; "torch-ops" is the same
+# engine on plain torch ops (other dtypes and devices, or no compiler)
+@pytest.fixture(scope="module", params=["torch", "torch-ops", "vllm", "sglang"])
 def engine(request, tiny_model):
     reason = _skip_reason(request.param)
     if reason:
@@ -38,7 +43,10 @@ def engine(request, tiny_model):
     import cascade_rl.samplers.worker  # noqa: F401  (registers every engine)
 
     threads = torch.get_num_threads()
-    eng = ENGINES[request.param](tiny_model)
+    eng = ENGINES["torch"](tiny_model, cpu_kernels=False) if request.param == "torch-ops" else ENGINES[
+        request.param](tiny_model)
+    if request.param == "torch" and shutil.which("c++"):  # with a compiler they must build
+        assert eng.cpu_kernels, f"the C++ CPU kernels did not build: {cpu_decode.build_error()}"
     yield eng
     if hasattr(eng, "close"):
         eng.close()

@@ -108,11 +108,14 @@ def generate_favouring_eos(engine: TorchEngine, req: GenerationRequest):
         output[..., eos] += 100.0
         return output
 
-    handle = engine.model.register_forward_hook(favour_eos)
+    handle = engine.model.register_forward_hook(favour_eos)  # prefills
+    decode = engine.model.decode  # decode steps (with the CPU kernels one C++ op, no forward call)
+    engine.model.decode = lambda *a: favour_eos(None, None, decode(*a))
     try:
         return engine.generate([req])[0]
     finally:
         handle.remove()
+        del engine.model.decode
 
 
 def test_eos_stops_a_sequence(tiny_model):

@@ -19,11 +19,14 @@ def tokens(batch: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("moe_impl", ["grouped", "dense"])
+@pytest.mark.parametrize("moe_impl", ["grouped", "dense", "cpu-kernels"])
 @torch.no_grad()
 def test_prefill_then_decode_logits_equal_transformers(model_dir, moe_impl):
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    model = Transformer.from_pretrained(model_dir, moe_impl=moe_impl)
+    if moe_impl == "cpu-kernels":  # the C++ kernels: MoE and norms in the prefill, decode as one op
+        model = Transformer.from_pretrained(model_dir).use_cpu_kernels()
+    else:
+        model = Transformer.from_pretrained(model_dir, moe_impl=moe_impl)
     ids = tokens(3, 24, model.args.vocab_size)
     ref = hf(input_ids=ids).logits
     cache = KVCache(model.args, slots=3, max_len=32)
@@ -31,17 +34,19 @@ def test_prefill_then_decode_logits_equal_transformers(model_dir, moe_impl):
     full = model(ids[:, :p], torch.arange(p).expand(3, -1), cache.prefill(torch.arange(3), torch.arange(3)))
     assert (full - ref[:, :p]).abs().max().item() <= 1e-5
     for t in range(p, 24):  # one token at a time from the cache
-        pos = torch.full((3,), t)
-        logits = model(ids[:, t : t + 1], pos[:, None], cache.decode(pos, t + 1))[:, -1]
+        logits = model.decode(ids[:, t], torch.full((3,), t), cache)
         assert (logits - ref[:, t]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch-ops", "cpu-kernels"])
 @torch.no_grad()
-def test_ragged_prompts_shared_prefill_and_per_slot_positions(model_dir):
+def test_ragged_prompts_shared_prefill_and_per_slot_positions(model_dir, kernels):
     """Right-padded prompts of different lengths, each prefilled once into two slots, then decoded at
     different positions per slot (slot order differs from prompt order): each slot sees only its own tokens."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     model = Transformer.from_pretrained(model_dir)
+    if kernels:
+        model.use_cpu_kernels()
     lengths = [5, 11, 8]
     prompts = [tokens(1, n, model.args.vocab_size, seed=n)[0] for n in lengths]
     padded = torch.zeros(3, 11, dtype=torch.long)
@@ -58,7 +63,7 @@ def test_ragged_prompts_shared_prefill_and_per_slot_positions(model_dir):
     for step in range(4):
         new = tokens(6, 1, model.args.vocab_size, seed=100 + step)
         pos = torch.tensor([len(q) for q in seqs])
-        logits = model(new, pos[:, None], cache.decode(pos, int(pos.max()) + 1))[:, -1]
+        logits = model.decode(new[:, 0], pos, cache)
         for s in range(6):
             seqs[s] = torch.cat([seqs[s], new[s]])
             assert (logits[s] - hf(input_ids=seqs[s][None]).logits[0, -1]).abs().max().item() <= 1e-5

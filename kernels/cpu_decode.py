@@ -1,0 +1,69 @@
+"""C++ CPU kernels of the torch engine's decode step (kernels/cpu_decode.cpp), built on first use.
+
+    from cascade_rl.kernels import cpu_decode
+    if cpu_decode.available():
+        y = cpu_decode.moe_forward(x, router, w13, w2, top_k, normalize)          # [N, H]
+        o = cpu_decode.attend_decode(qkv, qk_norm, cos, sin, k_cache, v_cache, positions, heads, eps)
+
+Built with torch's ``cpp_extension`` (g++ and ninja) into torch's extension cache
+(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``): the first
+build takes about half a minute, later processes load the built library. The
+ops register under ``torch.ops.cascade_rl_cpu``. fp32 only; the engine keeps
+its torch path for other dtypes and devices, and when no compiler is present
+(``available()`` is False and ``build_error()`` says why).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _build() -> str | None:
+    """Build and load the library once per process; the error text if that fails."""
+    from torch.utils.cpp_extension import load
+
+    try:
+        load(name="cascade_rl_cpu_decode", sources=[str(SOURCE)], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, a build failure: the torch path still works
+        log.warning("C++ CPU decode kernels unavailable (%s); the torch engine uses its torch ops", e)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def available() -> bool:
+    return _build() is None
+
+
+def build_error() -> str | None:
+    return _build()
+
+
+def rms_norm(x, weight, eps: float):
+    _build()
+    return torch.ops.cascade_rl_cpu.rms_norm(x, weight, eps)
+
+
+def moe_forward(x, router, w13, w2, top_k: int, normalize: bool):
+    _build()
+    return torch.ops.cascade_rl_cpu.moe_forward(x, router, w13, w2, top_k, normalize)
+
+
+def attend_decode(qkv, qk_norm, cos, sin, k_cache, v_cache, positions, heads: int, eps: float):
+    _build()
+    return torch.ops.cascade_rl_cpu.attend_decode(qkv, qk_norm, cos, sin, k_cache, v_cache, positions, heads, eps)
+
+
+def decode_forward(tokens, positions, weights, rope_cos, rope_sin, k_cache, v_cache, heads: int, top_k: int,
+                   normalize: bool, eps: float):
+    _build()
+    return torch.ops.cascade_rl_cpu.decode_forward(tokens, positions, weights, rope_cos, rope_sin, k_cache, v_cache,
+                                                   heads, top_k, normalize, eps)
