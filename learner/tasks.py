@@ -1,36 +1,93 @@
 """Prompt sets for RL stages and SFT, generated procedurally by reasoning-gym.
 
 A task turns a reasoning-gym dataset into ``Example``s: the user question, the
-reference answer the verifier checks, the reward domain, and a worked solution
-for SFT. Splits (held-out, RL prompts, SFT data) are question-disjoint.
+instruction that follows it in the prompt, the reference answer and metadata
+the domain's verifier checks, and a worked solution for SFT. Splits (held-out,
+RL prompts, SFT data) are question-disjoint.
 
-    from cascade_rl.learner.tasks import load_task
+    from cascade_rl.learner.tasks import domains, load_task
     splits = load_task("arithmetic", {"heldout": 200, "rl": 2000, "sft": 2000})
+    splits = load_task("cascade", {"heldout": 64, "rl": 2000, "sft": 4000})  # a mixture: four domains
+    domains("cascade")  # ['math', 'mcqa', 'structured_output', 'instruction_following']
+
+A miniature of the paper's cascade for the tiny model: every task is small
++/- arithmetic (reasoning-gym basic_arithmetic, 3-4 terms of 0-10), asked in
+the format of one reward domain. Each task draws its own expression stream.
+
+| task | domain | the prompt asks for | reference | metadata |
+| --- | --- | --- | --- | --- |
+| arithmetic | math | the value in ``\\boxed{}`` | the value | — |
+| arithmetic_mcqa | mcqa | the letter of (A)-(D) in ``\\boxed{}`` | the letter | ``{"options": ["A", "B", "C", "D"]}`` |
+| arithmetic_json | structured_output | ``{"KEY": N}``, KEY of ``JSON_KEYS`` | the schema | ``{"schema": ...}`` |
+| arithmetic_if | instruction_following | ``\\boxed{}`` + one IFEval instruction | the value | IFEval ids, kwargs |
+
+The MCQA options are four consecutive values in order, the answer's place
+uniform. The JSON schema admits exactly ``{KEY: value}`` (``const``), so a
+wrong value, key or extra key scores 0; the reference holds it too (JSON
+text), so a caller that drops the metadata still scores correctly.
+``arithmetic_if`` draws one instruction of ``IF_INSTRUCTIONS``; as in IFEval
+the reward checks the instruction only, not the value. Worked solutions need
+at most ~60 tokens of the tiny tokenizer (``</think>`` and EOS included).
+
+Mixtures (``MIXES``) combine tasks by weight: ``cascade`` is every domain (the
+SFT warm start and the held-out set evaluated after every stage),
+``multi_domain`` the paper's multi-domain RL stage (MCQA and structured
+output; tool calling has no miniature here) plus math. See ``load_mixture``
+for how a mixture's splits are drawn.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import reasoning_gym
 
 # The paper's math prompts ask for the final answer in \boxed{}; the strict
 # binary reward (verifiers/math.py) reads only that.
 BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
+MCQA_INSTRUCTION = "Answer with the letter of the correct option in \\boxed{}."
+MCQA_LETTERS = ("A", "B", "C", "D")
+JSON_KEYS = ("result", "value", "answer", "total", "sum")
+END_PHRASES = ("That is all.", "Any other questions?", "Hope this helps.")
+TITLE = "<<Result>>"
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
     question: str
+    """The problem ("Calculate 7 + 5 - 3."): splits are disjoint in it."""
     answer: str
+    """The reference the domain's verifier gets."""
     domain: str
-    solution: str  # worked solution (reasoning, then the final boxed answer) for SFT
+    """Reward domain: the verifier of verifiers/registry.py that scores it."""
+    solution: str
+    """Worked solution for SFT: the reasoning, ``</think>``, then the final answer."""
+    instruction: str = BOXED_INSTRUCTION
+    """What follows the question in the prompt: options, answer format, verifiable instructions."""
+    metadata: dict = dataclasses.field(default_factory=dict, hash=False)
+    """What the domain's verifier gets as metadata (a dict: left out of the hash, so Examples stay hashable)."""
 
     @property
     def prompt(self) -> str:
-        return f"{self.question} {BOXED_INSTRUCTION}"
+        return f"{self.question} {self.instruction}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One +/- arithmetic item: its question, left-to-right worked steps and value."""
+
+    question: str
+    expression: str
+    steps: tuple[str, ...]
+    value: int
+
+    def rng(self, seed: int) -> random.Random:
+        """Random choices (options, key, instruction) per question: independent of its place in the stream."""
+        return random.Random(f"{seed}/{self.expression}")
 
 
 def _arithmetic_steps(expression: str) -> list[str]:
@@ -45,18 +102,22 @@ def _arithmetic_steps(expression: str) -> list[str]:
     return steps
 
 
-def worked_solution(reasoning: list[str], answer: str) -> str:
-    """The assistant turn after the thinking-mode generation prompt ('<think>\\n')."""
+def _think(reasoning: list[str] | tuple[str, ...], final: str) -> str:
+    """The assistant turn after the thinking-mode generation prompt ('<think>\\n'): reasoning, then the answer."""
     body = "\n".join(reasoning)
-    return f"{body}\n</think>\n\n\\boxed{{{answer}}}"
+    return f"{body}\n</think>\n\n{final}"
 
 
-def _arithmetic(size: int, seed: int, **params) -> list[Example]:
+def worked_solution(reasoning: list[str], answer: str) -> str:
+    return _think(reasoning, f"\\boxed{{{answer}}}")
+
+
+def _problems(size: int, seed: int, **params) -> list[Problem]:
     cfg = dict(min_terms=3, max_terms=4, min_digits=1, max_digits=1, operators=("+", "-"))
     cfg.update(params)
     cfg.update(allow_parentheses=False, allow_negation=False, format_style="simple", whitespace="single")
     if set(cfg["operators"]) - {"+", "-"}:
-        raise ValueError("the arithmetic task's worked solutions cover + and - only")
+        raise ValueError("the arithmetic tasks' worked solutions cover + and - only")
     ds = reasoning_gym.create_dataset("basic_arithmetic", size=size, seed=seed, **cfg)
     out = []
     for item in ds:
@@ -64,46 +125,237 @@ def _arithmetic(size: int, seed: int, **params) -> list[Example]:
         if not re.fullmatch(r"\d+( [+-] \d+)+", expression):
             raise ValueError(f"unexpected expression form {expression!r}")
         steps = _arithmetic_steps(expression)
-        answer = str(item["answer"])
-        if steps[-1].split(" = ")[1] != answer:
+        if steps[-1].split(" = ")[1] != str(item["answer"]):
             raise ValueError(f"worked steps disagree with reasoning-gym on {expression!r}")
-        out.append(Example(item["question"], answer, "math", worked_solution(steps, answer)))
+        out.append(Problem(item["question"], expression, tuple(steps), int(item["answer"])))
     return out
 
 
-TASKS: dict[str, Callable[..., list[Example]]] = {"arithmetic": _arithmetic}
+# --- tasks: one Problem -> one Example per domain ----------------------------------------------------
 
+
+def _arithmetic(p: Problem, seed: int) -> Example:
+    return Example(p.question, str(p.value), "math", worked_solution(p.steps, str(p.value)))
+
+
+def _arithmetic_mcqa(p: Problem, seed: int) -> Example:
+    # Four consecutive values in order, the answer's place uniform: the distractors are off-by-one-to-three
+    # slips. The worked solution finds the place as an offset from (A), one more step of the arithmetic the
+    # model already does; the letter then follows from that digit. (Matching the value against unordered
+    # options, or copying a letter from the reasoning, stayed at chance after SFT.)
+    place = p.rng(seed).randrange(len(MCQA_LETTERS))
+    letter, first = MCQA_LETTERS[place], p.value - place
+    options = " ".join(f"({ch}) {first + i}" for i, ch in enumerate(MCQA_LETTERS))
+    offset = f"{p.value} - {first} = {place}" if first >= 0 else f"{p.value} + {-first} = {place}"
+    solution = _think([*p.steps, offset], f"\\boxed{{{letter}}}")
+    return Example(p.question, letter, "mcqa", solution, f"Options: {options}. {MCQA_INSTRUCTION}",
+                   {"options": list(MCQA_LETTERS)})
+
+
+def _arithmetic_json(p: Problem, seed: int) -> Example:
+    key = p.rng(seed).choice(JSON_KEYS)
+    # the schema holds the correct value: valid JSON with the wrong value, key or an extra key scores 0
+    schema = {"type": "object", "properties": {key: {"const": p.value}}, "required": [key],
+              "additionalProperties": False}
+    # the prompt shows the object's form, as structured-output prompts show a schema; copying the key is
+    # the skill the tiny model learns last (still at chance after 600 SFT steps): what RL has to teach
+    instruction = f'Reply with a JSON object of the form {{"{key}": N}}, where N is the result as an integer.'
+    return Example(p.question, json.dumps(schema), "structured_output", _think(p.steps, json.dumps({key: p.value})),
+                   instruction, {"schema": schema})
+
+
+# IFEval instructions a short boxed answer can follow and a tiny model can learn, none of them followed
+# by the bare "\boxed{v}": id -> (kwargs, prompt text, final answer), given the problem, its boxed value
+# and the question's rng. Their checks are the ports in verifiers/instruction_following.py.
+IfInstruction = Callable[[Problem, str, random.Random], tuple[dict, str, str]]
+
+
+def _quotation(p: Problem, boxed: str, rng: random.Random) -> tuple[dict, str, str]:
+    return {}, "Wrap your entire response with double quotation marks.", f'"{boxed}"'
+
+
+def _end_checker(p: Problem, boxed: str, rng: random.Random) -> tuple[dict, str, str]:
+    phrase = rng.choice(END_PHRASES)
+    text = f'Finish your response with this exact phrase "{phrase}". No other words should follow this phrase.'
+    return {"end_phrase": phrase}, text, f"{boxed} {phrase}"
+
+
+def _postscript(p: Problem, boxed: str, rng: random.Random) -> tuple[dict, str, str]:
+    marker = rng.choice(("P.S.", "P.P.S"))
+    text = f"At the end of your response, please explicitly add a postscript starting with {marker}"
+    return {"postscript_marker": marker}, text, f"{boxed}\n{marker} All done."
+
+
+def _title(p: Problem, boxed: str, rng: random.Random) -> tuple[dict, str, str]:
+    text = "Your answer must contain a title, wrapped in double angular brackets, such as <<poem of joy>>."
+    return {}, text, f"{TITLE}\n{boxed}"
+
+
+def _repeat_prompt(p: Problem, boxed: str, rng: random.Random) -> tuple[dict, str, str]:
+    text = "First repeat the question word for word without change, then give your answer."
+    return {"prompt_to_repeat": p.question}, text, f"{p.question} {boxed}"
+
+
+IF_INSTRUCTIONS: dict[str, IfInstruction] = {
+    "startend:quotation": _quotation,
+    "startend:end_checker": _end_checker,
+    "detectable_content:postscript": _postscript,
+    "detectable_format:title": _title,
+    "combination:repeat_prompt": _repeat_prompt,
+}
+
+
+def _arithmetic_if(p: Problem, seed: int) -> Example:
+    rng = p.rng(seed)
+    iid = rng.choice(sorted(IF_INSTRUCTIONS))
+    kwargs, text, final = IF_INSTRUCTIONS[iid](p, f"\\boxed{{{p.value}}}", rng)
+    metadata = {"instruction_id_list": [iid], "kwargs": [kwargs]}
+    return Example(p.question, str(p.value), "instruction_following", _think(p.steps, final),
+                   f"{BOXED_INSTRUCTION} {text}", metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    render: Callable[[Problem, int], Example]
+    """(problem, stream seed) -> Example."""
+    domain: str
+    """The reward domain of its Examples."""
+    stream: int
+    """Offset of its reasoning-gym seed: tasks draw different expression streams (item i is seeded
+    ``seed + i``, so the offsets lie far apart)."""
+
+
+TASKS: dict[str, Task] = {
+    "arithmetic": Task(_arithmetic, "math", 0),
+    "arithmetic_mcqa": Task(_arithmetic_mcqa, "mcqa", 1 << 40),
+    "arithmetic_json": Task(_arithmetic_json, "structured_output", 2 << 40),
+    "arithmetic_if": Task(_arithmetic_if, "instruction_following", 3 << 40),
+}
+
+MIXES: dict[str, dict[str, float]] = {
+    # every domain of the miniature cascade: the SFT warm start, and the held-out set of every stage
+    "cascade": {"arithmetic": 1, "arithmetic_mcqa": 1, "arithmetic_json": 1, "arithmetic_if": 1},
+    # the paper's multi-domain RL stage (STEM MCQA, structured output; no tool calling here), plus math,
+    # which has no RL stage of its own in the miniature
+    "multi_domain": {"arithmetic": 1, "arithmetic_mcqa": 1, "arithmetic_json": 1},
+}
 
 SPLITS = ("heldout", "rl", "sft")
 
 
-def load_task(name: str, sizes: dict[str, int], seed: int = 0, **params) -> dict[str, list[Example]]:
-    """Question-disjoint splits of one task: ``{"heldout": [...], "rl": [...], "sft": [...]}``.
+def domains(name: str) -> list[str]:
+    """The reward domains of a task or mixture, in member order."""
+    if name in MIXES:
+        return list(dict.fromkeys(TASKS[t].domain for t in MIXES[name]))
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; known: {sorted(TASKS)}, mixtures: {sorted(MIXES)}")
+    return [TASKS[name].domain]
+
+
+def _wanted(sizes: Mapping[str, int]) -> dict[str, int]:
+    unknown = set(sizes) - set(SPLITS)
+    if unknown:
+        raise KeyError(f"unknown splits {sorted(unknown)}; known: {SPLITS}")
+    return {split: sizes.get(split, 0) for split in SPLITS}
+
+
+def load_task(name: str, sizes: Mapping[str, int], seed: int = 0, **params) -> dict[str, list[Example]]:
+    """Question-disjoint splits of one task or mixture: ``{"heldout": [...], "rl": [...], "sft": [...]}``.
 
     The SFT warm start, the RL prompts and the held-out evaluation never share a
     question, so held-out accuracy measures generalisation and RL gains are not
     memorised SFT answers resurfacing. reasoning-gym seeds item i with
     ``seed + i`` (two seeds overlap), so one stream is drawn and each new
     distinct question fills the first split (in SPLITS order) that is not full.
+    A mixture name (``MIXES``) goes to ``load_mixture``; ``params`` (reasoning-gym's
+    basic_arithmetic settings) go to every member.
     """
+    if name in MIXES:
+        return load_mixture(MIXES[name], sizes, seed, **params)
     if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known: {sorted(TASKS)}")
-    unknown = set(sizes) - set(SPLITS)
-    if unknown:
-        raise KeyError(f"unknown splits {sorted(unknown)}; known: {SPLITS}")
-    wanted = {split: sizes.get(split, 0) for split in SPLITS}
+        raise KeyError(f"unknown task {name!r}; known: {sorted(TASKS)}, mixtures: {sorted(MIXES)}")
+    task, wanted = TASKS[name], _wanted(sizes)
     out: dict[str, list[Example]] = {split: [] for split in SPLITS}
     seen: set[str] = set()
-    stream = TASKS[name](sum(wanted.values()) * 2, seed * 1_000_003, **params)
-    for ex in stream:
-        if ex.question in seen:
+    stream_seed = seed * 1_000_003 + task.stream
+    for p in _problems(sum(wanted.values()) * 2, stream_seed, **params):
+        if p.question in seen:
             continue
-        seen.add(ex.question)
+        seen.add(p.question)
         split = next((sp for sp in SPLITS if len(out[sp]) < wanted[sp]), None)
         if split is None:
             break
-        out[split].append(ex)
+        out[split].append(task.render(p, stream_seed))
     short = {sp: len(out[sp]) for sp in SPLITS if len(out[sp]) < wanted[sp]}
     if short:
         raise ValueError(f"task {name!r} yields too few distinct questions for {short} (wanted {wanted})")
     return {sp: out[sp] for sp in SPLITS if wanted[sp]}
+
+
+def shares(weights: Mapping[str, float], total: int) -> dict[str, int]:
+    """``total`` split by weight, largest remainder first (ties in member order); the counts sum to ``total``."""
+    norm = sum(weights.values())
+    exact = {t: total * w / norm for t, w in weights.items()}
+    counts = {t: int(x) for t, x in exact.items()}
+    by_remainder = sorted(weights, key=lambda t: counts[t] - exact[t])  # stable: member order breaks ties
+    for t in by_remainder[: total - sum(counts.values())]:
+        counts[t] += 1
+    return counts
+
+
+def held_out_questions(heldout: int, seed: int = 0, **params) -> set[str]:
+    """The questions any task holds out at this held-out size: no mixture trains on them.
+
+    Tasks draw their own streams, but the question space is small (~5,000 three-term
+    expressions), so a question held out by one task is often an RL or SFT question of
+    another: without this, ~15 % of each domain's 64 held-out questions were SFT data of the
+    cascade mixture, in another format.
+    """
+    return {ex.question for t in TASKS for ex in load_task(t, {"heldout": heldout}, seed, **params)["heldout"]}
+
+
+def load_mixture(weights: Mapping[str, float], sizes: Mapping[str, int], seed: int = 0,
+                 **params) -> dict[str, list[Example]]:
+    """Splits of a weighted mixture of tasks; ``sizes`` are per task.
+
+    Every member is split on its own with the same ``sizes`` (``load_task``), so a
+    task's held-out questions never depend on the mixture that asks for them, and a
+    member's RL and SFT examples are drawn in order from its own RL and SFT splits:
+    every guarantee of single tasks carries over (no held-out question is trained on,
+    SFT never sees an RL prompt of a stage with at most ``sizes["rl"]``), whichever
+    tasks and mixtures the stages use. Across tasks, RL and SFT also skip every
+    question of ``held_out_questions`` (held out by any task, in any format).
+
+    - ``heldout``: every member's held-out split, concatenated in member order
+      (``sizes["heldout"]`` per task; each Example carries its domain).
+    - ``rl`` / ``sft``: ``sizes[split]`` examples in all; member t contributes the
+      first ``shares(weights, sizes[split])[t]`` questions of its own split that no
+      task holds out, shuffled together by ``seed``. A member weighted above ~90 %
+      runs short of them (ValueError): load that task on its own instead.
+    """
+    if not weights:
+        raise ValueError("a mixture needs at least one task")
+    unknown = sorted(set(weights) - set(TASKS))
+    if unknown:
+        raise KeyError(f"mixture members {unknown} are not tasks; known: {sorted(TASKS)}")
+    if not all(w > 0 for w in weights.values()):
+        raise ValueError(f"mixture weights must be positive, got {dict(weights)}")
+    wanted = _wanted(sizes)
+    members = {t: load_task(t, wanted, seed, **params) for t in weights}
+    reserved = held_out_questions(wanted["heldout"], seed, **params) if wanted["heldout"] else set()
+    out: dict[str, list[Example]] = {}
+    if wanted["heldout"]:
+        out["heldout"] = [ex for t in weights for ex in members[t]["heldout"]]
+    for split in ("rl", "sft"):
+        if not wanted[split]:
+            continue
+        mixed = []
+        for t, n in shares(weights, wanted[split]).items():
+            pool = [ex for ex in members[t][split] if ex.question not in reserved]
+            if len(pool) < n:
+                raise ValueError(f"mixture member {t!r} has {len(pool)} {split} questions no task holds out, "
+                                 f"{n} wanted: lower its weight or load it on its own")
+            mixed += pool[:n]
+        random.Random(f"{seed}/{split}").shuffle(mixed)
+        out[split] = mixed
+    return out

@@ -1,9 +1,10 @@
 """Build a small, randomly initialised HF model directory entirely offline.
 
-    cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3] [--size tiny|10m|50m]
+    cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3] [--size tiny|10m|50m] [--task cascade]
 
 The tokenizer is a byte-level BPE trained here (``tokenizers``) on the task's
-own text, with digits split one per token (as Qwen does; it makes arithmetic
+own text (a task or mixture of learner/tasks.py; ``cascade`` covers every
+domain), with digits split one per token (as Qwen does; it makes arithmetic
 learnable). The chat template follows the paper: a generation prompt in
 thinking mode ends with ``<think>\\n``; non-thinking mode (``enable_thinking
 =False``) emits an empty ``<think>\\n\\n</think>\\n\\n`` block. The output is a
@@ -66,7 +67,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
 
 
 def corpus(task: str, size: int) -> list[str]:
-    """Text the tokenizer is trained on: chat-formatted prompts and worked solutions."""
+    """Text the tokenizer is trained on: chat-formatted prompts and worked solutions of a task or mixture."""
     train = load_task(task, {"sft": size})["sft"]
     return [
         f"{IM_START}user\n{ex.prompt}{IM_END}\n{IM_START}assistant\n{THINK}\n{ex.solution}{IM_END}\n" for ex in train
