@@ -14,6 +14,8 @@ from .messages import (
     Score,
     ScoreRequest,
     StepDone,
+    TeacherLogprobs,
+    TeacherRequest,
     TrainBatch,
     WeightsReady,
 )
@@ -31,6 +33,8 @@ __all__ = [
     "Score",
     "ScoreRequest",
     "StepDone",
+    "TeacherLogprobs",
+    "TeacherRequest",
     "TrainBatch",
     "WeightsReady",
     "decode",

@@ -130,6 +130,44 @@ class Score:
     worker_id: str = ""
 
 
+@message("teacher_request")
+class TeacherRequest:
+    """orchestrator → teacher: the log-prob of every response token of one group under the teacher of
+    ``domain`` (MOPD). The group's responses share the prompt; ``response_ids`` holds them back to back,
+    response i being the next ``response_lens[i]`` tokens."""
+
+    key: str
+    domain: str
+    prompt_ids: np.ndarray = array("int32")  # [P]
+    response_ids: np.ndarray = array("int32")  # [sum(response_lens)] the responses, concatenated
+    response_lens: np.ndarray = array("int32")  # [n] tokens of each response, each >= 1
+    temperature: float = 1.0  # the sampling temperature: log-probs of softmax(logits / temperature)
+    deadline_s: float = 60.0  # not started within this long of arriving: answered ok=False, not computed
+
+    def validate(self) -> str:
+        lens = self.response_lens
+        if len(lens) == 0 or int(lens.min()) < 1:
+            return "response_lens must hold at least one response, each of >= 1 token"
+        if int(lens.sum(dtype=np.int64)) != len(self.response_ids):
+            return f"response_lens sum to {int(lens.sum(dtype=np.int64))} but there are {len(self.response_ids)} ids"
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            return f"temperature {self.temperature}"
+        return "" if math.isfinite(self.deadline_s) and self.deadline_s > 0 else f"deadline_s {self.deadline_s}"
+
+
+@message("teacher_logprobs")
+class TeacherLogprobs:
+    """teacher → orchestrator: the teacher's log-prob of each response token of the group ``key``, in the
+    request's order (``len(logprobs) == len(response_ids)``); empty when ``ok`` is False."""
+
+    key: str
+    logprobs: np.ndarray = array("float32")  # [sum(response_lens)]
+    ok: bool = True
+    error: str = ""  # why not ok: a token out of the vocabulary, too long, a domain not served, ...
+    worker_id: str = ""
+    t_teacher: float = 0.0  # seconds of the forward this group was part of (shared with its batch)
+
+
 @message("train_batch")
 class TrainBatch:
     """orchestrator → trainer: complete groups, rows ordered group by group, right-padded."""

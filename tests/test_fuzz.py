@@ -21,8 +21,8 @@ are then broken in one family of ways per test:
 * type tags and versions;
 * mutation bursts: stacked bit flips, byte edits, frame swaps/drops of valid encodings, many per example.
 
-Volume (asserted by ``test_fuzz_volume``, which runs last): 8,520 hypothesis examples; 12,550 malformed
-inputs per registered message type (150,600 in all), most of them from the bursts, >= 90 % of them rejected.
+Volume (asserted by ``test_fuzz_volume``, which runs last): 9,740 hypothesis examples; 12,550 malformed
+inputs per registered message type (175,700 in all), most of them from the bursts, >= 90 % of them rejected.
 The hypothesis database is off, so runs do not depend on earlier ones.
 """
 
@@ -58,9 +58,9 @@ SCALE = float(os.environ.get("CASCADE_RL_FUZZ_SCALE", "1"))
 
 # --------------------------------------------------------------------------- budget
 
-# Hypothesis examples per test; each test but random frames runs once per registered type (12):
-#   5 single-input families x 110 + 60 bursts = 610 examples per type, 7,320 in all, + 1,200 random frames;
-#   malformed inputs per type: 5 x 110 + 60 bursts x 200 mutants = 12,550 (150,600 over the 12 types).
+# Hypothesis examples per test; each test but random frames runs once per registered type (14):
+#   5 single-input families x 110 + 60 bursts = 610 examples per type, 8,540 in all, + 1,200 random frames;
+#   malformed inputs per type: 5 x 110 + 60 bursts x 200 mutants = 12,550 (175,700 over the 14 types).
 EXAMPLES = int(110 * SCALE)
 BURSTS = int(60 * SCALE)
 RANDOM_FRAMES = int(1200 * SCALE)
@@ -213,6 +213,15 @@ def _fix_group_score_request(draw, kw: dict) -> None:
     _fix_deadline(draw, kw)
 
 
+def _fix_teacher_request(draw, kw: dict) -> None:  # response_lens split response_ids into >= 1-token parts
+    lens = draw(st.lists(st.integers(1, 3), min_size=1, max_size=4))
+    kw["response_ids"] = np.array(draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=sum(lens),
+                                                max_size=sum(lens))), np.int32)
+    kw["response_lens"] = np.array(lens, np.int32)
+    kw["temperature"] = draw(st.floats(min_value=1e-3, max_value=1e3))
+    _fix_deadline(draw, kw)
+
+
 def _fix_train_batch(draw, kw: dict) -> None:
     n = kw["input_ids"].shape[0]
     kw["group_size"] = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0] or [1, 2, 3]))
@@ -228,6 +237,7 @@ FIXUPS = {
     "rollout": _fix_rollout,
     "group_score_request": _fix_group_score_request,
     "score_request": _fix_deadline,
+    "teacher_request": _fix_teacher_request,
     "train_batch": _fix_train_batch,
     "control": _fix_control,
 }

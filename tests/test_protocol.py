@@ -28,6 +28,8 @@ from cascade_rl.protocol.messages import (
     Score,
     ScoreRequest,
     StepDone,
+    TeacherLogprobs,
+    TeacherRequest,
     TrainBatch,
     WeightsReady,
 )
@@ -73,6 +75,21 @@ def _rollout(n_prompt: int = 9, n_resp: int = 5, **kw: Any) -> Rollout:
     return Rollout(**fields)
 
 
+def _teacher_request(lens: tuple[int, ...] = (3, 1, 4), **kw: Any) -> TeacherRequest:
+    fields: dict[str, Any] = dict(
+        key="g-7",
+        domain="math",
+        prompt_ids=np.array([151644, 872, 198, 3838], dtype=np.int32),
+        response_lens=np.array(lens, dtype=np.int32),
+        temperature=0.7,
+        deadline_s=30.0,
+    )
+    fields.update(kw)
+    if "response_ids" not in fields:
+        fields["response_ids"] = np.arange(sum(lens), dtype=np.int32) + 500
+    return TeacherRequest(**fields)
+
+
 def sample_messages() -> list[Any]:
     """Realistic instances covering every registered type, with edge cases."""
     return [
@@ -105,6 +122,12 @@ def sample_messages() -> list[Any]:
                           texts=["an old pond", "frog jumps in"], metadata={"lang": "en"}, deadline_s=90.0),
         Score(key="g-1/3", reward=1.0, ok=True, reason="match", t_verify=0.012, worker_id="verifier-2"),
         Score(key="g-1/4", reward=-0.5, ok=False),
+        _teacher_request(),
+        TeacherRequest(key="g-one", domain="code", prompt_ids=np.array([1], np.int32),
+                       response_ids=np.array([2], np.int32), response_lens=np.array([1], np.int32)),  # defaults
+        TeacherLogprobs(key="g-7", logprobs=np.array([-0.5, -np.inf, -0.0, -12.25, -1e-30, -3.0, -1.0, -2.0],
+                                                     dtype=np.float32), worker_id="teacher-0", t_teacher=0.031),
+        TeacherLogprobs(key="g-8", logprobs=np.zeros(0, np.float32), ok=False, error="domain 'x' is not served"),
         _train_batch(),
         _train_batch(teacher=False),
         _train_batch(n=0, length=7, group_size=4),  # 0 rows, 2-D empty arrays
@@ -606,6 +629,16 @@ VALIDATION_FAILURES = [
     (dataclasses.replace(_train_batch(), rewards=np.ones(3, np.float32)), "one entry per row"),
     (dataclasses.replace(_train_batch(), versions=np.ones(5, np.int32)), "one entry per row"),
     (dataclasses.replace(_train_batch(), teacher_logprobs=np.ones((4, 7), np.float32)), "teacher_logprobs shape"),
+    (_teacher_request(response_ids=np.zeros(7, np.int32)), "teacher_request: response_lens sum to 8 but there are 7 ids"),
+    (_teacher_request(lens=()), "response_lens must hold at least one response"),
+    (_teacher_request(lens=(2, 0, 3)), "each of >= 1 token"),
+    (_teacher_request(lens=(2, -1, 3)), "each of >= 1 token"),
+    (_teacher_request(temperature=0.0), "teacher_request: temperature 0.0"),
+    (_teacher_request(temperature=-1.0), "temperature -1.0"),
+    (_teacher_request(temperature=float("nan")), "temperature nan"),
+    (_teacher_request(temperature=float("inf")), "temperature inf"),
+    (_teacher_request(deadline_s=0.0), "teacher_request: deadline_s 0.0"),
+    (_teacher_request(deadline_s=float("inf")), "deadline_s inf"),
     (Control(op="reboot"), "control: unknown op 'reboot'"),
     (Ready(worker_id="w", role="sampler", slots=-1), "ready: slots must be >= 0"),
 ]
@@ -766,3 +799,19 @@ def test_random_mutations_raise_only_protocol_error():
 def test_group_score_request_needs_one_key_per_text():
     with pytest.raises(ProtocolError, match="2 keys for 1 texts"):
         decode(encode(GroupScoreRequest(keys=["a", "b"], domain="genrm", prompt="p", texts=["x"])))
+
+
+def test_teacher_request_and_logprobs_round_trip_one_group():
+    req = decode(encode(_teacher_request(lens=(2, 5))), expect=(TeacherRequest,))
+    assert req.response_lens.tolist() == [2, 5] and req.response_ids.tolist() == list(range(500, 507))
+    assert req.temperature == 0.7 and req.deadline_s == 30.0 and req.prompt_ids.dtype == np.int32
+    # lens summing past 2**31 in int32 must not wrap around to a "matching" small sum
+    wrapping = _teacher_request(lens=(2**31 - 1, 2**31 - 1, 2), response_ids=np.zeros(0, np.int32))
+    _reject(encode(wrapping), "response_lens sum to 4294967296")
+    reply = decode(encode(TeacherLogprobs("g-7", np.full(7, -1.5, np.float32), worker_id="teacher-0")))
+    assert reply.ok and reply.error == "" and reply.logprobs.dtype == np.float32 and len(reply.logprobs) == 7
+    # a failed reply needs no array data but still declares the (empty) array
+    failed = decode(encode(TeacherLogprobs("g-8", np.zeros(0, np.float32), ok=False, error="too long")))
+    assert not failed.ok and failed.error == "too long" and failed.logprobs.shape == (0,)
+    _reject(_edit(_teacher_request(), lambda h: h.pop("response_lens")), "teacher_request.response_lens: required")
+    _reject(_edit(_teacher_request(), lambda h: h.update(temperature="1")), "teacher_request.temperature: expected float")

@@ -1,0 +1,262 @@
+"""Teacher server: TeacherRequests in, TeacherLogprobs out; token log-probs under one frozen checkpoint (MOPD).
+
+    python -m cascade_rl.teachers.server --config RUN_DIR/config.yaml --worker-id teacher-0 \\
+        --model PATH --domains math,mcqa [--slots 32] [--max-batch-tokens 16384] [--threads 0]
+
+Started by the supervisor, one process per teacher checkpoint. It loads the HF
+checkpoint at ``--model`` (``model.dtype``, ``model.moe_impl``; frozen, eval
+mode, on the CPU as the one-rank trainer), connects to the orchestrator like
+every worker (``Ready`` with role "teacher", its ``slots`` and ``domains``;
+heartbeats to the supervisor) and loops: collect the requests that have
+arrived (after the first, a few ms more for the rest of a burst), take them in
+arrival order up to ``--max-batch-tokens`` sequence tokens, and answer them all
+from ONE no-grad forward over their sequences (prompt + response i, one row
+each). The forward is the trainer's own (``learner.policy.Policy`` with the
+run's ``trainer.pack``/``pack_tokens``/``logprob_chunk_tokens``/
+``logprob_impl``: packed rows, LM head in chunks, no [tokens x vocab] logits),
+so a teacher's log-probs of a checkpoint equal the trainer's of the same
+checkpoint. Requests of a batch that ask for different temperatures run one
+forward per temperature (a stage samples at one, so in practice one).
+
+A request the model cannot serve (a domain not served here, an empty prompt, a
+token id outside the vocabulary, a sequence longer than
+``max_position_embeddings``, not started within its ``deadline_s``) gets
+``TeacherLogprobs(ok=False, error=...)``; a message that does not decode is
+counted (heartbeat counter ``malformed``) and logged. Neither stops the server.
+SIGTERM drains: ``Ready(draining=True)``, answer what is held and what arrives
+in the next quiet second, then exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import queue
+import signal
+import time
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from cascade_rl.learner.experts import use_moe_impl
+from cascade_rl.learner.policy import Policy
+from cascade_rl.learner.trainer import DTYPES
+from cascade_rl.protocol.messages import Ready, TeacherLogprobs, TeacherRequest
+from cascade_rl.protocol.sockets import WorkerLink
+from cascade_rl.protocol.worker_main import worker_start
+
+log = logging.getLogger("teacher")
+
+# --------------------------------------------------------------------------- the computation (no sockets)
+
+
+def sequence_tokens(req: TeacherRequest) -> int:
+    """Tokens the forward runs for ``req``: the prompt once per response, plus the responses."""
+    return len(req.prompt_ids) * len(req.response_lens) + len(req.response_ids)
+
+
+def batch_rows(requests: list[TeacherRequest]) -> tuple[Tensor, Tensor, Tensor]:
+    """The requests' sequences as the trainer's batch: one row per (request, response), prompt then response,
+    right-padded. Returns input_ids [N, L], lengths [N] and the mask [N, L] of the response tokens; read
+    row-major, the masked positions are the requests' ``response_ids`` in order."""
+    rows = [(r.prompt_ids, y) for r in requests for y in np.split(r.response_ids, np.cumsum(r.response_lens)[:-1])]
+    lengths = np.array([len(p) + len(y) for p, y in rows], np.int64)
+    ids = np.zeros((len(rows), int(lengths.max())), np.int64)
+    mask = np.zeros(ids.shape, bool)
+    for i, (p, y) in enumerate(rows):
+        ids[i, : len(p)], ids[i, len(p) : lengths[i]] = p, y
+        mask[i, len(p) : lengths[i]] = True
+    return torch.from_numpy(ids), torch.from_numpy(lengths), torch.from_numpy(mask)
+
+
+class Teacher:
+    """A frozen checkpoint and the trainer's log-prob path; no sockets, so tests and tools use it in-process."""
+
+    def __init__(self, model: nn.Module, domains: list[str], trainer_cfg) -> None:
+        """``trainer_cfg``: the run's ``trainer`` section, whose log-prob settings the teacher shares."""
+        self.model = model.requires_grad_(False).eval()
+        self.domains = sorted(set(domains))
+        t = trainer_cfg
+        self.policy_args = dict(chunk_tokens=t.logprob_chunk_tokens, pack=t.pack, pack_tokens=t.pack_tokens,
+                                logprob_impl=t.logprob_impl)
+        head = model.get_output_embeddings().weight
+        self.vocab = min(head.shape[0], model.get_input_embeddings().num_embeddings)
+        self.max_len = getattr(model.config, "max_position_embeddings", None)
+
+    @classmethod
+    def load(cls, path: str, domains: list[str], cfg) -> Teacher:
+        """The checkpoint at ``path`` as the trainer would load it (``model.dtype``, ``model.moe_impl``)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.model.dtype])
+        return cls(use_moe_impl(model, cfg.model.moe_impl), domains, cfg.trainer)
+
+    def check(self, req: TeacherRequest) -> str:
+        """Why this model cannot answer ``req`` ("" if it can). The codec has checked the lengths."""
+        if req.domain not in self.domains:
+            return f"domain {req.domain!r} is not served here (this teacher serves {self.domains})"
+        if len(req.prompt_ids) == 0:
+            return "empty prompt: the first response token would have no prediction"
+        longest = len(req.prompt_ids) + int(req.response_lens.max())
+        if self.max_len is not None and longest > self.max_len:
+            return f"a sequence of {longest} tokens exceeds the model's max_position_embeddings {self.max_len}"
+        for name in ("prompt_ids", "response_ids"):
+            ids = getattr(req, name)
+            bad = ids[(ids < 0) | (ids >= self.vocab)]
+            if len(bad):
+                return f"{name}: token id {int(bad[0])} out of range [0, {self.vocab})"
+        return ""
+
+    def logprobs(self, requests: list[TeacherRequest]) -> list[np.ndarray]:
+        """Each request's log-probs of its response tokens (float32, ``response_ids`` order). One forward per
+        distinct temperature among ``requests``; call ``check`` on each first."""
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(requests)
+        by_temperature = collections.defaultdict(list)
+        for i, req in enumerate(requests):
+            by_temperature[req.temperature].append(i)
+        for temperature, members in by_temperature.items():
+            group = [requests[i] for i in members]
+            ids, lengths, mask = batch_rows(group)
+            with torch.inference_mode():
+                lp, _ = Policy(self.model, temperature, **self.policy_args)(ids, lengths, mask)
+            flat = lp[mask].numpy()  # row-major: request by request, response by response
+            bounds = np.cumsum([len(r.response_ids) for r in group])[:-1]
+            for i, values in zip(members, np.split(flat, bounds)):
+                out[i] = values
+        return out
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+class Server:
+    BATCH_WINDOW_S = 0.005  # after the first request, how long to wait for the rest of a burst
+
+    def __init__(self, teacher: Teacher, worker_id: str, cfg, slots: int, max_batch_tokens: int) -> None:
+        self.teacher, self.worker_id = teacher, worker_id
+        self.slots, self.max_batch_tokens = slots, max_batch_tokens
+        self.counters = {"requests": 0, "sequences": 0, "tokens": 0, "errors": 0, "expired": 0, "batches": 0,
+                         "forwards": 0, "busy_s": 0.0}
+        self.state = "idle"
+        self.pending: collections.deque[tuple[float, TeacherRequest]] = collections.deque()  # (arrival, request)
+        ep = cfg.endpoints
+        self.link = WorkerLink(worker_id, "teacher", ep.orchestrator, ep.get("heartbeat"), None,
+                               expect=(TeacherRequest,), status=self.status, heartbeat_s=cfg.supervisor.heartbeat_s)
+
+    def status(self) -> dict:
+        return {"state": self.state, "counters": dict(self.counters)}
+
+    def run(self) -> None:
+        """Serve until drained (see the module docstring)."""
+        draining: list[float] = []
+        signal.signal(signal.SIGTERM, lambda *_: draining.append(time.monotonic()))
+        self.link.start()
+        self.link.send(Ready(self.worker_id, "teacher", self.slots, domains=self.teacher.domains))
+        quiet_since = None
+        try:
+            while True:
+                if draining and quiet_since is None:
+                    self.link.send(Ready(self.worker_id, "teacher", 0, domains=self.teacher.domains, draining=True))
+                    self.state, quiet_since = "draining", time.monotonic()
+                if quiet_since is not None and not self.pending and time.monotonic() - quiet_since > 1.0:
+                    log.info("drained: %s", self.counters)
+                    return
+                n_before = len(self.pending)
+                self._collect(block=not self.pending)
+                if quiet_since is not None and len(self.pending) > n_before:
+                    quiet_since = time.monotonic()  # sent before our notice was read: answer them too
+                if self.pending:
+                    self._answer(self._take())
+        finally:
+            self.link.close()
+
+    def _collect(self, block: bool) -> None:
+        """Move arrived requests into ``pending``; after the first, wait a few ms for the rest of a burst (the
+        orchestrator sends a step's groups back to back), so they share one forward."""
+        timeout = 0.25 if block else 0.0
+        while True:
+            try:
+                req = self.link.inbox.get(timeout=timeout) if timeout else self.link.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.pending.append((time.monotonic(), req))
+            timeout = self.BATCH_WINDOW_S
+
+    def _take(self) -> list[tuple[float, TeacherRequest]]:
+        """The oldest pending requests, up to ``max_batch_tokens`` (always at least one)."""
+        batch, tokens = [], 0
+        while self.pending and (not batch or tokens + sequence_tokens(self.pending[0][1]) <= self.max_batch_tokens):
+            batch.append(self.pending.popleft())
+            tokens += sequence_tokens(batch[-1][1])
+        return batch
+
+    def _answer(self, batch: list[tuple[float, TeacherRequest]]) -> None:
+        now, good = time.monotonic(), []
+        for arrived, req in batch:
+            reason = self.teacher.check(req)
+            if not reason and now - arrived > req.deadline_s:
+                reason = f"deadline: not started within {req.deadline_s:g} s"
+                self.counters["expired"] += 1
+            if reason:
+                self._reply(TeacherLogprobs(req.key, np.zeros(0, np.float32), False, reason, self.worker_id))
+            else:
+                good.append(req)
+        if not good:
+            return
+        self.state = "busy"
+        t0 = time.perf_counter()
+        try:
+            logprobs = self.teacher.logprobs(good)
+        except Exception as e:  # a failing forward fails these requests, not the server
+            log.exception("teacher forward failed")
+            for req in good:
+                self._reply(TeacherLogprobs(req.key, np.zeros(0, np.float32), False, f"teacher error: {e}",
+                                            self.worker_id))
+            return
+        finally:
+            self.state = "idle"
+        dt = time.perf_counter() - t0
+        self.counters["batches"] += 1
+        self.counters["forwards"] += len({r.temperature for r in good})
+        self.counters["busy_s"] += dt
+        self.counters["sequences"] += sum(len(r.response_lens) for r in good)
+        self.counters["tokens"] += sum(sequence_tokens(r) for r in good)
+        for req, values in zip(good, logprobs):
+            self._reply(TeacherLogprobs(req.key, values, True, "", self.worker_id, dt))
+
+    def _reply(self, msg: TeacherLogprobs) -> None:
+        self.counters["requests"] += 1
+        self.counters["errors"] += int(not msg.ok)
+        if not msg.ok:
+            log.warning("%s: %s", msg.key, msg.error)
+        self.link.send(msg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    # --- arguments: the run config, plus this teacher's checkpoint and domains
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--model", required=True, help="HF checkpoint directory of this teacher (frozen)")
+    extra.add_argument("--domains", required=True, help="comma-separated domains this teacher answers")
+    extra.add_argument("--slots", type=int, default=32, help="requests (groups) the orchestrator may have here")
+    extra.add_argument("--max-batch-tokens", type=int, default=16384,
+                       help="most sequence tokens in one forward (a larger single request runs alone)")
+    extra.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    known, rest = extra.parse_known_args(argv)
+    args, cfg = worker_start(__doc__.splitlines()[0], rest)
+    domains = [d.strip() for d in known.domains.split(",") if d.strip()]
+    if not domains:
+        raise SystemExit("--domains: name at least one domain")
+    if known.threads:
+        torch.set_num_threads(known.threads)
+
+    # --- model, then serve
+    teacher = Teacher.load(known.model, domains, cfg)
+    log.info("teacher %s serving %s (vocab %d, max length %s)", known.model, teacher.domains, teacher.vocab,
+             teacher.max_len)
+    Server(teacher, args.worker_id, cfg, known.slots, known.max_batch_tokens).run()
+
+
+if __name__ == "__main__":
+    main()
