@@ -23,12 +23,16 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 install: $(STAMP)
 
-# The main job: tiny model (built offline) -> SFT warm start -> GRPO stage over ZeroMQ.
+# The main job, a miniature of the paper: tiny model (built offline, tokenizer trained on all four
+# domains) -> SFT warm start -> IF-RL -> multi-domain RL -> MOPD from each domain's best checkpoint,
+# every stage over ZeroMQ; ends with $(RUN_DIR)/report.md and its plots. A model built for another
+# task (an older checkout's arithmetic-only one) is rebuilt.
 run: install
-	test -f models/tiny/config.json || $(CLI) make-tiny-model --out models/tiny
-	test -f models/tiny-sft/config.json || $(CLI) sft model=models/tiny out=models/tiny-sft
+	grep -qs '"task": "cascade"' models/tiny/cascade_rl.json || (rm -rf models/tiny models/tiny-sft && \
+		$(CLI) make-tiny-model --out models/tiny --task cascade)
+	test -f models/tiny-sft/config.json || $(CLI) sft model=models/tiny out=models/tiny-sft task=cascade steps=600
 	rm -rf $(RUN_DIR)
-	$(CLI) launch demo run_dir=$(RUN_DIR)
+	$(CLI) cascade demo run_dir=$(RUN_DIR)
 
 test: install
 	$(VENV)/bin/pytest -q

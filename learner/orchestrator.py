@@ -44,6 +44,8 @@ from cascade_rl.protocol.messages import (
     Score,
     ScoreRequest,
     StepDone,
+    TeacherLogprobs,
+    TeacherRequest,
     TrainBatch,
     WeightsReady,
 )
@@ -55,7 +57,7 @@ from . import checkpoint
 from .tasks import Example, load_task
 
 log = logging.getLogger("orchestrator")
-INBOUND = (Ready, Rollout, Score, StepDone, WeightsReady)
+INBOUND = (Ready, Rollout, Score, TeacherLogprobs, StepDone, WeightsReady)
 
 
 @dataclasses.dataclass
@@ -76,16 +78,18 @@ class Group:
     scores: dict[int, Score] = dataclasses.field(default_factory=dict)
     error: str = ""
     masked: bool = False  # trained with its loss masked (no rollout scored above orchestrator.mask_threshold)
+    needs_teacher: bool = False  # MOPD: a training group needs its teacher's log-probs
+    teacher: list[np.ndarray] | None = None  # per rollout, the teacher's log-prob of each response token
 
     @property
     def complete(self) -> bool:
-        return bool(self.error) or len(self.scores) == self.n
+        return bool(self.error) or (len(self.scores) == self.n and (not self.needs_teacher or self.teacher is not None))
 
 
 @dataclasses.dataclass
 class Worker:
     role: str
-    slots: int  # capacity: sequences for a sampler, score requests for a verifier
+    slots: int  # capacity: sequences for a sampler or a teacher, score requests for a verifier
     version: int = 0
     domains: tuple[str, ...] = ()
     assigned: dict = dataclasses.field(default_factory=dict)  # group id or score key -> slots it takes
@@ -134,8 +138,10 @@ class Orchestrator:
         self.run_dir = Path(cfg.run_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         d = cfg.data
-        splits = load_task(d.task, {"heldout": d.heldout_size, "rl": d.train_size}, seed=d.seed)
-        self.train_pool, self.heldout = splits["rl"], splits["heldout"]
+        sizes = {"heldout": d.heldout_size, "rl": d.train_size}  # per task: the same splits in every stage
+        self.train_pool = load_task(d.task, sizes, seed=d.seed)["rl"]
+        self.heldout = load_task(d.eval_task or d.task, sizes, seed=d.seed)["heldout"]
+        self.mopd = cfg.trainer.algorithm == "mopd"
         self.rng = random.Random(cfg.orchestrator.seed)
         self.examples_drawn = 0  # the data cursor: resuming replays this many draws
         self.ctx = zmq.Context.instance()
@@ -151,6 +157,8 @@ class Orchestrator:
         self.prompt_queue: deque[str] = deque()
         self.score_queue: deque[tuple[str, int]] = deque()  # (group id, rollout index)
         self.score_deadlines: dict[str, float] = {}
+        self.teacher_queue: deque[str] = deque()  # MOPD: group ids whose rollouts await teacher log-probs
+        self.teacher_deadlines: dict[str, float] = {}
         self.version = 0
         self.weights: WeightsReady | None = None
         self.step_done: StepDone | None = None
@@ -177,7 +185,8 @@ class Orchestrator:
         t_start = time.perf_counter()
         steps = self.cfg.trainer.steps
         self.status["state"] = "waiting for workers"
-        self.pump(lambda: self._have("trainer") and self._have("sampler") and self._have("verifier"))
+        self.pump(lambda: self._have("trainer") and self._have("sampler") and self._have("verifier")
+                  and (not self.mopd or self._have("teacher")))
         if self.start_step:  # resumed: the trainer publishes the checkpoint's weights before anything samples
             self.pump(lambda: self.weights is not None and self.weights.version >= self.start_step)
         self.status["state"] = "eval"
@@ -285,7 +294,8 @@ class Orchestrator:
         """Held-out accuracy under the current weights: avg@eval_n at eval_temperature (the paper's
         metric), and greedy pass@1 if ``eval_greedy``. Both sets of groups are sampled together."""
         o, max_tokens = self.cfg.orchestrator, self.cfg.sampling.max_tokens
-        modes = {"heldout_accuracy": (SamplingParams(temperature=o.eval_temperature, max_tokens=max_tokens), o.eval_n)}
+        modes = {"heldout_accuracy": (SamplingParams(temperature=o.eval_temperature, max_tokens=max_tokens), o.eval_n)
+                 } if o.eval_n else {}
         if o.eval_greedy:
             modes["heldout_greedy_accuracy"] = (SamplingParams(temperature=0.0, max_tokens=max_tokens), 1)
         groups = {name: [self._new_group(ex, n, sampling, False) for ex in self.heldout]
@@ -296,9 +306,14 @@ class Orchestrator:
         for name, gs in groups.items():
             for g in gs:
                 del self.groups[g.group_id]
-            per_question = [np.mean([g.scores[i].reward if i in g.scores else 0.0 for i in range(g.n)]) for g in gs]
-            self.per_question[name] = np.array(per_question)
+            per_question = np.array([np.mean([g.scores[i].reward if i in g.scores else 0.0 for i in range(g.n)])
+                                     for g in gs])
+            self.per_question[name] = per_question
             result[name] = float(np.mean(per_question))
+            by_domain = np.array([g.example.domain for g in gs])
+            if len(set(by_domain)) > 1:  # a mixture: each domain's accuracy too (the cascade's per-domain record)
+                result.update({f"{name}/{dom}": float(per_question[by_domain == dom].mean())
+                               for dom in sorted(set(by_domain))})
         return result
 
     def paired_gain(self, before: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
@@ -319,12 +334,16 @@ class Orchestrator:
         input_ids = np.full((len(rows), width), pad, np.int32)
         response_mask = np.zeros((len(rows), width), bool)
         inf_logprobs = np.zeros((len(rows), width), np.float32)
+        teacher = [lp for g in groups for lp in g.teacher] if self.mopd else None
+        teacher_logprobs = np.zeros((len(rows), width), np.float32) if self.mopd else None
         for i, (r, _) in enumerate(rows):
             p, n = len(r.prompt_ids), len(r.response_ids)
             input_ids[i, :p] = r.prompt_ids
             input_ids[i, p : p + n] = r.response_ids
             response_mask[i, p : p + n] = True
             inf_logprobs[i, p : p + n] = r.inf_logprobs
+            if teacher is not None:
+                teacher_logprobs[i, p : p + n] = teacher[i]
         self.books.trained += len(rows)
         return TrainBatch(
             step=step,
@@ -334,6 +353,7 @@ class Orchestrator:
             inf_logprobs=inf_logprobs,
             rewards=np.concatenate([self.rewards(g) for g in groups]),
             versions=np.array([r.policy_version for r, _ in rows], np.int32),
+            teacher_logprobs=teacher_logprobs,
             loss_masked=np.array([masked for _, masked in rows], bool),
             cursor={"examples_drawn": self.examples_drawn},
         )
@@ -396,7 +416,8 @@ class Orchestrator:
                                                         add_generation_prompt=True, tokenize=False)
             ids = np.array(self.tokenizer(prompt, add_special_tokens=False)["input_ids"], np.int32)
             self._prompt_ids[ex.prompt] = ids
-        g = Group(f"{'t' if train else 'e'}{self._seq}", ex, ids, n, sampling, self.version, train)
+        g = Group(f"{'t' if train else 'e'}{self._seq}", ex, ids, n, sampling, self.version, train,
+                  needs_teacher=train and self.mopd)
         self.groups[g.group_id] = g
         self.prompt_queue.append(g.group_id)
         if train:
@@ -404,8 +425,8 @@ class Orchestrator:
         return g
 
     def _filter_reason(self, g: Group) -> str:
-        if g.error:
-            return f"sampler_error: {g.error}"
+        if g.error:  # "sampler_error: ..." or "teacher_error: ..."
+            return g.error
         if self.cfg.orchestrator.dynamic_filtering and np.all(self.rewards(g) == self.rewards(g)[0]):
             return "uniform_rewards"  # dynamic filtering: all right or all wrong, no signal
         return ""
@@ -422,6 +443,7 @@ class Orchestrator:
         while not until():
             self._dispatch_prompts()
             self._dispatch_scores()
+            self._dispatch_teachers()
             self._heartbeat()
             if self.router.poll(timeout=100):
                 while self.router.poll(0):
@@ -443,6 +465,8 @@ class Orchestrator:
             self._on_rollout(ident, msg)
         elif isinstance(msg, Score):
             self._on_score(ident, msg)
+        elif isinstance(msg, TeacherLogprobs):
+            self._on_teacher(ident, msg)
         elif isinstance(msg, WeightsReady):
             self.weights = msg
         elif isinstance(msg, StepDone):
@@ -470,7 +494,7 @@ class Orchestrator:
         if w is not None:
             w.version = max(w.version, r.policy_version)
         if r.finish_reason == "error":
-            g.error = r.error or "unknown sampler error"
+            g.error = f"sampler_error: {r.error or 'unknown sampler error'}"
             self._release(g)
             return
         if not 0 <= r.index < g.n or r.index in g.rollouts:
@@ -479,6 +503,8 @@ class Orchestrator:
         g.rollouts[r.index] = r
         if len(g.rollouts) == g.n:
             self._release(g)
+            if g.needs_teacher:
+                self.teacher_queue.append(g.group_id)
         self._queue_score(g, r.index)
 
     def _queue_score(self, g: Group, index: int) -> None:
@@ -500,6 +526,22 @@ class Orchestrator:
             self.books.duplicates_dropped += 1
             return
         g.scores[int(index)] = s
+
+    def _on_teacher(self, ident: bytes, t: TeacherLogprobs) -> None:
+        w = self.workers.get(ident)
+        if w is not None:
+            w.assigned.pop(t.key, None)
+        self.teacher_deadlines.pop(t.key, None)
+        group_id, _, attempt = t.key.rsplit("/", 2)
+        g = self.groups.get(group_id)
+        if g is None or not attempt.isdigit() or int(attempt) != g.attempt or g.teacher is not None:
+            self.books.duplicates_dropped += 1
+            return
+        lens = [len(g.rollouts[i].response_ids) for i in range(g.n)]
+        if not t.ok or len(t.logprobs) != sum(lens):
+            g.error = f"teacher_error: {t.error or f'{len(t.logprobs)} log-probs for {sum(lens)} tokens'}"
+            return
+        g.teacher = np.split(np.asarray(t.logprobs, np.float32), np.cumsum(lens)[:-1])
 
     def _release(self, g: Group) -> None:
         w = self.workers.get(g.worker) if g.worker else None
@@ -555,8 +597,8 @@ class Orchestrator:
             if index == -1:
                 req = GroupScoreRequest(keys, domain, g.example.prompt, texts, g.example.answer, {}, deadline_s)
             else:
-                req = ScoreRequest(keys[0], domain, texts[0], g.example.answer, {"question": g.example.question},
-                                   deadline_s)
+                req = ScoreRequest(keys[0], domain, texts[0], g.example.answer,
+                                   {"question": g.example.question, **g.example.metadata}, deadline_s)
             if self._send(ident, req):
                 for key in keys:
                     w.assigned[key] = 1
@@ -564,26 +606,61 @@ class Orchestrator:
             else:
                 self.score_queue.appendleft((group_id, index))
 
+    def _dispatch_teachers(self) -> None:
+        """MOPD: each complete group's rollouts to a teacher of its domain (one request per group)."""
+        while self.teacher_queue:
+            g = self.groups.get(self.teacher_queue[0])
+            if g is None or g.teacher is not None or g.error or len(g.rollouts) < g.n:
+                self.teacher_queue.popleft()
+                continue
+            domain = g.example.domain
+            free = [(i, w) for i, w in self.workers.items()
+                    if w.role == "teacher" and domain in w.domains and w.fits(g.n)]
+            if not free:
+                return
+            ident, w = min(free, key=lambda iw: iw[1].load)
+            self.teacher_queue.popleft()
+            key = f"{g.group_id}/teacher/{g.attempt}"
+            responses = [g.rollouts[i].response_ids for i in range(g.n)]
+            timeout_s = self.cfg.orchestrator.teacher_timeout_s
+            req = TeacherRequest(key, domain, g.prompt_ids, np.concatenate(responses).astype(np.int32),
+                                 np.array([len(r) for r in responses], np.int32), g.sampling.temperature, timeout_s)
+            if self._send(ident, req):
+                w.assigned[key] = g.n
+                self.teacher_deadlines[key] = time.monotonic() + timeout_s
+            else:
+                self.teacher_queue.appendleft(g.group_id)
+
+    def _requeue_item(self, key: str) -> None:
+        """A score or teacher request that will not come back (deadline, worker gone): ask again."""
+        group_id, index, _ = key.rsplit("/", 2)
+        g = self.groups.get(group_id)
+        if g is None:
+            return
+        if index == "teacher":
+            self.teacher_queue.append(group_id)
+        else:
+            self._queue_score(g, int(index))
+
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
         for g in list(self.groups.values()):
             if g.worker is not None and len(g.rollouts) < g.n and not g.error and now > g.deadline:
                 log.warning("group %s: sampler %s missed its deadline; re-dispatching", g.group_id, g.worker)
                 self._redispatch(g)
-        for key, deadline in list(self.score_deadlines.items()):
-            if now > deadline:
-                del self.score_deadlines[key]
-                group_id, index, _ = key.rsplit("/", 2)
-                for w in self.workers.values():
-                    w.assigned.pop(key, None)
-                if group_id in self.groups:
-                    log.warning("score %s missed its deadline; re-requesting", key)
-                    self._queue_score(self.groups[group_id], int(index))
+        for deadlines in (self.score_deadlines, self.teacher_deadlines):
+            for key, deadline in list(deadlines.items()):
+                if now > deadline:
+                    del deadlines[key]
+                    for w in self.workers.values():
+                        w.assigned.pop(key, None)
+                    log.warning("%s missed its deadline; re-requesting", key)
+                    self._requeue_item(key)
 
     def _redispatch(self, g: Group) -> None:
         self._release(g)
         g.attempt += 1
-        g.worker, g.rollouts, g.scores = None, {}, {}
+        g.worker, g.rollouts, g.scores, g.teacher = None, {}, {}, None
         if g.train:
             self.books.redispatched += g.n
         self.prompt_queue.appendleft(g.group_id)
@@ -594,10 +671,9 @@ class Orchestrator:
                 log.warning("group %s: %s (%s); re-dispatching", item, why, ident.decode())
                 self._redispatch(self.groups[item])
             else:
-                group_id, index, _ = item.rsplit("/", 2)
                 self.score_deadlines.pop(item, None)
-                if group_id in self.groups:
-                    self._queue_score(self.groups[group_id], int(index))
+                self.teacher_deadlines.pop(item, None)
+                self._requeue_item(item)
         w.assigned.clear()
 
     def _send(self, ident: bytes, msg) -> bool:
@@ -631,7 +707,7 @@ class Orchestrator:
                     self.tb.add_scalar(k, v, global_step=metrics.get("step", 0))
             self.tb.flush()
         self.status["last"] = {k: v for k, v in metrics.items()
-                               if not k.startswith("trainer/") or k.startswith("trainer/mismatch/")}
+                               if not k.startswith("trainer/") or k.startswith(("trainer/mismatch/", "trainer/mopd/"))}
         self._heartbeat(force=True)
 
     def _heartbeat(self, force: bool = False) -> None:

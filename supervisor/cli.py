@@ -1,6 +1,6 @@
 """The ``cascade-rl`` command line.
 
-    cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3] [--size tiny|10m|50m]
+    cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3] [--size tiny|10m|50m] [--task cascade]
     cascade-rl sft [model=DIR] [out=DIR] [steps=N] ...
     cascade-rl launch PRESET|CONFIG.yaml [hydra overrides]   e.g. launch tiny run_dir=/tmp/r
     cascade-rl launch PRESET --dry-run                       print the resolved config
@@ -49,6 +49,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from .launch import Supervisor
 
     return Supervisor(cfg).run()
+
+
+def cmd_cascade(args: argparse.Namespace) -> int:
+    from .cascade import Cascade, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg))
+        return 0
+    return Cascade(cfg).run()
 
 
 def _control_endpoint(run_dir: str | None) -> str:
@@ -143,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--out", required=True)
     m.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3"])
     m.add_argument("--size", default="tiny", choices=["tiny", "10m", "50m"])
-    m.add_argument("--task", default="arithmetic")
+    m.add_argument("--task", default="arithmetic",
+                   help="task or mixture of learner/tasks.py whose text trains the tokenizer (e.g. cascade)")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=cmd_make_tiny_model)
 
@@ -156,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("overrides", nargs="*", help="hydra overrides, e.g. trainer.steps=5 run_dir=/tmp/r")
     launch.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     launch.set_defaults(fn=cmd_launch)
+
+    cas = sub.add_parser("cascade", help="run RL stages in order, evaluate every checkpoint, MOPD from the best")
+    cas.add_argument("config", help="a config of configs/cascade/ (e.g. demo) or a YAML file")
+    cas.add_argument("overrides", nargs="*", help="key=value, e.g. run_dir=runs/c eval.n=8")
+    cas.add_argument("--dry-run", action="store_true", help="print the resolved cascade config and exit")
+    cas.set_defaults(fn=cmd_cascade)
 
     c = sub.add_parser("ctl", help="talk to a running supervisor")
     c.add_argument("--run-dir", default=None, help="default: the newest run")

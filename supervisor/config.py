@@ -44,11 +44,14 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: str = "arithmetic"
-    """Prompt set, registered in learner/tasks.py (reasoning-gym backed)."""
+    """Prompt set: a task or a mixture of tasks (several domains) registered in learner/tasks.py."""
+    eval_task: str = ""
+    """Held-out set evaluated (a task or mixture; empty: ``task``). A cascade stage evaluates every domain
+    of the cascade, not only the ones it trains."""
     train_size: int = 2000
-    """RL prompts (distinct questions, disjoint from SFT data and held-out)."""
+    """RL prompts per task (distinct questions, disjoint from SFT data and held-out)."""
     heldout_size: int = 200
-    """Held-out questions for evaluation."""
+    """Held-out questions per task."""
     seed: int = 0
     """Seed of the task stream and of the prompt order."""
 
@@ -128,10 +131,13 @@ class OrchestratorConfig:
     """A group not back within this deadline is re-dispatched."""
     verifier_timeout_s: float = 60.0
     """A score not back within this deadline is re-requested."""
+    teacher_timeout_s: float = 120.0
+    """MOPD: teacher log-probs of a group not back within this deadline are re-requested."""
     eval_every: int = 0
     """Evaluate on the held-out set every k steps (0: only before and after)."""
     eval_n: int = 4
-    """Samples per held-out question (accuracy = avg@eval_n, as the paper reports avg@k)."""
+    """Samples per held-out question (accuracy = avg@eval_n, as the paper reports avg@k); 0: none (with
+    eval_greedy=false the stage skips evaluation: the cascade runner evaluates its checkpoints itself)."""
     eval_temperature: float = 1.0
     """Sampling temperature of evaluation (paper: 1.0)."""
     eval_greedy: bool = True
@@ -229,6 +235,9 @@ class LaunchConfig:
     other hosts (or network namespaces) can connect; pair with weights_transport=stream without a shared
     file system."""
     """Filled by the supervisor at launch: ipc:// under a short temp dir, or tcp:// on ``host``."""
+    teachers: dict[str, str] = field(default_factory=dict)
+    """MOPD: domain -> the HF checkpoint that teaches it (one teacher server per distinct checkpoint; the
+    cascade runner fills this with each domain's best checkpoint)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -295,9 +304,23 @@ def validate(cfg: DictConfig) -> None:
         known |= set(w.verifier_domains)  # plugins register theirs in the worker; the worker checks them
     if unknown := [d for d in w.verifier_domains if d not in known]:
         problems.append(f"workers.verifier_domains: no verifier for {unknown} (registered: {sorted(known)})")
-    if t.algorithm == "mopd":
-        problems.append("trainer.algorithm=mopd needs teacher servers for the teacher log-probs, and launch "
-                        "starts none yet (the loss and trainer path are in learner/objectives.py)")
+    from cascade_rl.learner.tasks import domains
+
+    try:
+        trained, evaluated = domains(cfg.data.task), domains(cfg.data.eval_task or cfg.data.task)
+    except KeyError as e:
+        problems.append(f"data: {e.args[0]}")
+        trained = evaluated = []
+    if unserved := sorted(set(trained + evaluated) - set(w.verifier_domains)):
+        problems.append(f"workers.verifier_domains={list(w.verifier_domains)} does not serve {unserved} "
+                        f"(domains of data.task / data.eval_task)")
+    if t.algorithm == "mopd" and (untaught := sorted(set(trained) - set(cfg.teachers))):
+        problems.append(f"trainer.algorithm=mopd: no teacher for {untaught}; set teachers.DOMAIN=CHECKPOINT_DIR "
+                        f"(the cascade runner picks each domain's best checkpoint)")
+    if cfg.teachers and t.algorithm != "mopd":
+        problems.append("teachers are used by trainer.algorithm=mopd only")
+    if missing := [p for p in cfg.teachers.values() if not Path(p).is_dir()]:
+        problems.append(f"teachers: {missing} are not directories")
     if cfg.model.moe_impl not in ("hf", "torch", "triton"):
         problems.append(f"model.moe_impl={cfg.model.moe_impl!r}: choose hf, torch or triton")
     if cfg.model.moe_impl == "triton" and not _cuda() and os.environ.get("TRITON_INTERPRET") != "1":

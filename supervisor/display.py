@@ -46,7 +46,8 @@ class Display:
         last = orch.get("last", {})
         state = orch.get("state", "starting")
         books = orch.get("books", {})
-        info = (f"{state} | reward {_fmt(last.get('reward_mean'))} | heldout acc "
+        mopd = f" | reverse KL {_fmt(last['trainer/mopd/reverse_kl'])}" if "trainer/mopd/reverse_kl" in last else ""
+        info = (f"{state} | reward {_fmt(last.get('reward_mean'))}{mopd} | heldout acc "
                 f"{_fmt(last.get('heldout_accuracy'))} | {_fmt(last.get('gen_tokens_per_s'), '.0f')} tok/s | "
                 f"staleness {_fmt(last.get('staleness_mean'), '.1f')} | logp mismatch "
                 f"{_fmt(last.get('trainer/mismatch/abs_diff_mean'), '.1e')} (max "
@@ -66,8 +67,9 @@ class Display:
         if self.mode == "none":
             return
         table = Table(title="run summary", show_header=False)
-        table.add_row("held-out accuracy before RL (avg@k, T=1)", _fmt(summary["heldout_accuracy_before"]))
-        table.add_row("held-out accuracy after RL (avg@k, T=1)", _fmt(summary["heldout_accuracy_after"]))
+        if "heldout_accuracy_before" in summary:  # orchestrator.eval_n=0: not evaluated in the stage
+            table.add_row("held-out accuracy before RL (avg@k, T=1)", _fmt(summary["heldout_accuracy_before"]))
+            table.add_row("held-out accuracy after RL (avg@k, T=1)", _fmt(summary["heldout_accuracy_after"]))
         if "heldout_greedy_accuracy_before" in summary:
             table.add_row("held-out greedy accuracy before RL", _fmt(summary["heldout_greedy_accuracy_before"]))
             table.add_row("held-out greedy accuracy after RL", _fmt(summary["heldout_greedy_accuracy_after"]))

@@ -4,8 +4,9 @@
 
 ``launch`` resolves the config, gives the run its endpoints (``ipc://`` under
 a short temp dir), writes ``<run_dir>/config.yaml`` and starts, each as its
-own OS process: the orchestrator, the trainer, the samplers and the
-verifiers. It then serves heartbeats (PULL) and ``cascade-rl ctl`` requests
+own OS process: the orchestrator, the trainer, the samplers, the
+verifiers and, for MOPD, one teacher server per distinct teacher checkpoint
+(``teachers``: domain -> checkpoint). It then serves heartbeats (PULL) and ``cascade-rl ctl`` requests
 (REP) until the orchestrator exits: 0 ends the run, anything else fails it.
 A crashed worker other than the orchestrator is restarted with exponential
 backoff up to ``supervisor.max_restarts`` times.
@@ -40,7 +41,16 @@ MODULES = {
     "trainer": "cascade_rl.learner.trainer",
     "sampler": "cascade_rl.samplers.worker",
     "verifier": "cascade_rl.verifiers.worker",
+    "teacher": "cascade_rl.teachers.server",
 }
+
+
+def teacher_groups(teachers) -> dict[str, list[str]]:
+    """MOPD teachers by checkpoint: one teacher server per distinct checkpoint, serving its domains."""
+    by_path: dict[str, list[str]] = {}
+    for domain, path in sorted(teachers.items()):
+        by_path.setdefault(str(Path(path).resolve()), []).append(domain)
+    return by_path
 
 
 def _die_with_parent() -> None:
@@ -166,6 +176,10 @@ class Supervisor:
                 worker_id = role if role == "orchestrator" else f"{role}-{i}"
                 self.procs[worker_id] = Proc(role, worker_id)
                 self.spawn(self.procs[worker_id])
+        for i, (path, domains) in enumerate(teacher_groups(self.cfg.teachers).items()):
+            proc = Proc("teacher", f"teacher-{i}", args=["--model", path, "--domains", ",".join(domains)])
+            self.procs[proc.worker_id] = proc
+            self.spawn(proc)
 
     def watch(self) -> str:
         """Check every process once; returns 'running', 'done' or a failure reason."""

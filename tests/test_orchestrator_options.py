@@ -129,3 +129,94 @@ def test_a_group_domain_is_scored_as_one_request_when_the_group_is_complete(make
     assert req.domain == "test_group_len" and req.prompt == g.example.prompt
     assert set(o.workers[b"verifier-9"].assigned) == set(req.keys)
     verifier.close(0)
+
+
+@pytest.fixture
+def mopd(tiny_model, tmp_path):
+    """An MOPD orchestrator and a real teacher peer (a DEALER) on its ROUTER."""
+    import zmq
+
+    from cascade_rl.protocol.messages import Ready
+    from cascade_rl.protocol.sockets import send
+
+    o = Orchestrator(compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path}", "stage=mopd",
+                                      f"+teachers.math={tiny_model}",
+                                      f"+endpoints.orchestrator=ipc://{tmp_path}/orch-mopd"]))
+    teacher = zmq.Context.instance().socket(zmq.DEALER)
+    teacher.setsockopt(zmq.IDENTITY, b"teacher-9")
+    teacher.setsockopt(zmq.LINGER, 0)
+    teacher.connect(o.cfg.endpoints.orchestrator)
+    send(teacher, Ready("teacher-9", "teacher", slots=8, domains=["math"]))
+    o.pump(lambda: b"teacher-9" in o.workers, timeout_s=10)
+    yield o, teacher
+    teacher.close(0)
+    o.router.close(0)
+
+
+def arrived(o: Orchestrator, lengths: list[int]) -> Group:
+    """A training group whose rollouts (of these response lengths) have all arrived and are scored."""
+    g = o._new_group(o.train_pool[0], len(lengths), SamplingParams(), True)
+    o.prompt_queue.clear()
+    for i, n in enumerate(lengths):
+        g.rollouts[i] = Rollout(g.group_id, i, "math", g.prompt_ids, np.arange(5, 5 + n, dtype=np.int32),
+                                np.full(n, -0.5, np.float32), "stop")
+        g.scores[i] = Score(f"{g.group_id}/{i}/0", 0.0, True)
+    o.teacher_queue.append(g.group_id)
+    return g
+
+
+def test_mopd_sends_each_group_to_its_teacher_and_trains_on_the_replies(mopd):
+    from cascade_rl.protocol.messages import TeacherLogprobs, TeacherRequest
+    from cascade_rl.protocol.sockets import recv, send
+
+    o, teacher = mopd
+    g = arrived(o, [3, 1, 2, 4])
+    assert g.needs_teacher and not g.complete  # scored, but no teacher log-probs yet
+    o._dispatch_teachers()
+    assert teacher.poll(5000)
+    req = recv(teacher, (TeacherRequest,))
+    assert req.key == f"{g.group_id}/teacher/0" and req.domain == "math"
+    assert req.response_lens.tolist() == [3, 1, 2, 4] and len(req.response_ids) == 10
+    assert req.temperature == o.cfg.sampling.temperature and req.validate() == ""
+    logprobs = -np.arange(1, 11, dtype=np.float32) / 10
+    send(teacher, TeacherLogprobs(req.key, logprobs, worker_id="teacher-9"))
+    o.pump(lambda: g.complete, timeout_s=10)
+    assert not o.workers[b"teacher-9"].assigned and not o.teacher_deadlines
+    batch = o.build_batch(0, [g])
+    p = len(g.prompt_ids)
+    assert batch.teacher_logprobs[0, p:p + 3].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert batch.teacher_logprobs[3, p:p + 4].tolist() == pytest.approx([-0.7, -0.8, -0.9, -1.0])
+    assert batch.teacher_logprobs[~batch.response_mask].max() == 0.0 and batch.validate() == ""
+    # a late duplicate (an earlier attempt's reply) is dropped, not applied
+    send(teacher, TeacherLogprobs(req.key, logprobs * 2, worker_id="teacher-9"))
+    o.pump(lambda: o.books.duplicates_dropped == 1, timeout_s=10)
+    assert batch.teacher_logprobs[0, p] == pytest.approx(-0.1)
+
+
+def test_a_teacher_error_filters_the_group_with_its_reason_and_a_missed_deadline_asks_again(mopd):
+    from cascade_rl.protocol.messages import TeacherLogprobs, TeacherRequest
+    from cascade_rl.protocol.sockets import recv, send
+
+    o, teacher = mopd
+    g = arrived(o, [2, 2])
+    o._dispatch_teachers()
+    req = recv(teacher, (TeacherRequest,))
+    send(teacher, TeacherLogprobs(req.key, np.zeros(0, np.float32), ok=False, error="token id 999 outside the vocab"))
+    o.pump(lambda: g.complete, timeout_s=10)
+    assert o._filter_reason(g) == "teacher_error: token id 999 outside the vocab"
+    # wrong length: an error too, never a misaligned batch
+    g2 = arrived(o, [2, 2])
+    o._dispatch_teachers()
+    req = recv(teacher, (TeacherRequest,))
+    send(teacher, TeacherLogprobs(req.key, np.zeros(3, np.float32)))
+    o.pump(lambda: g2.complete, timeout_s=10)
+    assert o._filter_reason(g2) == "teacher_error: 3 log-probs for 4 tokens"
+    # a teacher that never answers: the request goes out again when its deadline passes
+    g3 = arrived(o, [1])
+    o._dispatch_teachers()
+    first = recv(teacher, (TeacherRequest,))
+    o.teacher_deadlines[first.key] = 0.0
+    o._enforce_deadlines()
+    o._dispatch_teachers()
+    assert teacher.poll(5000) and recv(teacher, (TeacherRequest,)).key == first.key
+    assert not g3.complete

@@ -1,0 +1,201 @@
+"""Cascade runner: RL stages one after another, every checkpoint evaluated per domain, MOPD teachers
+chosen from that record (DESIGN §7, the paper's Figure 2 pipeline).
+
+    cascade-rl cascade demo                        # configs/cascade/demo.yaml
+    cascade-rl cascade demo run_dir=runs/c2 eval.n=8
+    cascade-rl cascade my_cascade.yaml             # a file of the same form
+
+A cascade config names a starting checkpoint (the SFT model), a held-out set
+(a task mixture: every domain of the cascade, evaluated after every stage,
+not only the domains a stage trains) and the stages in order. Each stage is a
+``cascade-rl launch`` of a run preset plus a stage preset plus overrides,
+started from the previous stage's final checkpoint, in ``<run_dir>/<stage>``.
+After a stage, every checkpoint it saved is evaluated on each domain's
+held-out questions (learner/evaluate.py) and recorded in
+``<run_dir>/cascade.json``. A stage with ``teachers: best`` (MOPD) gets, per
+domain it trains, the recorded checkpoint with the best accuracy on that
+domain (the starting model included); ``teachers: {domain: path}`` pins them.
+
+Rerunning skips the stages the record marks done; a stage that was cut off
+resumes from its newest checkpoint. The report (report.md and PNG plots) is
+rewritten after every stage (supervisor/report.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from cascade_rl.learner import checkpoint
+from cascade_rl.learner.tasks import domains, load_task
+
+from .config import CONFIG_DIR, compose, validate
+
+
+@dataclass
+class EvalConfig:
+    task: str = "cascade"
+    """Held-out set: a task or mixture of learner/tasks.py; accuracy is recorded per domain."""
+    heldout_size: int = 64
+    """Held-out questions per task (the stages' data.heldout_size must be the same: the same questions)."""
+    train_size: int = 2000
+    """The RL split drawn before it (the stages' data.train_size): held-out questions are never trained on."""
+    n: int = 4
+    """Samples per question (avg@n)."""
+    temperature: float = 1.0
+    max_tokens: int = 96
+    seed: int = 0
+
+
+@dataclass
+class StageConfig:
+    name: str = ""
+    """Names the stage's directory under run_dir and its row in the record."""
+    run: str = ""
+    """Run preset (configs/run/NAME.yaml); empty: the cascade's ``run``."""
+    stage: str = ""
+    """Stage preset (configs/stage/NAME.yaml): what this stage of the paper changes."""
+    overrides: list[str] = field(default_factory=list)
+    """Launch overrides for this stage (after the cascade's ``overrides``)."""
+    teachers: Any = None
+    """MOPD: "best" (per domain, the recorded checkpoint with the best accuracy) or {domain: path}."""
+
+
+@dataclass
+class CascadeConfig:
+    run_dir: str = "runs/cascade"
+    model: str = "models/tiny-sft"
+    """The starting checkpoint (HF directory): version 0 of the first stage."""
+    run: str = ""
+    """Run preset every stage launches with, unless the stage names its own."""
+    overrides: list[str] = field(default_factory=list)
+    """Launch overrides of every stage."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    stages: list[StageConfig] = field(default_factory=list)
+    report: bool = True
+    """Write report.md and the PNG plots after every stage."""
+
+
+def load_config(name: str, overrides: list[str]) -> DictConfig:
+    """configs/cascade/NAME.yaml (or a YAML path) over the schema's defaults, then ``key=value`` overrides."""
+    path = Path(name)
+    if not path.is_file():
+        path = CONFIG_DIR / "cascade" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (CONFIG_DIR / "cascade").glob("*.yaml"))
+        raise SystemExit(f"no cascade config {name!r} (known: {known}, or a YAML path)")
+    cfg = OmegaConf.merge(OmegaConf.structured(CascadeConfig), OmegaConf.load(path),
+                          OmegaConf.from_dotlist(overrides))
+    names = [s.name for s in cfg.stages]
+    if not names or "" in names or len(set(names)) != len(names):
+        raise SystemExit(f"cascade {name}: stages need distinct, non-empty names (got {names})")
+    return cfg
+
+
+class Cascade:
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.record_path = self.run_dir / "cascade.json"
+        self.record = json.loads(self.record_path.read_text()) if self.record_path.exists() else {
+            "model": str(Path(cfg.model).resolve()), "stages": {}}
+        self.record["order"] = [s.name for s in cfg.stages]
+        e = cfg.eval
+        self.heldout = load_task(e.task, {"heldout": e.heldout_size, "rl": e.train_size}, seed=e.seed)["heldout"]
+
+    def run(self) -> int:
+        if "initial" not in self.record:
+            self.record["initial"] = self.evaluate(self.record["model"], step=0)
+            self.save()
+        model = self.record["model"]
+        for stage in self.cfg.stages:
+            done = self.record["stages"].get(stage.name, {})
+            if done.get("status") == "done" and Path(done["final"]).is_dir():
+                print(f"cascade: {stage.name} done earlier (final {done['final']}); skipping")
+                model = done["final"]
+                continue
+            rc = self.run_stage(stage, model)
+            if rc != 0:
+                self.record["stages"][stage.name] = {**self.record["stages"].get(stage.name, {}), "status": "failed",
+                                                     "rc": rc}
+                self.save()
+                print(f"cascade: stage {stage.name} failed (rc {rc}); rerun the same command to resume it")
+                return rc
+            model = self.record["stages"][stage.name]["final"]
+        print(f"cascade: done; record {self.record_path}")
+        return 0
+
+    def run_stage(self, stage: DictConfig, model: str) -> int:
+        from .launch import Supervisor
+
+        stage_dir = self.run_dir / stage.name
+        launch = self.stage_config(stage, model, stage_dir)
+        entry = {"status": "running", "run_dir": str(stage_dir), "model": model, "stage": stage.stage,
+                 "task": launch.data.task, "algorithm": launch.trainer.algorithm, "steps": launch.trainer.steps,
+                 "teachers": dict(launch.teachers)}
+        self.record["stages"][stage.name] = entry
+        self.save()
+        print(f"cascade: stage {stage.name} ({launch.trainer.algorithm} on {launch.data.task}, "
+              f"{launch.trainer.steps} steps) from {model}")
+        rc = Supervisor(launch).run()
+        if rc != 0:
+            return rc
+        ckpts = sorted((p for p in (stage_dir / "checkpoints").glob("step_*") if p.is_dir()),
+                       key=lambda p: int(p.name.removeprefix("step_")))
+        entry["checkpoints"] = [self.evaluate(str(p), int(p.name.removeprefix("step_"))) for p in ckpts]
+        final = checkpoint.latest(stage_dir / "checkpoints")
+        entry.update(status="done", final=str(final))
+        self.save()
+        return 0
+
+    def stage_config(self, stage: DictConfig, model: str, stage_dir: Path) -> DictConfig:
+        """The stage's launch config: run preset, stage preset, the cascade's and the stage's overrides."""
+        e = self.cfg.eval
+        overrides = [f"model.path={model}", f"run_dir={stage_dir}", f"data.eval_task={e.task}",
+                     f"data.heldout_size={e.heldout_size}", f"data.train_size={e.train_size}",
+                     *([f"stage={stage.stage}"] if stage.stage else []), *self.cfg.overrides, *stage.overrides]
+        if checkpoint.latest(stage_dir / "checkpoints") is not None:  # cut off earlier: continue it
+            overrides.append("resume=true")
+        launch = compose(stage.run or self.cfg.run or None, overrides, check=False)
+        if stage.teachers is not None:
+            launch.teachers = self.teachers(stage.teachers, domains(launch.data.task))
+        validate(launch)
+        return launch
+
+    def teachers(self, spec: Any, wanted: list[str]) -> dict[str, str]:
+        """Per domain, the checkpoint that teaches it: pinned, or the best recorded one ("best")."""
+        if spec != "best":
+            return {d: str(Path(p).resolve()) for d, p in dict(spec).items()}
+        candidates = [self.record["initial"]] + [c for name in self.record["order"]
+                                                  for c in self.record["stages"].get(name, {}).get("checkpoints", [])]
+        out = {}
+        for d in wanted:
+            scored = [c for c in candidates if d in c["domains"]]
+            if not scored:
+                raise ValueError(f"no recorded checkpoint has an accuracy for {d!r}; evaluate it (eval.task)")
+            best = max(scored, key=lambda c: c["domains"][d])  # the first of equals: the earliest checkpoint
+            out[d] = best["path"]
+        return out
+
+    def evaluate(self, path: str, step: int) -> dict:
+        from cascade_rl.learner.evaluate import evaluate_checkpoint
+
+        e = self.cfg.eval
+        result = evaluate_checkpoint(path, self.heldout, e.n, e.temperature, e.max_tokens, e.seed)
+        print(f"cascade: {path}: " + ", ".join(f"{d} {a:.3f}" for d, a in result["domains"].items()))
+        return {"path": str(Path(path).resolve()), "step": step, **result}
+
+    def save(self) -> None:
+        tmp = self.record_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.record, indent=2))
+        os.replace(tmp, self.record_path)
+        if self.cfg.report:
+            from .report import write_report
+
+            write_report(self.run_dir, self.record)

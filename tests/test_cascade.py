@@ -1,0 +1,130 @@
+"""The cascade runner (supervisor/cascade.py) and its report: a real two-stage cascade on the tiny model
+(GRPO, then MOPD with teacher servers chosen from the record), resumable, with the report and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from cascade_rl.supervisor.cascade import Cascade, load_config
+from cascade_rl.supervisor.report import write_report
+
+CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
+
+
+def tiny_cascade(tmp_path: Path, model: str) -> Path:
+    """Two stages of two steps: GRPO on instruction following, then MOPD over all four domains."""
+    path = tmp_path / "cascade.yaml"
+    path.write_text(f"""
+run_dir: {tmp_path / "run"}
+model: {model}
+run: tiny
+overrides: ["workers.verifier_domains=[math,mcqa,structured_output,instruction_following]", orchestrator.eval_n=0,
+            orchestrator.eval_greedy=false, trainer.steps=2, trainer.save_every=1, supervisor.progress=plain]
+eval: {{task: cascade, heldout_size: 4, train_size: 200, n: 2, max_tokens: 24}}
+stages:
+  # a random model scores 0 everywhere: dynamic filtering (the IF-RL preset's) would drop every group
+  - {{name: if_rl, stage: if_rl, overrides: [data.task=arithmetic_if, sampling.max_tokens=24,
+                                             orchestrator.dynamic_filtering=false]}}
+  - {{name: mopd, stage: mopd, teachers: best,
+      overrides: [data.task=cascade, sampling.max_tokens=24, trainer.steps=2, trainer.warmup_steps=1]}}
+""")
+    return path
+
+
+@pytest.mark.slow
+def test_cascade_runs_stages_records_every_checkpoint_and_distils_from_the_best(tiny_model, tmp_path):
+    config = tiny_cascade(tmp_path, tiny_model)
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
+    r = subprocess.run([*CLI, "cascade", str(config)], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    run_dir = tmp_path / "run"
+    record = json.loads((run_dir / "cascade.json").read_text())
+    assert record["order"] == ["if_rl", "mopd"]
+    domains = {"math", "mcqa", "structured_output", "instruction_following"}
+    assert set(record["initial"]["domains"]) == domains  # every domain evaluated, not only the trained ones
+    for name in record["order"]:
+        stage = record["stages"][name]
+        assert stage["status"] == "done"
+        assert [c["step"] for c in stage["checkpoints"]] == [1, 2]  # save_every=1: every checkpoint evaluated
+        assert all(set(c["domains"]) == domains for c in stage["checkpoints"])
+        summary = json.loads((Path(stage["run_dir"]) / "summary.json").read_text())
+        assert summary["books"]["lost"] == 0 and summary["books"]["trained"] > 0
+    # MOPD started from the first stage's final checkpoint, taught by the best checkpoint per domain
+    mopd = record["stages"]["mopd"]
+    assert mopd["model"] == record["stages"]["if_rl"]["final"]
+    candidates = [record["initial"], *record["stages"]["if_rl"]["checkpoints"]]
+    for domain in sorted(domains):
+        best = max(c["domains"][domain] for c in candidates)
+        chosen = next(c for c in candidates if c["path"] == mopd["teachers"][domain])
+        assert chosen["domains"][domain] == best
+    metrics = [json.loads(x) for x in (run_dir / "mopd" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "version" in m]
+    assert len(steps) == 2 and all("trainer/mopd/reverse_kl" in m for m in steps)
+    # the report: tables and two real PNGs
+    report = (run_dir / "report.md").read_text()
+    assert "## Accuracy after each stage" in report and "## Teachers of mopd" in report
+    assert "| if_rl |" in report and "| mopd |" in report
+    for png in ("accuracy.png", "training.png"):
+        assert matplotlib.image.imread(run_dir / png).shape[0] > 100
+
+    # a rerun skips the finished stages (the record says done) and changes nothing
+    r2 = subprocess.run([*CLI, "cascade", str(config)], capture_output=True, text=True, env=env, timeout=300)
+    assert r2.returncode == 0, r2.stdout[-2000:] + r2.stderr[-2000:]
+    assert r2.stdout.count("skipping") == 2
+    assert json.loads((run_dir / "cascade.json").read_text())["stages"] == record["stages"]
+
+
+def test_teachers_best_picks_each_domains_best_checkpoint_and_pins_explicit_ones(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"run_dir: {tmp_path / 'run'}\nmodel: {tmp_path}\neval: {{heldout_size: 2, train_size: 10}}\n"
+                    "stages: [{name: a}, {name: b}]\n")
+    cascade = Cascade(load_config(str(path), []))
+
+    def ev(path, step, **acc):
+        return {"path": path, "step": step, "domains": acc, "accuracy": sum(acc.values()) / len(acc)}
+
+    cascade.record.update(initial=ev("/sft", 0, math=0.5, mcqa=0.2),
+                          stages={"a": {"checkpoints": [ev("/a1", 1, math=0.7, mcqa=0.1), ev("/a2", 2, math=0.7,
+                                                                                              mcqa=0.3)]},
+                                  "b": {"checkpoints": [ev("/b1", 1, math=0.6, mcqa=0.3)]}})
+    # ties go to the earliest checkpoint: /a1 for math (0.7 twice), /a2 for mcqa (0.3 at a2 and b1)
+    assert cascade.teachers("best", ["math", "mcqa"]) == {"math": "/a1", "mcqa": "/a2"}
+    assert cascade.teachers({"math": str(tmp_path)}, ["math"]) == {"math": str(tmp_path.resolve())}
+    with pytest.raises(ValueError, match="no recorded checkpoint"):
+        cascade.teachers("best", ["code"])
+
+
+def test_load_config_refuses_unnamed_or_duplicate_stages(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("stages: [{name: a}, {name: a}]\n")
+    with pytest.raises(SystemExit, match="distinct"):
+        load_config(str(path), [])
+    with pytest.raises(SystemExit, match="no cascade config"):
+        load_config("no-such-cascade", [])
+
+
+def test_report_from_a_record(tmp_path):
+    stage_dir = tmp_path / "s1"
+    stage_dir.mkdir()
+    (stage_dir / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in [
+        {"step": 1, "version": 1, "reward_mean": 0.2}, {"step": 2, "version": 2, "reward_mean": 0.4}]) + "\n")
+    (stage_dir / "summary.json").write_text(json.dumps({"wall_s": 12.0, "books": {
+        "dispatched": 16, "trained": 16, "filtered": 0, "stale": 0, "lost": 0}}))
+    ev = {"n": 2, "temperature": 1.0, "questions": {"math": 4}, "seconds": 1.0}
+    record = {"model": "/sft", "order": ["s1"],
+              "initial": {"path": "/sft", "step": 0, "accuracy": 0.25, "domains": {"math": 0.25}, **ev},
+              "stages": {"s1": {"run_dir": str(stage_dir), "status": "done", "algorithm": "grpo", "task": "arithmetic",
+                                "steps": 2, "checkpoints": [
+                                    {"path": "/c2", "step": 2, "accuracy": 0.5, "domains": {"math": 0.5}, **ev}]}}}
+    report = write_report(tmp_path, record).read_text()
+    assert "| start (SFT) | 0.250 | 0.250 |" in report
+    assert "| s1 | 0.500 | 0.500 |" in report
+    assert "| s1 | grpo | arithmetic | 2 | done | 12 | 16 | 16 | 0 | 0 | 0 |" in report
+    assert matplotlib.image.imread(tmp_path / "accuracy.png").ndim == 3
