@@ -243,10 +243,29 @@ MIXES: dict[str, dict[str, float]] = {
 SPLITS = ("heldout", "rl", "sft")
 
 
+def mixture(name: str) -> dict[str, float] | None:
+    """The weights of a mixture: a name of ``MIXES``, or inline ``"task:weight+task:weight"`` (a weight
+    defaults to 1: ``"arithmetic:3+arithmetic_if"``); None for a single task's name."""
+    if name in MIXES:
+        return MIXES[name]
+    if "+" not in name and ":" not in name:
+        return None
+    weights = {}
+    for part in name.split("+"):
+        task, _, weight = part.strip().partition(":")
+        try:
+            weights[task] = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"mixture {name!r}: weight {weight!r} of {task!r} is not a number") from None
+    return weights
+
+
 def domains(name: str) -> list[str]:
     """The reward domains of a task or mixture, in member order."""
-    if name in MIXES:
-        return list(dict.fromkeys(TASKS[t].domain for t in MIXES[name]))
+    if (weights := mixture(name)) is not None:
+        if unknown := sorted(set(weights) - set(TASKS)):
+            raise KeyError(f"mixture members {unknown} are not tasks; known: {sorted(TASKS)}")
+        return list(dict.fromkeys(TASKS[t].domain for t in weights))
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; known: {sorted(TASKS)}, mixtures: {sorted(MIXES)}")
     return [TASKS[name].domain]
@@ -267,11 +286,12 @@ def load_task(name: str, sizes: Mapping[str, int], seed: int = 0, **params) -> d
     memorised SFT answers resurfacing. reasoning-gym seeds item i with
     ``seed + i`` (two seeds overlap), so one stream is drawn and each new
     distinct question fills the first split (in SPLITS order) that is not full.
-    A mixture name (``MIXES``) goes to ``load_mixture``; ``params`` (reasoning-gym's
+    A mixture (a name of ``MIXES``, or inline weights ``"arithmetic:3+arithmetic_if:1"``) goes to
+    ``load_mixture``; ``params`` (reasoning-gym's
     basic_arithmetic settings) go to every member.
     """
-    if name in MIXES:
-        return load_mixture(MIXES[name], sizes, seed, **params)
+    if (weights := mixture(name)) is not None:
+        return load_mixture(weights, sizes, seed, **params)
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; known: {sorted(TASKS)}, mixtures: {sorted(MIXES)}")
     task, wanted = TASKS[name], _wanted(sizes)

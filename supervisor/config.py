@@ -44,7 +44,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: str = "arithmetic"
-    """Prompt set: a task or a mixture of tasks (several domains) registered in learner/tasks.py."""
+    """Prompt set: a task or a mixture of tasks (several domains) of learner/tasks.py: a name of MIXES, or
+    inline weights "arithmetic:3+arithmetic_if:1" (the MOPD stage draws domains in these proportions)."""
     eval_task: str = ""
     """Held-out set evaluated (a task or mixture; empty: ``task``). A cascade stage evaluates every domain
     of the cascade, not only the ones it trains."""

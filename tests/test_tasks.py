@@ -238,3 +238,16 @@ def test_sft_trains_on_a_mixture(tiny_model, tmp_path):
     out = run_sft(SFTConfig(model=tiny_model, out=str(tmp_path / "sft"), task="cascade", sizes=sizes, steps=2,
                             batch_size=8))
     assert out["steps"] == 2 and (tmp_path / "sft" / "config.json").is_file()
+
+
+def test_inline_mixture_weights_set_the_proportions():
+    from cascade_rl.learner.tasks import domains, load_task
+
+    split = load_task("arithmetic:3+arithmetic_if", {"heldout": 4, "rl": 40}, seed=0)
+    assert [ex.domain for ex in split["rl"]].count("math") == 30
+    assert [ex.domain for ex in split["rl"]].count("instruction_following") == 10
+    assert domains("arithmetic:3+arithmetic_if") == ["math", "instruction_following"]
+    with pytest.raises(KeyError, match="not tasks"):
+        domains("arithmetic+nonsense:2")
+    with pytest.raises(ValueError, match="not a number"):
+        load_task("arithmetic:x", {"rl": 4})
