@@ -515,26 +515,35 @@ class Orchestrator:
         elif len(g.rollouts) == g.n and (g.group_id, -1) not in self.score_queue:
             self.score_queue.append((g.group_id, -1))
 
-    def _on_score(self, ident: bytes, s: Score) -> None:
+    def _reply(self, ident: bytes, key: str, deadlines: dict[str, float]) -> tuple[Group | None, str]:
+        """A reply to the score or teacher request ``key`` ("group/index/attempt"): frees the worker's slot
+        and the deadline. Its group and index if it answers the group's current attempt, else (None, "")
+        (a late reply to an attempt already re-dispatched, or a key that was never sent: dropped)."""
         w = self.workers.get(ident)
         if w is not None:
-            w.assigned.pop(s.key, None)
-        self.score_deadlines.pop(s.key, None)
-        group_id, index, attempt = s.key.rsplit("/", 2)
+            w.assigned.pop(key, None)
+        deadlines.pop(key, None)
+        group_id, index, attempt = (key.rsplit("/", 2) + ["", ""])[:3]
         g = self.groups.get(group_id)
-        if g is None or int(attempt) != g.attempt or int(index) in g.scores:
+        if g is None or not attempt.isdigit() or int(attempt) != g.attempt:
+            self.books.duplicates_dropped += 1
+            return None, ""
+        return g, index
+
+    def _on_score(self, ident: bytes, s: Score) -> None:
+        g, index = self._reply(ident, s.key, self.score_deadlines)
+        if g is None:
+            return
+        if not index.isdigit() or int(index) in g.scores:
             self.books.duplicates_dropped += 1
             return
         g.scores[int(index)] = s
 
     def _on_teacher(self, ident: bytes, t: TeacherLogprobs) -> None:
-        w = self.workers.get(ident)
-        if w is not None:
-            w.assigned.pop(t.key, None)
-        self.teacher_deadlines.pop(t.key, None)
-        group_id, _, attempt = t.key.rsplit("/", 2)
-        g = self.groups.get(group_id)
-        if g is None or not attempt.isdigit() or int(attempt) != g.attempt or g.teacher is not None:
+        g, _ = self._reply(ident, t.key, self.teacher_deadlines)
+        if g is None:
+            return
+        if g.teacher is not None:
             self.books.duplicates_dropped += 1
             return
         lens = [len(g.rollouts[i].response_ids) for i in range(g.n)]

@@ -139,7 +139,7 @@ def mopd(tiny_model, tmp_path):
     from cascade_rl.protocol.messages import Ready
     from cascade_rl.protocol.sockets import send
 
-    o = Orchestrator(compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path}", "stage=mopd",
+    o = Orchestrator(compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path}", "stage=mopd", "data.task=arithmetic",
                                       f"+teachers.math={tiny_model}",
                                       f"+endpoints.orchestrator=ipc://{tmp_path}/orch-mopd"]))
     teacher = zmq.Context.instance().socket(zmq.DEALER)
@@ -220,3 +220,18 @@ def test_a_teacher_error_filters_the_group_with_its_reason_and_a_missed_deadline
     o._dispatch_teachers()
     assert teacher.poll(5000) and recv(teacher, (TeacherRequest,)).key == first.key
     assert not g3.complete
+
+
+def test_replies_with_keys_never_sent_are_dropped_not_fatal(make):
+    from cascade_rl.protocol.messages import TeacherLogprobs
+
+    o = make()
+    g = group(o, [0.0, 0.0], ["stop", "stop"])
+    g.scores.clear()
+    o.groups[g.group_id] = g
+    for key in ("garbage", f"{g.group_id}/x/0", f"{g.group_id}/0/7", f"{g.group_id}/0", "a/b/c/d"):
+        o._on_score(b"verifier-0", Score(key, 1.0, True))
+    o._on_teacher(b"teacher-0", TeacherLogprobs("nope", np.zeros(1, np.float32)))
+    assert o.books.duplicates_dropped == 6 and not g.scores
+    o._on_score(b"verifier-0", Score(f"{g.group_id}/1/0", 1.0, True))  # the real key still lands
+    assert list(g.scores) == [1]
