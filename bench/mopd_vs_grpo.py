@@ -19,7 +19,8 @@ For each seed S (trainer.seed = orchestrator.seed = S; the held-out questions ar
    against without it (the multi-domain stage's final checkpoint, where the cascade would end).
 
 Writes bench/results/mopd_vs_grpo.json; the last stdout line is the summary JSON object.
-``--quick`` (``make bench``): one seed, 10 steps, evaluation every 5.
+``--quick`` (``make bench``): one seed (``make run``'s cascade when runs/demo has one), 10 steps, evaluation
+every 5.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def main() -> None:
     p.add_argument("--cascade", default="", help="a finished demo cascade to reuse for the first seed")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")][: 1 if a.quick else None]
+    if a.quick and not a.cascade and (ROOT / "runs" / "demo" / "cascade.json").is_file():
+        a.cascade = str(ROOT / "runs" / "demo")  # make run's cascade: the quick run only adds the comparison
     steps, every = (10, 5) if a.quick else (a.steps, a.eval_every)
     if not (ROOT / a.model / "config.json").is_file():
         raise SystemExit(f"{a.model} missing: make run builds it (make-tiny-model --task cascade, then sft)")

@@ -27,14 +27,7 @@ from cascade_rl.samplers.engine import GenerationRequest
 from cascade_rl.samplers.torch_engine import TorchEngine
 from cascade_rl.verifiers.registry import VERIFIERS
 
-from .tasks import Example
-
-
-def prompt_ids(tokenizer, ex: Example) -> np.ndarray:
-    """The prompt as the orchestrator sends it: the user turn, then the thinking-mode generation prompt."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}], add_generation_prompt=True,
-                                         tokenize=False)
-    return np.array(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
+from .tasks import Example, prompt_ids
 
 
 def evaluate_checkpoint(path: str, heldout: list[Example], n: int = 4, temperature: float = 1.0,
@@ -47,7 +40,7 @@ def evaluate_checkpoint(path: str, heldout: list[Example], n: int = 4, temperatu
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = TorchEngine(path)
-    requests = [GenerationRequest(f"q{i}", prompt_ids(tokenizer, ex), n, temperature, 1.0, max_tokens, [], seed + i)
+    requests = [GenerationRequest(f"q{i}", np.array(prompt_ids(tokenizer, ex), np.int32), n, temperature, 1.0, max_tokens, [], seed + i)
                 for i, ex in enumerate(heldout)]
     with torch.inference_mode():
         groups = engine.generate(requests)

@@ -54,7 +54,7 @@ from cascade_rl.protocol.worker_main import worker_start
 from cascade_rl.verifiers.registry import is_group_domain
 
 from . import checkpoint
-from .tasks import Example, load_task
+from .tasks import Example, load_task, prompt_ids
 
 log = logging.getLogger("orchestrator")
 INBOUND = (Ready, Rollout, Score, TeacherLogprobs, StepDone, WeightsReady)
@@ -412,9 +412,7 @@ class Orchestrator:
         self._seq += 1
         ids = self._prompt_ids.get(ex.prompt)
         if ids is None:  # every evaluation re-asks the same questions: tokenize each prompt once
-            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}],
-                                                        add_generation_prompt=True, tokenize=False)
-            ids = np.array(self.tokenizer(prompt, add_special_tokens=False)["input_ids"], np.int32)
+            ids = np.array(prompt_ids(self.tokenizer, ex), np.int32)
             self._prompt_ids[ex.prompt] = ids
         g = Group(f"{'t' if train else 'e'}{self._seq}", ex, ids, n, sampling, self.version, train,
                   needs_teacher=train and self.mopd)

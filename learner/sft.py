@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .losses import token_logprobs
-from .tasks import load_task
+from .tasks import load_task, prompt_ids
 
 
 @dataclasses.dataclass
@@ -53,9 +53,7 @@ def encode_examples(tokenizer, examples) -> list[tuple[list[int], int]]:
     """(token ids, prompt length) per example; the response ends with the end-of-turn token."""
     out = []
     for ex in examples:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}], add_generation_prompt=True,
-                                               tokenize=False)
-        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        p_ids = prompt_ids(tokenizer, ex)
         r_ids = tokenizer(ex.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         out.append((p_ids + r_ids, len(p_ids)))
     return out

@@ -90,6 +90,14 @@ class Problem:
         return random.Random(f"{seed}/{self.expression}")
 
 
+def prompt_ids(tokenizer, ex: Example) -> list[int]:
+    """The prompt as the policy sees it: the user turn in the model's chat template, then the generation
+    prompt (thinking mode: it ends in ``<think>\\n``). The orchestrator, SFT and evaluation all use this."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def _arithmetic_steps(expression: str) -> list[str]:
     """Left-to-right worked steps for a +/- expression: '7 + 5 - 3' -> ['7 + 5 = 12', '12 - 3 = 9']."""
     tokens = expression.split()
