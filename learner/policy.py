@@ -31,7 +31,16 @@ from torch import Tensor, nn
 from cascade_rl.protocol.registry import Registry
 
 from . import logprobs as torch_logprobs
-from .packing import VARLEN_KWARGS, pack, pack_lanes, pack_values, packed_forward, unpack
+from .packing import (
+    VARLEN_KWARGS,
+    pack,
+    pack_lanes,
+    pack_values,
+    packed_forward,
+    share_prefixes,
+    shared_prefix_hidden,
+    unpack,
+)
 
 # name -> fn(hidden [M, H], weight [V, H], targets [M], temperature, chunk_tokens, with_entropy)
 #         -> (logprob [M], entropy [M] | None)            (``trainer.logprob_impl``)
@@ -49,13 +58,15 @@ def triton_logprobs(*args, **kwargs):
 
 class Policy(nn.Module):
     def __init__(self, model: nn.Module, temperature: float = 1.0, chunk_tokens: int = 1024,
-                 pack: bool = True, pack_tokens: int = 8192, logprob_impl: str = "torch") -> None:
+                 pack: bool = True, pack_tokens: int = 8192, logprob_impl: str = "torch",
+                 share_prefix: bool = True) -> None:
         """``pack_tokens`` caps one packed sequence: with SDPA transformers builds a [T, T] mask for it
         (flash-attn varlen needs none), so a micro-batch runs as several packs of at most that size."""
         super().__init__()
         self.model = model
         self.temperature, self.chunk_tokens, self.pack, self.pack_tokens = temperature, chunk_tokens, pack, pack_tokens
         self.linear_logprobs = LOGPROB_IMPLS[logprob_impl]
+        self.share_prefix = share_prefix
 
     def forward(self, input_ids: Tensor, lengths: Tensor, target_mask: Tensor,
                 with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -69,7 +80,11 @@ class Policy(nn.Module):
         rows, cols = target_mask.nonzero(as_tuple=True)
         if self.pack and self.model.config._attn_implementation in VARLEN_KWARGS:
             return self._varlen(input_ids, lengths, target_mask, head, with_entropy)
-        if self.pack:  # rows bin-packed into lanes as wide as the longest: one pass, block-diagonal attention
+        shared = (share_prefixes(input_ids, lengths, target_mask) if self.pack and self.share_prefix
+                  and self.model.config._attn_implementation in ("sdpa", "eager") else None)
+        if shared is not None:  # each distinct prompt once, then the responses with its keys/values as the past
+            h = shared_prefix_hidden(self.model, shared, rows, cols)
+        elif self.pack:  # rows bin-packed into lanes as wide as the longest: one pass, block-diagonal attention
             lanes = pack_lanes(input_ids, lengths)  # lane tails hold token 0: never read, attend only themselves
             hidden = self.model.base_model(input_ids=lanes.input_ids, position_ids=lanes.position_ids,
                                            attention_mask=None, use_cache=False).last_hidden_state

@@ -163,9 +163,10 @@ def build(cfg, ranks: parallel.Ranks):
         ref_model = use_moe_impl(AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype]),
                                  cfg.model.moe_impl)
         reference = Policy(ref_model.requires_grad_(False).eval(), cfg.sampling.temperature,
-                           t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl)
+                           t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl, t.share_prefix)
     policy = parallel.parallelize(
-        Policy(model, cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl),
+        Policy(model, cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl,
+               t.share_prefix),
         ranks)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr_at(0, t), betas=tuple(t.betas),
                                   weight_decay=t.weight_decay)

@@ -116,6 +116,9 @@ class TrainerConfig:
     """Pack a micro-batch's rollouts into rows without padding (position ids restart per sequence)."""
     pack_tokens: int = 8192
     """Most tokens in one packed row (SDPA builds a [T, T] mask per pack; flash-attn varlen none)."""
+    share_prefix: bool = True
+    """With pack (SDPA, eager): run each group's prompt once and its responses on the prompt's keys and
+    values (learner/packing.py SharedPrefix); the same numbers, ~40 % less work at the demo's shape."""
     world_size: int = 1
     """Trainer ranks (torchrun; FSDP2 over gloo on CPU, NCCL on GPU)."""
     resume_from: str = ""

@@ -100,3 +100,57 @@ def test_triton_logprob_kernel_in_the_policy_matches_torch(tiny_dense_model):
                      model.model.layers[-1].mlp.down_proj.weight.grad.clone())
     for a, b in zip(out["torch"], out["triton"]):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def grouped_rows():
+    """GRPO-shaped rows: three prompts, each answered several times (response lengths 1 to 9), one row with
+    no target at all and one whose targets skip a token (a masked tool output)."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 300, (n,), generator=g) for n in (4, 6, 2)]
+    spec = [(0, 5), (0, 1), (0, 9), (1, 3), (1, 7), (1, 2), (1, 4), (2, 6), (2, 3)]
+    width = max(len(prompts[p]) + r for p, r in spec)
+    ids = torch.zeros(len(spec), width, dtype=torch.long)
+    target = torch.zeros(len(spec), width, dtype=torch.bool)
+    lengths = torch.tensor([len(prompts[p]) + r for p, r in spec])
+    for i, (p, r) in enumerate(spec):
+        n = len(prompts[p])
+        ids[i, :n] = prompts[p]
+        ids[i, n: n + r] = torch.randint(3, 300, (r,), generator=g)
+        target[i, n: n + r] = True
+    target[5] = False  # no targets: left out of the layout
+    target[4, len(prompts[1]) + 2] = False  # a gap in the targets
+    return ids, lengths, target
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_fixture", ["tiny_model", "tiny_dense_model"])
+def test_shared_prefix_layout_matches_full_logits_values_and_gradients(model_fixture, attn, request):
+    """Each prompt run once, its responses on its keys/values: the numbers (and gradients, through the shared
+    keys/values) of running every row in full."""
+    from cascade_rl.learner.packing import share_prefixes
+
+    path = request.getfixturevalue(model_fixture)
+    ids, lengths, target = grouped_rows()
+    layout = share_prefixes(ids, lengths, target)
+    assert layout is not None and layout.prefix_ids.shape[0] == 3
+    assert layout.prefix_ids.numel() + layout.lane_ids.numel() < int(lengths.sum())  # less work than the rows
+    ref_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn)
+    lp, ent = Policy(model, temperature=0.7, chunk_tokens=5)(ids, lengths, target, with_entropy=True)
+    ref_lp, ref_ent = naive(ref_model, ids, lengths, target, 0.7)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
+    ((lp * w).sum() + 0.3 * (ent * w).sum()).backward()
+    ((ref_lp * w).sum() + 0.3 * (ref_ent * w).sum()).backward()
+    ref_params = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is not None or ref_params[name].grad is not None:
+            torch.testing.assert_close(p.grad, ref_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_rows_without_a_shared_prompt_keep_the_one_pass_layout():
+    from cascade_rl.learner.packing import share_prefixes
+
+    ids, lengths, target = rows()  # five different prompts
+    assert share_prefixes(ids, lengths, target) is None
