@@ -53,7 +53,7 @@ def error_rollout(req: PromptRequest, worker_id: str, version: int, reason: str)
 
 
 class Sampler:
-    BATCH_WINDOW_S = 0.01
+    BATCH_WINDOW_S = 0.003
     def __init__(self, cfg, worker_id: str) -> None:
         self.worker_id = worker_id
         self.engine = ENGINES[cfg.workers.sampler_engine](cfg.model.path, dtype=cfg.model.dtype)

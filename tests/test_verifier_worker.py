@@ -27,7 +27,7 @@ def run(pool: Pool, reqs: list[ScoreRequest], limit_s: float = 20.0) -> dict[str
     pending, out = list(reqs), {}
     t_end = time.monotonic() + limit_s
     while len(out) < len(reqs) and time.monotonic() < t_end:
-        while pending and pool.idle:
+        while pending and pool.room:
             pool.submit(pending.pop(0))
         for s in pool.collect(0.02):
             out[s.key] = s
@@ -45,6 +45,26 @@ def test_a_hanging_verifier_is_killed_at_its_deadline_and_the_pool_goes_on(pool)
     assert time.monotonic() - t0 < 1.0 + 1.5  # within the deadline plus the kill and a poll
     assert out["m"].ok and out["m"].reward == 1.0
     assert run(pool, [req("again", "math")])["again"].reward == 1.0  # the replaced process serves
+
+
+def test_requests_queued_behind_a_hanging_one_go_to_its_replacement(pool):
+    """Both processes are fed several requests ahead; the ones behind a hang are neither lost nor failed."""
+    reqs = [req("h", "test_hang", deadline_s=1.0)] + [req(f"m{i}", "math") for i in range(9)]
+    out = run(pool, reqs)
+    assert len(out) == 10 and not out["h"].ok and "timeout" in out["h"].reason
+    assert all(out[f"m{i}"].ok and out[f"m{i}"].reward == 1.0 for i in range(9))
+
+
+def test_a_full_pool_refuses_more_than_its_room():
+    p = Pool(1, {}, PLUGINS, depth=2)
+    try:
+        p.submit(req("a", "math"))
+        p.submit(req("b", "math"))
+        assert p.room == 0
+        with pytest.raises(RuntimeError, match="full"):
+            p.submit(req("c", "math"))
+    finally:
+        p.close()
 
 
 def test_a_verifier_that_kills_its_process_or_raises_scores_zero_with_the_reason(pool):

@@ -5,8 +5,9 @@
 Serves the domains in ``workers.verifier_domains``; each domain is scored by the
 verifier registered under the domain's name, or the one named by ``--impl
 DOMAIN=NAME`` (what ``cascade-rl ctl swap verifier`` starts). Scoring runs in
-``workers.verifier_procs`` child processes, so CPU-bound checks use the cores and
-a verifier cannot take the worker down with it:
+``workers.verifier_procs`` child processes, each fed a few requests ahead (no
+round trip between two scores), so CPU-bound checks use the cores and a verifier
+cannot take the worker down with it:
 
 - a verifier that raises, or gets a domain it does not serve, yields
   ``Score(ok=False, reward=0)`` with the reason;
@@ -32,7 +33,9 @@ import collections
 import importlib
 import logging
 import multiprocessing as mp
+import queue
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection, wait
 
@@ -87,24 +90,37 @@ def load_plugins(modules: list[str]) -> None:
 
 
 def _child(conn: Connection, impls: dict[str, str], plugins: list[str], settings: dict) -> None:
-    """A pool process: requests in, scores out, until the pipe closes."""
+    """A pool process: requests in, scores out (one list per request, in order), until the pipe closes.
+
+    A reader thread takes requests off the pipe as they come, so the parent's sends never block on a
+    verifier that is busy (or hanging) with an earlier request."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     registry.SETTINGS.update(settings)
     load_plugins(plugins)
-    while True:
-        try:
-            req = conn.recv()
-        except EOFError:
-            return
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        while True:
+            try:
+                todo.put(conn.recv())
+            except (EOFError, OSError):
+                todo.put(None)
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    while (req := todo.get()) is not None:
         conn.send(score_group(req, impls) if isinstance(req, GroupScoreRequest) else [score_one(req, impls)])
 
 
 class Pool:
-    """``size`` scoring processes; a request past its deadline gets its process killed and replaced."""
+    """``size`` scoring processes, each holding up to ``depth`` requests (scored one after another, so the
+    next is already there when one finishes). A request's deadline runs from when its process starts on
+    it; past it, the process is killed and replaced, and the requests queued behind go to the new one."""
 
-    def __init__(self, size: int, impls: dict[str, str], plugins: list[str] = (), settings: dict | None = None) -> None:
+    def __init__(self, size: int, impls: dict[str, str], plugins: list[str] = (), settings: dict | None = None,
+                 depth: int = 8) -> None:
         self.ctx = mp.get_context("spawn")  # a fresh interpreter: no sockets or threads inherited
-        self.impls, self.plugins, self.settings = impls, list(plugins), dict(settings or {})
+        self.impls, self.plugins, self.settings, self.depth = impls, list(plugins), dict(settings or {}), depth
         self.slots: list[dict] = [self._spawn() for _ in range(max(1, size))]
 
     def _spawn(self) -> dict:
@@ -113,47 +129,72 @@ class Pool:
                                 daemon=True)
         proc.start()
         child.close()
-        return {"proc": proc, "conn": parent, "req": None, "deadline": 0.0, "t0": 0.0}
+        return {"proc": proc, "conn": parent, "queue": collections.deque(), "deadline": 0.0, "t0": 0.0}
 
     @property
     def idle(self) -> int:
-        return sum(s["req"] is None for s in self.slots)
+        """Processes with nothing to do."""
+        return sum(not s["queue"] for s in self.slots)
 
     @property
     def busy(self) -> int:
         return len(self.slots) - self.idle
 
+    @property
+    def room(self) -> int:
+        """Requests the pool takes now (``submit`` that many)."""
+        return sum(self.depth - len(s["queue"]) for s in self.slots)
+
     def submit(self, req: ScoreRequest | GroupScoreRequest) -> None:
-        slot = next(s for s in self.slots if s["req"] is None)
-        slot.update(req=req, t0=time.monotonic(), deadline=time.monotonic() + req.deadline_s)
+        slot = min(self.slots, key=lambda s: len(s["queue"]))
+        if len(slot["queue"]) >= self.depth:
+            raise RuntimeError("verifier pool is full: submit at most `room` requests")
+        slot["queue"].append(req)
+        if len(slot["queue"]) == 1:
+            self._start_head(slot)
         slot["conn"].send(req)
+
+    @staticmethod
+    def _start_head(slot: dict) -> None:
+        slot["t0"] = time.monotonic()
+        slot["deadline"] = slot["t0"] + slot["queue"][0].deadline_s
 
     def collect(self, timeout: float) -> list[Score]:
         """Scores finished within ``timeout``, plus failures for deadlines passed and processes lost."""
-        busy = {s["conn"]: s for s in self.slots if s["req"] is not None}
+        busy = {s["conn"]: s for s in self.slots if s["queue"]}
         out = []
         for conn in wait(list(busy), timeout) if busy else []:
             slot = busy[conn]
             try:
-                out.extend(conn.recv())
-                slot["req"] = None
+                while slot["queue"] and conn.poll():
+                    out.extend(conn.recv())
+                    slot["queue"].popleft()
+                    if slot["queue"]:
+                        self._start_head(slot)
             except (EOFError, OSError):
                 slot["proc"].join(timeout=1.0)  # reap it, for the exit code
                 out.extend(self._replace(slot, f"verifier process died (exit code {slot['proc'].exitcode})"))
         now = time.monotonic()
         for slot in self.slots:
-            if slot["req"] is not None and now > slot["deadline"]:
-                out.extend(self._replace(slot, f"timeout: no score within {slot['req'].deadline_s:g} s"))
+            if slot["queue"] and now > slot["deadline"]:
+                out.extend(self._replace(slot, f"timeout: no score within {slot['queue'][0].deadline_s:g} s"))
         if not busy:
             time.sleep(timeout)
         return out
 
     def _replace(self, slot: dict, reason: str) -> list[Score]:
-        req, t0 = slot["req"], slot["t0"]
+        """Kill the slot's process; its current request fails with ``reason``, the rest go to a new process."""
+        queued, t0 = slot["queue"], slot["t0"]
+        req = queued.popleft()
         slot["proc"].kill()
         slot["proc"].join()
         slot["conn"].close()
         slot.update(self._spawn())
+        for rest in queued:
+            slot["queue"].append(rest)
+            slot["conn"].send(rest)
+        if slot["queue"]:
+            self._start_head(slot)
         keys = req.keys if isinstance(req, GroupScoreRequest) else [req.key]
         log.warning("%s: %s", keys[0], reason)
         return [Score(k, 0.0, False, reason, time.monotonic() - t0) for k in keys]
@@ -199,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
                       expect=(ScoreRequest, GroupScoreRequest), status=lambda: state, heartbeat_s=cfg.supervisor.heartbeat_s).start()
     draining = []
     signal.signal(signal.SIGTERM, lambda *_: draining.append(time.monotonic()))
-    slots = 4 * len(pool.slots)  # requests held at once: the pool's plus a queue so it never idles
+    slots = 2 * pool.room  # requests held at once: the pool's plus as many queued here
     link.send(Ready(args.worker_id, "verifier", slots=slots, domains=domains))
 
     # --- loop: queue -> pool -> scores; drain and exit once asked and empty
@@ -207,12 +248,19 @@ def main(argv: list[str] | None = None) -> None:
     announced, last_request = False, time.monotonic()
     try:
         while True:
+            if not pending and not pool.busy:  # nothing to do: wait for requests (not for a fixed sleep)
+                try:
+                    pending.append(link.inbox.get(timeout=0.05))
+                    last_request = time.monotonic()
+                except queue.Empty:
+                    pass
             while not link.inbox.empty():
                 pending.append(link.inbox.get_nowait())
                 last_request = time.monotonic()
-            while pending and pool.idle:
+            while pending and pool.room:
                 pool.submit(pending.popleft())
-            for score in pool.collect(timeout=0.02):
+            # with room left, poll the inbox often: a request arriving now starts within a couple of ms
+            for score in pool.collect(timeout=0.002 if pool.room else 0.02):
                 score.worker_id = args.worker_id
                 counters["scored"] += 1
                 counters["failed"] += int(not score.ok)
