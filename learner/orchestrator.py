@@ -706,11 +706,13 @@ class Orchestrator:
     # ------------------------------------------------------------------ reporting
 
     def _log(self, metrics: dict) -> None:
+        metrics = {**metrics, "time": time.time()}  # wall clock: with max_staleness > 0 steps overlap, and
+        # the time between two lines is what a step costs
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         if self.tb is not None:
             for k, v in metrics.items():
-                if isinstance(v, (int, float)) and k != "step":
+                if isinstance(v, (int, float)) and k not in ("step", "time"):
                     self.tb.add_scalar(k, v, global_step=metrics.get("step", 0))
             self.tb.flush()
         self.status["last"] = {k: v for k, v in metrics.items()
