@@ -5,7 +5,7 @@ CLI := $(VENV)/bin/cascade-rl
 STAMP := $(VENV)/.installed-stamp
 RUN_DIR ?= runs/demo
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench bench-trl clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,12 +37,17 @@ run: install
 test: install
 	$(VENV)/bin/pytest -q
 
-# Every benchmark in quick mode (DESIGN §9); full figures: run a script without --quick.
+# Every benchmark in quick mode (DESIGN §9), one table at the end (bench/results/summary.md);
+# full figures: run a script without --quick, or bench/run_all.py without it.
 bench: install
-	for b in bench/[!_]*.py; do $(VENV)/bin/python $$b --quick | tail -1; done
+	$(VENV)/bin/python bench/run_all.py --quick
+
+# cascade-rl vs TRL's GRPOTrainer on the same setup, 3 alternating rounds (TRL in its own .venv-trl).
+bench-trl: install
+	$(VENV)/bin/python bench/vs_trl.py
 
 lint: install
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf models runs bench/results
+	rm -rf models runs bench/results .venv-trl
