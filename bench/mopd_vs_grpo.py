@@ -137,6 +137,11 @@ def main() -> None:
     summary = {
         "name": "mopd_vs_grpo",
         "metric": f"math held-out accuracy within {steps} steps from a regressed checkpoint (avg@4)",
+        # the table's columns (bench/run_all.py): MOPD's final math accuracy against GRPO's, no target
+        "value": spread([r["mopd"]["final_math"] for r in per_seed])["mean"],
+        "baseline": "GRPO from the same checkpoint",
+        "baseline_value": spread([r["grpo"]["final_math"] for r in per_seed])["mean"],
+        "ratio": None, "target": None, "pass": None,
         "seeds": seeds,
         "steps": steps,
         "eval_every": every,
