@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -114,6 +115,8 @@ class Run:
     finish: list[str]
     any_stop_strings: bool
     active: int = 0  # running slots: 0..active-1
+    left: list[int] = dataclasses.field(default_factory=list)  # rows of each request still running
+    finished: list[int] = dataclasses.field(default_factory=list)  # requests whose rows all finished this step
 
     @classmethod
     def start(cls, requests: list[GenerationRequest], n_slots: int, device) -> Run:
@@ -122,7 +125,7 @@ class Run:
         return cls(requests, row_request, deque(range(n)), Slots.empty(n_slots, device),
                    torch.zeros((n, width), dtype=torch.long, device=device),
                    torch.zeros((n, width), dtype=torch.float32, device=device), [0] * n, ["length"] * n,
-                   any(r.stop for r in requests))
+                   any(r.stop for r in requests), left=[r.n for r in requests])
 
 
 @register_engine("torch")
@@ -163,8 +166,13 @@ class TorchEngine:
         self.model.load_hf_state_dict(load_file(path, device=str(self.device)))
         self.version = version
 
+    streams_groups = True  # generate(..., on_done=) reports each request as soon as its rows are done
+
     @torch.inference_mode()
-    def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+    def generate(self, requests: list[GenerationRequest],
+                 on_done: Callable[[int, list[Sample]], None] | None = None) -> list[list[Sample]]:
+        """``n`` samples for each request, in request order; ``on_done(i, samples)`` is called as soon as
+        request i's rows have all finished (the caller can pass them on while the others still run)."""
         if not requests:
             return []
         for r in requests:
@@ -185,6 +193,10 @@ class TorchEngine:
             done = self._record(run, tokens, logps)
             if bool(done.any()):
                 self._retire(run, done)
+                if on_done is not None:
+                    for i in run.finished:
+                        on_done(i, self._request_samples(run, i))
+                run.finished.clear()
             logits = self._decode(run) if run.active else logits[:0]
         return self._samples(run)
 
@@ -244,6 +256,10 @@ class TorchEngine:
         done = stopped | (n >= s.max_tokens[:b])
         for r, length, stop in zip(rows[done].tolist(), n[done].tolist(), stopped[done].tolist()):
             run.length[r], run.finish[r] = length, "stop" if stop else "length"
+            i = run.row_request[r]
+            run.left[i] -= 1
+            if run.left[i] == 0:
+                run.finished.append(i)
         return done
 
     def _stop_strings(self, run: Run) -> Tensor:
@@ -288,6 +304,14 @@ class TorchEngine:
         length = min(-(-length // 128) * 128, self.max_context)
         self.cache = None  # free the old one first
         self.cache = KVCache(self.model.args, slots, length, self.dtype, self.device)
+
+    def _request_samples(self, run: Run, i: int) -> list[Sample]:
+        first = sum(r.n for r in run.requests[:i])
+        rows = range(first, first + run.requests[i].n)
+        tokens = run.tokens[first: first + len(rows)].to(torch.int32).cpu().numpy()
+        logps = run.logps[first: first + len(rows)].cpu().numpy()
+        return [Sample(tokens[k, : run.length[r]].copy(), logps[k, : run.length[r]].copy(), run.finish[r])
+                for k, r in enumerate(rows)]
 
     def _samples(self, run: Run) -> list[list[Sample]]:
         tokens, logps = run.tokens.to(torch.int32).cpu().numpy(), run.logps.cpu().numpy()

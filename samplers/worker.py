@@ -67,6 +67,7 @@ class Sampler:
                                heartbeat_s=cfg.supervisor.heartbeat_s)
         self.slots = cfg.workers.sampler_slots
         self.delay_s = cfg.workers.sampler_delay_s
+        self.stream_groups = cfg.workers.sampler_stream_groups
         self.run_id = cfg.run_id  # names the folder that streamed weights land in
 
     def status(self) -> dict:
@@ -141,24 +142,36 @@ class Sampler:
             return
         self.state = "generating"
         t0 = time.perf_counter()
+        sent: set[int] = set()
+
+        def send(i: int, samples: list) -> None:
+            """Request i's rollouts to the orchestrator: from inside generate as soon as they are done (engines
+            that stream groups), so scoring overlaps the rest of the batch; else after it."""
+            req, t_gen = good[i], time.perf_counter() - t0
+            for k, s in enumerate(samples):
+                self.link.send(Rollout(req.group_id, k, req.domain, req.prompt_ids, s.response_ids, s.logprobs,
+                                       s.finish_reason, self.engine.version, self.worker_id, t_gen, req.attempt))
+                self.counters["rollouts"] += 1
+                self.counters["tokens"] += len(s.response_ids)
+            sent.add(i)
+
+        streams = self.stream_groups and getattr(self.engine, "streams_groups", False) and not self.delay_s
         try:
-            groups = self.engine.generate([to_generation(r) for r in good])
+            requests = [to_generation(r) for r in good]
+            groups = self.engine.generate(requests, on_done=send) if streams else self.engine.generate(requests)
         except Exception as e:  # an engine failure fails these requests, not the worker
             log.exception("generation failed")
-            for req in good:
-                self.link.send(error_rollout(req, self.worker_id, self.engine.version, f"engine error: {e}"))
+            for i, req in enumerate(good):
+                if i not in sent:
+                    self.link.send(error_rollout(req, self.worker_id, self.engine.version, f"engine error: {e}"))
             self.state = "idle"
             return
         if self.delay_s:
             time.sleep(self.delay_s)  # benchmarks: a slower sampler (workers.sampler_delay_s)
-        t_gen = time.perf_counter() - t0
-        self.counters["gen_s"] += t_gen
-        for req, samples in zip(good, groups):
-            for i, s in enumerate(samples):
-                self.link.send(Rollout(req.group_id, i, req.domain, req.prompt_ids, s.response_ids, s.logprobs,
-                                       s.finish_reason, self.engine.version, self.worker_id, t_gen, req.attempt))
-                self.counters["rollouts"] += 1
-                self.counters["tokens"] += len(s.response_ids)
+        self.counters["gen_s"] += time.perf_counter() - t0
+        for i, samples in enumerate(groups):
+            if i not in sent:
+                send(i, samples)
         self.state = "idle"
 
 

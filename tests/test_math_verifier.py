@@ -122,3 +122,15 @@ def test_works_outside_the_main_thread():
     with ThreadPoolExecutor(max_workers=4) as pool:
         scores = list(pool.map(lambda c: score_math(*c), cases))
     assert scores == [1.0, 0.0] * 4
+
+
+def test_verdicts_are_remembered_per_answer_and_reference():
+    """A group's responses mostly box the same answers: the second time, math-verify is not run again."""
+    from cascade_rl.verifiers.math import _equivalent
+
+    before = _equivalent.cache_info()
+    first = [score_math(f"</think>\n\n\\boxed{{{a}}}", "-7") for a in ("-7", "-7.0", "7", "-7")]
+    again = [score_math(f"work\n</think>\n\\boxed{{{a}}}", "-7") for a in ("-7", "-7.0", "7")]
+    assert first == [1.0, 1.0, 0.0, 1.0] and again == [1.0, 1.0, 0.0]
+    after = _equivalent.cache_info()
+    assert after.hits - before.hits >= 4 and after.misses - before.misses <= 3

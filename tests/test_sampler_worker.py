@@ -24,9 +24,10 @@ from cascade_rl.supervisor.config import compose
 EXPECT = (Ready, Rollout)
 
 
-@pytest.fixture
-def worker(tiny_model, tmp_path):
-    cfg = compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path}"])
+@pytest.fixture(params=[False, True], ids=["whole-batch", "streamed-groups"])
+def worker(tiny_model, tmp_path, request):
+    cfg = compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path}",
+                           f"workers.sampler_stream_groups={str(request.param).lower()}"])
     cfg.endpoints = {"orchestrator": f"ipc://{tmp_path}/orch"}
     config = tmp_path / "config.yaml"
     config.write_text(OmegaConf.to_yaml(cfg))

@@ -264,3 +264,20 @@ def test_generate_refuses_a_bad_request(tiny_model):
     engine = TorchEngine(tiny_model)
     with pytest.raises(ValueError, match="top_p"):
         engine.generate([request(engine, QUESTIONS[0], top_p=0.0)])
+
+
+def test_each_request_is_reported_as_soon_as_its_rows_are_done(tiny_model):
+    """on_done(i, samples) fires once per request, when its last row finishes (a short request before a
+    long one), with exactly the samples generate returns."""
+    engine = TorchEngine(tiny_model, ignore_eos=True)  # rows run to max_tokens: a known finishing order
+    seen = []
+    groups = engine.generate([request(engine, QUESTIONS[0], n=2, max_tokens=12),
+                              request(engine, QUESTIONS[1], n=3, max_tokens=4),
+                              request(engine, QUESTIONS[2], n=1, max_tokens=8)],
+                             on_done=lambda i, samples: seen.append((i, samples)))
+    assert [i for i, _ in seen] == [1, 2, 0]
+    for i, samples in seen:
+        assert len(samples) == len(groups[i])
+        for a, b in zip(samples, groups[i]):
+            assert np.array_equal(a.response_ids, b.response_ids) and np.array_equal(a.logprobs, b.logprobs)
+            assert a.finish_reason == b.finish_reason == "length"

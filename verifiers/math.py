@@ -15,6 +15,7 @@ Run the checks with ``pytest tests/test_math_verifier.py``.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 from math_verify import parse, verify
@@ -69,13 +70,21 @@ def score_math(response: str, reference: str) -> float:
     # elsewhere (e.g. a verifier thread pool) run without its timeout instead of failing.
     timeout = _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     try:
-        gold = parse(f"${reference}$", parsing_timeout=timeout)
-        if not gold:
-            # A reference that is not LaTeX-parsable inside $...$ (e.g. already boxed text).
-            gold = parse(reference, parsing_timeout=timeout)
-        answer = parse(f"{_BOXED}{content}}}", parsing_timeout=timeout)
-        if not gold or not answer:
-            return 0.0
-        return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
+        return _equivalent(content, reference, timeout)
     except (Exception, TimeoutException):  # TimeoutException derives from BaseException
         return 0.0
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _equivalent(content: str, reference: str, timeout: int | None) -> float:
+    """math-verify's verdict on a boxed answer against the reference, remembered: the G responses of a group
+    mostly box the same few answers, and parsing them with sympy is most of a score's time. An exception
+    (a timeout, a parse error) is not remembered; score_math turns it into 0."""
+    gold = parse(f"${reference}$", parsing_timeout=timeout)
+    if not gold:
+        # A reference that is not LaTeX-parsable inside $...$ (e.g. already boxed text).
+        gold = parse(reference, parsing_timeout=timeout)
+    answer = parse(f"{_BOXED}{content}}}", parsing_timeout=timeout)
+    if not gold or not answer:
+        return 0.0
+    return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
