@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -118,7 +119,8 @@ class TreeMemory:
     def peak_rss_mb(self) -> float:
         return sum(self.peaks.values()) / 1024
 
-    def _tree(self) -> list[int]:
+    def tree(self) -> list[int]:
+        """The process and its descendants, parents first."""
         pids, i = [self.pid], 0
         while i < len(pids):
             try:
@@ -132,7 +134,7 @@ class TreeMemory:
 
     def _poll(self) -> None:
         while not self._stop.is_set():
-            for pid in self._tree():
+            for pid in self.tree():
                 try:
                     with open(f"/proc/{pid}/status") as f:
                         hwm = next((int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")), 0)
@@ -149,8 +151,18 @@ class TreeMemory:
 def run_tree(cmd: list[str], env: dict | None = None, timeout: float = 1800) -> tuple[str, TreeMemory]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     mem = TreeMemory(proc.pid)
-    out, _ = proc.communicate(timeout=timeout)
-    mem.stop()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in reversed(mem.tree()):  # the workers run in sessions of their own: kill the whole tree
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        out, _ = proc.communicate()
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... ran past {timeout} s:\n{out[-3000:]}") from None
+    finally:
+        mem.stop()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{out[-3000:]}")
     return out, mem

@@ -252,13 +252,13 @@ def share_prefixes(input_ids: Tensor, lengths: Tensor, target_mask: Tensor, pad_
     n = input_ids.shape[0]
     has = target_mask.any(dim=1)
     start = torch.where(has, target_mask.int().argmax(dim=1), 0)
-    ids, sizes, starts = input_ids.tolist(), lengths.tolist(), start.tolist()
+    sizes, starts, with_targets = lengths.tolist(), start.tolist(), has.tolist()
     keyed: dict[tuple, int] = {}
     row_prefix = [0] * n
     for i in range(n):
-        if has[i]:
-            row_prefix[i] = keyed.setdefault(tuple(ids[i][: starts[i]]), len(keyed))
-    if len(keyed) == int(has.sum()):
+        if with_targets[i]:  # only the prefix goes to Python, never the (long) responses
+            row_prefix[i] = keyed.setdefault(tuple(input_ids[i, : starts[i]].tolist()), len(keyed))
+    if len(keyed) == sum(with_targets):
         return None
     device = input_ids.device
     prefixes = list(keyed)
@@ -270,10 +270,10 @@ def share_prefixes(input_ids: Tensor, lengths: Tensor, target_mask: Tensor, pad_
 
     # suffixes first-fit decreasing into lanes as wide as the longest, one prefix per lane
     suffix = [sizes[i] - starts[i] for i in range(n)]
-    width = max(suffix[i] for i in range(n) if has[i])
+    width = max(suffix[i] for i in range(n) if with_targets[i])
     lanes: list[tuple[int, int]] = []  # (prefix, room left)
     row_lane, row_offset = [0] * n, [0] * n
-    for i in sorted((i for i in range(n) if has[i]), key=lambda r: (row_prefix[r], -suffix[r])):
+    for i in sorted((i for i in range(n) if with_targets[i]), key=lambda r: (row_prefix[r], -suffix[r])):
         u = row_prefix[i]
         k = next((j for j in range(len(lanes) - 1, -1, -1) if lanes[j][0] == u and lanes[j][1] >= suffix[i]), None)
         if k is None:
@@ -285,7 +285,7 @@ def share_prefixes(input_ids: Tensor, lengths: Tensor, target_mask: Tensor, pad_
     lane_pos = torch.zeros((len(lanes), width), dtype=torch.long)
     segment = -1 - torch.arange(width).repeat(len(lanes), 1)  # free tail: each position its own segment
     for i in range(n):
-        if has[i]:
+        if with_targets[i]:
             k, o, s = row_lane[i], row_offset[i], suffix[i]
             lane_ids[k, o: o + s] = input_ids[i, starts[i]: sizes[i]]
             lane_pos[k, o: o + s] = torch.arange(starts[i], sizes[i])
