@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -37,6 +36,8 @@ import threading
 import time
 from importlib import metadata
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine  # noqa: E402
@@ -84,19 +85,19 @@ def model_dir() -> Path:
 
 
 def write_prompts(model: Path, steps: int, path: Path) -> None:
-    """The prompts of cascade-rl's first ``steps`` steps, in the order its orchestrator draws them
-    (``Orchestrator._next_example``: uniform with replacement from the RL split, ``random.Random(seed)``)."""
+    """The prompts of cascade-rl's first ``steps`` steps, in the order its orchestrator draws them."""
     from transformers import AutoTokenizer
 
+    from cascade_rl.learner.orchestrator import draw_examples
     from cascade_rl.learner.tasks import load_task, prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     pool = load_task(SETUP["task"], {"heldout": SETUP["heldout_size"], "rl": SETUP["train_size"]},
                      seed=SETUP["seed"])["rl"]
-    rng = random.Random(SETUP["seed"])
+    draws = draw_examples(pool, SETUP["seed"])
     with open(path, "w") as f:
         for _ in range(steps * SETUP["prompts_per_step"]):
-            ex = pool[rng.randrange(len(pool))]
+            ex = next(draws)
             f.write(json.dumps({"question": ex.prompt, "answer": ex.answer,
                                 "prompt_ids": prompt_ids(tokenizer, ex)}) + "\n")
 
@@ -121,16 +122,10 @@ class TreeMemory:
 
     def tree(self) -> list[int]:
         """The process and its descendants, parents first."""
-        pids, i = [self.pid], 0
-        while i < len(pids):
-            try:
-                for task in os.listdir(f"/proc/{pids[i]}/task"):
-                    with open(f"/proc/{pids[i]}/task/{task}/children") as f:
-                        pids += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
-            i += 1
-        return pids
+        try:
+            return [self.pid] + [c.pid for c in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.Error:
+            return [self.pid]
 
     def _poll(self) -> None:
         while not self._stop.is_set():

@@ -26,7 +26,7 @@ import os
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +132,14 @@ class Books:
         }
 
 
+
+def draw_examples(pool: list[Example], seed: int) -> Iterator[Example]:
+    """The RL prompts in the order the orchestrator trains on them: uniform, with replacement, from ``seed``
+    (bench/vs_trl.py hands TRL the same sequence)."""
+    rng = random.Random(seed)
+    while True:
+        yield pool[rng.randrange(len(pool))]
+
 class Orchestrator:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
@@ -142,7 +150,7 @@ class Orchestrator:
         self.train_pool = load_task(d.task, sizes, seed=d.seed)["rl"]
         self.heldout = load_task(d.eval_task or d.task, sizes, seed=d.seed)["heldout"]
         self.mopd = cfg.trainer.algorithm == "mopd"
-        self.rng = random.Random(cfg.orchestrator.seed)
+        self.draws = draw_examples(self.train_pool, cfg.orchestrator.seed)
         self.examples_drawn = 0  # the data cursor: resuming replays this many draws
         self.ctx = zmq.Context.instance()
         self.router = bind_router(self.ctx, cfg.endpoints.orchestrator)
@@ -402,7 +410,7 @@ class Orchestrator:
 
     def _next_example(self) -> Example:
         self.examples_drawn += 1
-        return self.train_pool[self.rng.randrange(len(self.train_pool))]
+        return next(self.draws)
 
     def _train_sampling(self) -> SamplingParams:
         s = self.cfg.sampling

@@ -314,14 +314,7 @@ class TorchEngine:
                 for k, r in enumerate(rows)]
 
     def _samples(self, run: Run) -> list[list[Sample]]:
-        tokens, logps = run.tokens.to(torch.int32).cpu().numpy(), run.logps.cpu().numpy()
-        samples = [Sample(tokens[r, :n].copy(), logps[r, :n].copy(), f)
-                   for r, (n, f) in enumerate(zip(run.length, run.finish))]
-        grouped, start = [], 0
-        for r in run.requests:
-            grouped.append(samples[start : start + r.n])
-            start += r.n
-        return grouped
+        return [self._request_samples(run, i) for i in range(len(run.requests))]
 
 
 def eos_token_ids(model_path: str, tokenizer) -> list[int]:
