@@ -123,6 +123,43 @@ def extract_program(response: str) -> str | None:
     return text
 
 
+def check_metadata(metadata: dict[str, Any]) -> tuple[float, int]:
+    """``(timeout_s, memory_mb)`` of a problem's metadata (forms in :func:`score_code`); raises ValueError when it
+    is malformed. The verifier and the row check of domain code (verifiers/registry.py) both call this."""
+    limits = []
+    for key, kind, default in (("timeout_s", float, DEFAULT_TIMEOUT_S), ("memory_mb", int, DEFAULT_MEMORY_MB)):
+        value = metadata.get(key, default)
+        try:
+            limits.append(kind(value))
+        except (TypeError, ValueError):
+            limits.append(-1)
+        if isinstance(value, bool) or not limits[-1] > 0:
+            raise ValueError(f"metadata['{key}'] must be a positive number, got {value!r:.40}")
+    timeout_s, memory_mb = limits
+    if "tests" in metadata:
+        tests = metadata["tests"]
+        if not isinstance(tests, list) or not tests or not all(
+                isinstance(t, dict) and isinstance(t.get("input"), str) and isinstance(t.get("output"), str)
+                for t in tests):
+            raise ValueError("metadata['tests'] must be a non-empty list of {'input': str, 'output': str} dicts")
+    elif "humaneval" in metadata:
+        spec = metadata["humaneval"]
+        if not isinstance(spec, dict) or not {"test", "entry_point"} <= set(spec):
+            raise ValueError("metadata['humaneval'] needs 'test' and 'entry_point'")
+        if not isinstance(spec["test"], str) or not isinstance(spec.get("prompt", ""), str):
+            raise ValueError("metadata['humaneval']: 'test' and 'prompt' must be strings (Python source)")
+        if not isinstance(spec["entry_point"], str) or not spec["entry_point"].isidentifier():
+            raise ValueError(f"metadata['humaneval']['entry_point'] must be a function name, "
+                             f"got {spec['entry_point']!r:.80}")
+        try:
+            compile(spec["test"], "<humaneval test>", "exec")  # parsed only, not run: a broken test fails every program
+        except (SyntaxError, ValueError) as e:
+            raise ValueError(f"metadata['humaneval']['test'] is not valid Python: {e}") from None
+    else:
+        raise ValueError("code metadata needs 'tests' (stdin/stdout cases) or 'humaneval' (test, entry_point)")
+    return timeout_s, memory_mb
+
+
 def score_code(response: str, reference: str, metadata: dict[str, Any]) -> float:
     """1.0 if the program in ``response`` passes all of the problem's tests, else 0.0.
 
@@ -134,20 +171,8 @@ def score_code(response: str, reference: str, metadata: dict[str, Any]) -> float
     and optionally ``"timeout_s"`` (per run) and ``"memory_mb"``. Malformed metadata raises
     ValueError and a broken sandbox SandboxError (the worker reports both; neither is a 0).
     """
-    timeout_s = float(metadata.get("timeout_s", DEFAULT_TIMEOUT_S))
-    memory_mb = int(metadata.get("memory_mb", DEFAULT_MEMORY_MB))
-    if "tests" in metadata:
-        tests = metadata["tests"]
-        if not isinstance(tests, list) or not tests or not all(
-                isinstance(t, dict) and isinstance(t.get("input"), str) and isinstance(t.get("output"), str)
-                for t in tests):
-            raise ValueError("metadata['tests'] must be a non-empty list of {'input': str, 'output': str} dicts")
-    elif "humaneval" in metadata:
-        spec = metadata["humaneval"]
-        if not {"test", "entry_point"} <= set(spec):
-            raise ValueError("metadata['humaneval'] needs 'test' and 'entry_point'")
-    else:
-        raise ValueError("code metadata needs 'tests' (stdin/stdout cases) or 'humaneval' (test, entry_point)")
+    timeout_s, memory_mb = check_metadata(metadata)
+    tests, spec = metadata.get("tests"), metadata.get("humaneval")
     code = extract_program(response)
     if code is None or not code.strip():
         return 0.0

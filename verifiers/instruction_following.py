@@ -334,10 +334,12 @@ def loose_variants(text: str) -> list[str]:
 
 def _checks(instruction_ids: Sequence[str], kwargs_list: KwargsList) -> list[Callable[[str], bool]]:
     if len(instruction_ids) != len(kwargs_list):
-        raise ValueError(f"{len(instruction_ids)} instruction ids but {len(kwargs_list)} kwargs")
+        raise ValueError(f"{len(instruction_ids)} instruction ids but {len(kwargs_list)} kwargs (one dict or null per id)")
     checks = []
     for iid, kwargs in zip(instruction_ids, kwargs_list):
-        check = INSTRUCTIONS[iid]  # KeyError naming the known ids for an unknown one
+        if iid not in INSTRUCTIONS:
+            raise KeyError(f"unknown instruction id {iid!r} (not one of IFEval's {len(INSTRUCTIONS)})")
+        check = INSTRUCTIONS[iid]
         kw = {k: v for k, v in (kwargs or {}).items() if v is not None}
         try:
             inspect.signature(check).bind("", **kw)
@@ -345,6 +347,37 @@ def _checks(instruction_ids: Sequence[str], kwargs_list: KwargsList) -> list[Cal
             raise TypeError(f"{iid}: {e}") from None  # a missing or unknown kwarg: a data bug
         checks.append(functools.partial(check, **kw))
     return checks
+
+
+def metadata_checks(metadata: dict[str, Any]) -> list[Callable[[str], bool]]:
+    """The checks a row's ``instruction_id_list`` and ``kwargs`` ask for. Raises on malformed metadata:
+    KeyError for an unknown id, TypeError for a missing or unknown kwarg, ValueError otherwise."""
+    ids, kwargs = metadata.get("instruction_id_list"), metadata.get("kwargs")
+    if not isinstance(ids, list | tuple) or not all(isinstance(i, str) for i in ids):
+        raise ValueError(f"metadata.instruction_id_list must be a list of IFEval instruction ids, got {ids!r:.80}")
+    if not isinstance(kwargs, list | tuple) or not all(k is None or isinstance(k, dict) for k in kwargs):
+        raise ValueError(f"metadata.kwargs must be a list of dicts (one per instruction id), got {kwargs!r:.80}")
+    return _checks(ids, kwargs)
+
+
+PROBE_TEXT = "A probe. It has two sentences, and [one] placeholder."
+
+
+def validate_metadata(metadata: dict[str, Any]) -> None:
+    """Raise ValueError naming the problem if the verifier would reject ``metadata``: ``metadata_checks``,
+    then each check run once on ``PROBE_TEXT`` (catches values only a check reads: an unknown relation, a
+    letter that is not one, a keyword that is no regular expression ...). The row check of the domain."""
+    try:
+        checks = metadata_checks(metadata)
+    except (KeyError, TypeError) as e:
+        raise ValueError(e.args[0] if e.args and isinstance(e.args[0], str) else str(e)) from None
+    for iid, check in zip(metadata["instruction_id_list"], checks):
+        try:
+            check(PROBE_TEXT)
+        except ValueError as e:
+            raise ValueError(f"{iid}: {e}") from None
+        except Exception as e:
+            raise ValueError(f"{iid}: {type(e).__name__}: {e}") from None
 
 
 def _follows(check: Callable[[str], bool], text: str) -> bool:
@@ -383,7 +416,7 @@ def check_instructions(text: str, instruction_ids: Sequence[str], kwargs_list: K
 
 def score_instruction_following(response: str, reference: str, metadata: dict[str, Any]) -> float:
     """1.0 if the answer follows every instruction strictly, else 0.0. Raises on malformed metadata."""
-    checks = _checks(metadata["instruction_id_list"], metadata["kwargs"])  # validate before the early return
+    checks = metadata_checks(metadata)  # validate before the early return
     text = final_answer_text(response)
     if text is None:
         return 0.0

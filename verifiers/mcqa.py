@@ -25,7 +25,8 @@ Metadata: ``options`` (optional) — the valid letters as a list (``["A", "B", "
 a string (``"ABCD"``), a dict keyed by letter, a count (4: A–D), or a list of option
 texts (their count gives the letters A, B, ...). Without it the letters are ``DEFAULT_OPTIONS`` (A–J,
 MMLU-Pro has ten). ``reference`` is the correct letter ("C", "(C)" and "c" are accepted);
-a reference that is not a valid option raises ValueError (a data bug, not a 0).
+a reference that is not a valid option, or malformed options (empty, a repeated letter,
+more than 26, a ``None`` among them ...), raise ValueError (a data bug, not a 0).
 
     from cascade_rl.verifiers.mcqa import score_mcqa
     score_mcqa("...</think>\\n\\nThe answer is \\boxed{C}.", "C", {"options": ["A", "B", "C", "D"]})  # -> 1.0
@@ -67,17 +68,39 @@ _ARTICLE_OR_PRONOUN = re.compile(r"\s+(?!is\b)[a-z]")  # but "A is correct" name
 
 
 
+_OPTIONS_FORMS = "metadata.options must be a list of option letters or texts (or 'ABCD', a dict by letter, a count)"
+
+
 def valid_options(metadata: dict[str, Any]) -> str:
-    """The valid option letters, upper-case, in order (see the module docstring for the formats)."""
+    """The valid option letters, upper-case, in order (see the module docstring for the formats).
+
+    Raises ValueError for malformed options (a data bug); the row check of domain mcqa
+    (verifiers/registry.py) calls this too."""
     options = metadata.get("options")
     if options is None:
         return DEFAULT_OPTIONS
+    if isinstance(options, bool) or not isinstance(options, int | str | list | tuple | dict):
+        raise ValueError(f"{_OPTIONS_FORMS}, got {type(options).__name__}")
     if isinstance(options, int):
+        if not 1 <= options <= 26:
+            raise ValueError(f"metadata.options as a count must be 1 to 26, got {options}")
         items: list[str] = [chr(ord("A") + i) for i in range(options)]
     else:
+        if isinstance(options, str) and not options.isalpha():
+            raise ValueError(f"metadata.options as a string must be the option letters ('ABCD'), got {options!r:.80}")
+        bad = [o for o in options if isinstance(o, bool) or not isinstance(o, str | int | float) or not str(o).strip()]
+        if bad:
+            raise ValueError(f"{_OPTIONS_FORMS}; got the option {bad[0]!r:.80}")
         items = [str(o).strip() for o in options]  # a str iterates as letters, a dict as its keys
+    if not items:
+        raise ValueError("metadata.options is empty")
     if all(len(o) == 1 and o.isalpha() for o in items):
-        return "".join(o.upper() for o in items)
+        letters = "".join(o.upper() for o in items)
+        if len(set(letters)) != len(letters):
+            raise ValueError(f"metadata.options repeats a letter: {letters!r}")
+        return letters
+    if len(items) > 26:
+        raise ValueError(f"metadata.options has {len(items)} option texts; at most 26 (A-Z)")
     return "".join(chr(ord("A") + i) for i in range(len(items)))  # option texts: A, B, ... by position
 
 
@@ -147,9 +170,12 @@ def extract_choice(text: str, options: str = DEFAULT_OPTIONS) -> str | None:
 
 
 def normalize_reference(reference: str, options: str) -> str:
+    """The reference's option letter ("C", "(C)", "c" -> "C"); raises ValueError when it is not one of ``options``."""
     letter = reference.strip().strip("()[]. ").upper()
     if len(letter) != 1 or letter not in options:
-        raise ValueError(f"mcqa reference {reference!r} is not one of the options {options!r}")
+        run = "".join(chr(ord(options[0]) + i) for i in range(len(options))) == options and len(options) > 2
+        shown = f"{options[0]}-{options[-1]}" if run else ", ".join(options)
+        raise ValueError(f"the reference answer {reference!r:.80} is not one of the options {shown}")
     return letter
 
 

@@ -1,26 +1,185 @@
-"""Reward functions by domain, registered by name.
+"""Reward functions by domain, registered by name, and the checks of data rows.
 
-A verifier is ``fn(response, reference, metadata) -> float``; it may raise,
-and the worker turns that into ``Score(ok=False, reason=...)``. A group
-verifier scores a prompt's responses together (see ``GROUP_VERIFIERS``).
+A row's ``domain`` names the verifier that scores its rollouts. Built in: math, mcqa,
+instruction_following, structured_output, code, tool_call, llm_judge, genrm (group).
+Add your own in a module listed in ``workers.verifier_plugins``, by module name
+(``mypkg.rewards``: importable by the verifier workers, which do not have the cwd on
+``sys.path``) or by path to a ``.py`` file (``/data/rewards.py``, or relative to the
+directory you launch from). Verifier workers and each of their scoring processes import
+the plugins before scoring (``load_plugins``); a file is imported on its own, so import
+its helpers from an installed package, not from the file's folder.
+
+**Verifier** ``fn(response: str, reference: str, metadata: dict) -> float``, the reward:
+
+- ``response``: the whole assistant turn as generated, reasoning included:
+  ``"<think>\\n...</think>\\n\\nThe answer is 4."``. ``verifiers.text.final_answer_text``
+  gives the text after the last ``</think>`` (None when a ``<think>`` never closed).
+- ``reference``: the row's ``answer``.
+- ``metadata``: the row's ``metadata`` plus ``"question"``, the last user message
+  (a ``question`` key of the row's own metadata wins).
+
+It runs in a scoring process, one response at a time, killed past the request's
+deadline. Raise only for bad data or a bug, not for a wrong answer: the worker reports
+the rollout as not scored (``Score(ok=False)``, reward 0) with the exception as reason.
+
+**Group verifier** ``fn(prompt: str, responses: list[str], reference: str, metadata: dict)
+-> list[float]``: scores all responses to one prompt together (pairwise GenRM judging),
+one reward per response, in order; ``prompt`` is the prompt's user text.
+
+**Row check** ``check(answer: str, metadata: dict) -> None``: raises (ValueError, with a
+short reason) when the domain's verifier would reject a row with this answer and
+metadata. Every row is checked before the run starts (``check_row``), so a bad row is
+reported as ``FILE:LINE: reason`` instead of failing rollouts later. A check is cheap
+and local: no network, no subprocess; a domain need not have one. Register it with its
+verifier (``register_verifier(name, check=check)``), or alone (``@register_check(name)``).
+
+Example plugin, ``rewards.py`` (``workers.verifier_plugins: [rewards.py]``,
+``workers.verifier_domains: [..., word_count]``)::
+
+    from cascade_rl.verifiers.registry import register_verifier
+    from cascade_rl.verifiers.text import final_answer_text
+
+    def check(answer: str, metadata: dict) -> None:
+        if not answer.isdigit():
+            raise ValueError(f"answer {answer!r} is not a word count")
+
+    @register_verifier("word_count", check=check)
+    def word_count(response: str, reference: str, metadata: dict) -> float:
+        text = final_answer_text(response)
+        return float(text is not None and len(text.split()) == int(reference))
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import hashlib
+import importlib
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
 
 from cascade_rl.protocol.registry import Registry
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 Verifier = Callable[[str, str, dict[str, Any]], float]
 VERIFIERS = Registry("verifier domain")  # domain -> Verifier
-register_verifier = VERIFIERS.register
 
 # Group verifiers score all responses of one prompt together (pairwise GenRM judging):
 # ``fn(prompt, responses, reference, metadata) -> list[float]``, one reward per response.
 GroupVerifier = Callable[[str, list[str], str, dict[str, Any]], list[float]]
 GROUP_VERIFIERS = Registry("group verifier")
-register_group_verifier = GROUP_VERIFIERS.register
+
+# Row checks: ``check(answer, metadata) -> None``, raising with the reason a row's verifier would reject it.
+Check = Callable[[str, dict[str, Any]], None]
+CHECKS = Registry("row check")  # domain -> Check
+register_check = CHECKS.register
+
+
+def _register(registry: Registry, name: str, check: Check | None) -> Callable[[F], F]:
+    def wrap(fn: F) -> F:
+        if check is not None and name in CHECKS:
+            raise ValueError(f"row check {name!r} registered twice")
+        registry.register(name)(fn)
+        if check is not None:
+            CHECKS[name] = check
+        return fn
+
+    return wrap
+
+
+def register_verifier(name: str, *, check: Check | None = None) -> Callable[[F], F]:
+    """Decorator: ``fn`` scores domain ``name`` (``fn(response, reference, metadata) -> float``); ``check``, if
+    given, is the domain's row check (``check(answer, metadata)``, raising with the reason). A second
+    registration of either under the same name raises ValueError."""
+    return _register(VERIFIERS, name, check)
+
+
+def register_group_verifier(name: str, *, check: Check | None = None) -> Callable[[F], F]:
+    """Decorator: ``fn`` scores the groups of domain ``name`` (``fn(prompt, responses, reference, metadata) ->
+    list[float]``); ``check`` as for ``register_verifier``."""
+    return _register(GROUP_VERIFIERS, name, check)
+
+
+def _one_line(text: str, limit: int = 500) -> str:
+    text = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_row(domain: str, answer: str, metadata: dict[str, Any]) -> str:
+    """Why the verifier of ``domain`` would reject a row with this answer and metadata: one line, or "" when the
+    row is fine (or its domain has no check). Never raises: a check that fails with ValueError gives its message,
+    with another exception (a bug in the check) the exception's type and message. Load the plugins first
+    (``load_plugins``): a domain they register is unknown until then."""
+    try:
+        if not isinstance(domain, str) or (domain not in VERIFIERS and domain not in GROUP_VERIFIERS):
+            known = ", ".join(sorted(set(VERIFIERS) | set(GROUP_VERIFIERS)))
+            return f"unknown domain {domain!r}; registered: {known}"
+        if not isinstance(answer, str):
+            return f"answer must be a string, got {type(answer).__name__}"
+        if not isinstance(metadata, dict):
+            return f"metadata must be a dict (a JSON object), got {type(metadata).__name__}"
+        check = CHECKS.get(domain)
+        if check is not None:
+            check(answer, metadata)
+    except ValueError as e:
+        return _one_line(str(e)) or "ValueError"
+    except Exception as e:
+        return _one_line(f"{type(e).__name__}: {e}")
+    return ""
+
+
+class PluginError(RuntimeError):
+    """A ``workers.verifier_plugins`` entry could not be loaded; the message names the entry and the cause."""
+
+
+def _plugin_module_name(path: Path) -> str:
+    """The module name a plugin file is imported under: the same for the same file in every process."""
+    stem = re.sub(r"\W", "_", path.stem)
+    return f"cascade_rl_plugin_{stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
+
+
+def load_plugin(entry: str, setting: str = "workers.verifier_plugins") -> ModuleType:
+    """Import one plugin: a dotted module name, or a path to a ``.py`` file (absolute or relative to the cwd;
+    imported as ``_plugin_module_name(path)`` and put in ``sys.modules``, so pickled references to it resolve and
+    a second load is a no-op). Raises PluginError naming the entry and the cause."""
+    where = f"{setting}: {entry}"
+    if not isinstance(entry, str) or not entry.strip():
+        raise PluginError(f"{setting}: {entry!r} is neither a module name nor a path to a .py file")
+    if not (entry.endswith(".py") or "/" in entry or os.sep in entry):
+        try:
+            return importlib.import_module(entry)
+        except Exception as e:
+            raise PluginError(f"{where}: {type(e).__name__}: {e}") from e
+    path = Path(os.path.abspath(os.path.expanduser(entry)))
+    if not path.exists():
+        raise PluginError(f"{where}: no such file" + (f" ({path})" if str(path) != entry else ""))
+    if not path.is_file() or path.suffix != ".py":
+        raise PluginError(f"{where}: not a .py file")
+    name = _plugin_module_name(path.resolve())
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise PluginError(f"{where}: cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # during its import too: dataclasses and pickle look the module up there
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise PluginError(f"{where}: {type(e).__name__}: {e}") from e
+    return module
+
+
+def load_plugins(entries: Iterable[str], setting: str = "workers.verifier_plugins") -> list[ModuleType]:
+    """Import each entry with ``load_plugin`` (their ``@register_verifier``s run): every process that scores,
+    or checks rows, calls this with the same list. Loading again is harmless."""
+    return [load_plugin(entry, setting) for entry in entries]
 
 # Settings the worker hands its scoring processes (``workers.judge``: endpoint, model, key variable ...).
 SETTINGS: dict[str, Any] = {}
@@ -30,7 +189,53 @@ def is_group_domain(name: str) -> bool:
     return name in GROUP_VERIFIERS
 
 
-@register_verifier("math")
+# --- built-in domains: each check reuses its verifier's own validation (imported lazily, as the verifier is)
+
+
+def _nonempty_answer(domain: str) -> Check:
+    def check(answer: str, metadata: dict[str, Any]) -> None:
+        if not answer.strip():
+            raise ValueError(f"answer is empty: {domain} compares the response with the reference answer")
+
+    return check
+
+
+def _check_mcqa(answer: str, metadata: dict[str, Any]) -> None:
+    from .mcqa import normalize_reference, valid_options
+
+    normalize_reference(answer, valid_options(metadata))
+
+
+def _check_instruction_following(answer: str, metadata: dict[str, Any]) -> None:
+    from .instruction_following import validate_metadata
+
+    validate_metadata(metadata)
+
+
+def _check_structured_output(answer: str, metadata: dict[str, Any]) -> None:
+    import jsonschema
+
+    from .structured_output import valid_schema
+
+    try:
+        valid_schema(answer, metadata)
+    except jsonschema.SchemaError as e:
+        raise ValueError(e.message) from None
+
+
+def _check_code(answer: str, metadata: dict[str, Any]) -> None:
+    from .code import check_metadata
+
+    check_metadata(metadata)
+
+
+def _check_tool_call(answer: str, metadata: dict[str, Any]) -> None:
+    from .tool_call import parse_reference
+
+    parse_reference(answer)
+
+
+@register_verifier("math", check=_nonempty_answer("math"))
 def _math(response: str, reference: str, metadata: dict[str, Any]) -> float:
     from .math import score_math  # math-verify imports sympy: pay for it only where math is scored
 
@@ -40,28 +245,28 @@ def _math(response: str, reference: str, metadata: dict[str, Any]) -> float:
 # Each domain's module is imported when that domain is first scored (nltk, jsonschema ... only where used).
 
 
-@register_verifier("mcqa")
+@register_verifier("mcqa", check=_check_mcqa)
 def _mcqa(response: str, reference: str, metadata: dict[str, Any]) -> float:
     from .mcqa import score_mcqa
 
     return score_mcqa(response, reference, metadata)
 
 
-@register_verifier("instruction_following")
+@register_verifier("instruction_following", check=_check_instruction_following)
 def _instruction_following(response: str, reference: str, metadata: dict[str, Any]) -> float:
     from .instruction_following import score_instruction_following
 
     return score_instruction_following(response, reference, metadata)
 
 
-@register_verifier("structured_output")
+@register_verifier("structured_output", check=_check_structured_output)
 def _structured_output(response: str, reference: str, metadata: dict[str, Any]) -> float:
     from .structured_output import score_structured_output
 
     return score_structured_output(response, reference, metadata)
 
 
-@register_verifier("code")
+@register_verifier("code", check=_check_code)
 def _code(response: str, reference: str, metadata: dict[str, Any]) -> float:
     """Strict binary: the program passes every test, run in verifiers/sandbox.py (needs root for namespaces)."""
     from .code import score_code
@@ -69,7 +274,7 @@ def _code(response: str, reference: str, metadata: dict[str, Any]) -> float:
     return score_code(response, reference, metadata)
 
 
-@register_verifier("tool_call")
+@register_verifier("tool_call", check=_check_tool_call)
 def _tool_call(response: str, reference: str, metadata: dict[str, Any]) -> float:
     from .tool_call import score_tool_call
 
@@ -103,7 +308,7 @@ def _genrm(prompt: str, responses: list[str], reference: str, metadata: dict[str
     return asyncio.run(run())
 
 
-@register_verifier("llm_judge")
+@register_verifier("llm_judge", check=_nonempty_answer("llm_judge"))
 def _llm_judge(response: str, reference: str, metadata: dict[str, Any]) -> float:
     """Long-context QA: a judge model decides whether the answer matches the reference (verifiers/llm_judge.py)."""
     import asyncio

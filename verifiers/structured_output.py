@@ -160,6 +160,21 @@ def load_schema(reference: str, metadata: dict[str, Any]) -> dict[str, Any] | bo
     return schema
 
 
+def valid_schema(reference: str, metadata: dict[str, Any]) -> dict[str, Any] | bool:
+    """``load_schema``, then the schema checked against its draft's meta-schema: raises ValueError (no schema,
+    not JSON) or ``jsonschema.SchemaError`` with a one-line reason. The verifier and the row check of domain
+    structured_output (verifiers/registry.py) both call this."""
+    try:
+        schema = load_schema(reference, metadata)
+        validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        source = "metadata.schema" if "schema" in metadata else "the reference (no metadata.schema)"
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise jsonschema.SchemaError(f"{source} is not a valid JSON Schema: "
+                                     f"{f'at {where}: ' if where else ''}{e.message}") from None
+    return schema
+
+
 @dataclass
 class SchemaCheck:
     """Whether the answer is valid, and why not."""
@@ -169,10 +184,12 @@ class SchemaCheck:
     instance: Any = None  # the extracted JSON value, when one was found
 
 
-def check_structured_output(text: str, schema: dict[str, Any] | bool) -> SchemaCheck:
-    """Extract the JSON from an answer text and validate it. Raises SchemaError for an invalid schema."""
+def check_structured_output(text: str, schema: dict[str, Any] | bool, *, schema_checked: bool = False) -> SchemaCheck:
+    """Extract the JSON from an answer text and validate it. Raises SchemaError for an invalid schema (unless
+    ``schema_checked``: it came from ``valid_schema``)."""
     cls = validator_for(schema)
-    cls.check_schema(schema)
+    if not schema_checked:
+        cls.check_schema(schema)
     try:
         instance = extract_json(text)
     except JSONExtractionError as e:
@@ -189,9 +206,8 @@ def check_structured_output(text: str, schema: dict[str, Any] | bool) -> SchemaC
 
 def score_structured_output(response: str, reference: str, metadata: dict[str, Any]) -> float:
     """1.0 if the answer's JSON is valid under the schema, else 0.0. Raises on a missing or invalid schema."""
-    schema = load_schema(reference, metadata)
+    schema = valid_schema(reference, metadata)  # a bad schema is reported even for unfinished responses
     text = final_answer_text(response)
     if text is None:
-        validator_for(schema).check_schema(schema)  # a bad schema is reported even for unfinished responses
         return 0.0
-    return 1.0 if check_structured_output(text, schema).valid else 0.0
+    return 1.0 if check_structured_output(text, schema, schema_checked=True).valid else 0.0

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import logging
 import multiprocessing as mp
 import queue
@@ -46,7 +45,7 @@ from cascade_rl.protocol.sockets import WorkerLink
 from cascade_rl.protocol.worker_main import worker_start
 
 from . import registry
-from .registry import GROUP_VERIFIERS, VERIFIERS
+from .registry import GROUP_VERIFIERS, VERIFIERS, load_plugins  # plugins: module names or .py paths
 
 log = logging.getLogger("verifier")
 
@@ -81,12 +80,6 @@ def score_group(req: GroupScoreRequest, impls: dict[str, str] | None = None) -> 
     if len(rewards) != len(req.keys):
         return failed(f"group verifier returned {len(rewards)} rewards for {len(req.keys)} responses")
     return [Score(k, r, True, "", time.perf_counter() - t0) for k, r in zip(req.keys, rewards)]
-
-
-def load_plugins(modules: list[str]) -> None:
-    """Import modules that register more verifiers (``workers.verifier_plugins``)."""
-    for name in modules:
-        importlib.import_module(name)
 
 
 def _child(conn: Connection, impls: dict[str, str], plugins: list[str], settings: dict) -> None:
@@ -225,7 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     args, cfg = worker_start(__doc__.splitlines()[0], rest)
     impls = parse_impls(known.impl)
     plugins = list(cfg.workers.verifier_plugins)
-    load_plugins(plugins)
+    try:
+        load_plugins(plugins)
+    except registry.PluginError as e:
+        raise SystemExit(str(e)) from e
     domains = list(cfg.workers.verifier_domains)
     unknown = [d for d in domains if impls.get(d, d) not in VERIFIERS and impls.get(d, d) not in GROUP_VERIFIERS]
     if unknown:
