@@ -1,6 +1,7 @@
 """Build a small, randomly initialised HF model directory entirely offline.
 
-    cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3] [--size tiny|10m|50m] [--task cascade]
+    cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3|qwen2|llama] [--untied]
+                               [--size tiny|10m|50m] [--task cascade]
 
 The tokenizer is a byte-level BPE trained here (``tokenizers``) on the task's
 own text (a task or mixture of learner/tasks.py; ``cascade`` covers every
@@ -8,17 +9,31 @@ domain), with digits split one per token (as Qwen does; it makes arithmetic
 learnable). The chat template follows the paper: a generation prompt in
 thinking mode ends with ``<think>\\n``; non-thinking mode (``enable_thinking
 =False``) emits an empty ``<think>\\n\\n</think>\\n\\n`` block. The output is a
-plain HF directory that ``transformers`` and vLLM load.
+plain HF directory that ``transformers`` and vLLM load. Embeddings are tied by
+default (as in the small Qwen3 models); ``--untied`` gives the LM head its own
+matrix. The built-in torch sampling engine serves qwen3 and qwen3_moe only;
+sample qwen2 and llama with ``workers.sampler_engine=vllm``.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from .tasks import load_task
 
@@ -40,6 +55,21 @@ SIZES = {
     "tiny": (128, 4, 4, 2, 384, 128),
     "10m": (256, 6, 8, 4, 768, 256),
     "50m": (512, 8, 8, 4, 1536, 512),
+}
+
+
+def _moe_kwargs(expert_ffn: int) -> dict:
+    return dict(moe_intermediate_size=expert_ffn, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                decoder_sparse_step=1)
+
+
+# arch -> (config class, model class, extra config kwargs given the size's expert width). Every arch shares
+# model_config's dimensions; Qwen2Config has no head_dim field, but hidden // heads is what Qwen2 uses anyway.
+ARCHS: dict[str, tuple[type, type, Callable[[int], dict]]] = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, lambda expert_ffn: {}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, _moe_kwargs),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, lambda expert_ffn: {}),  # q/k/v biases, no q/k norms
+    "llama": (LlamaConfig, LlamaForCausalLM, lambda expert_ffn: {}),
 }
 
 
@@ -74,10 +104,15 @@ def corpus(task: str, size: int) -> list[str]:
     ]
 
 
-def model_config(arch: str, size: str, vocab_size: int, pad_id: int, eos_id: int, max_len: int):
+def model_config(arch: str, size: str, vocab_size: int, pad_id: int, eos_id: int, max_len: int,
+                 tie_word_embeddings: bool = True):
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
+    config_cls, model_cls, extra = ARCHS[arch]
     hidden, layers, heads, kv_heads, ffn, expert_ffn = SIZES[size]
-    common = dict(
+    cfg = config_cls(
         vocab_size=vocab_size,
+        intermediate_size=ffn,
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -85,25 +120,13 @@ def model_config(arch: str, size: str, vocab_size: int, pad_id: int, eos_id: int
         head_dim=hidden // heads,
         max_position_embeddings=max_len,
         rope_theta=10000.0,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         pad_token_id=pad_id,
         eos_token_id=eos_id,
         bos_token_id=None,
+        **extra(expert_ffn),
     )
-    if arch == "qwen3":
-        return Qwen3Config(intermediate_size=ffn, **common), Qwen3ForCausalLM
-    if arch == "qwen3_moe":
-        cfg = Qwen3MoeConfig(
-            intermediate_size=ffn,
-            moe_intermediate_size=expert_ffn,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            **common,
-        )
-        return cfg, Qwen3MoeForCausalLM
-    raise ValueError(f"unknown arch {arch!r}; choose qwen3 or qwen3_moe")
+    return cfg, model_cls
 
 
 def make_tiny_model(
@@ -114,18 +137,21 @@ def make_tiny_model(
     vocab_size: int = 512,
     max_len: int = 512,
     seed: int = 0,
+    tie_word_embeddings: bool = True,
 ) -> Path:
+    """``tie_word_embeddings=False``: the LM head is a matrix of its own (initialised separately)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(corpus(task, 2000), vocab_size)
     tokenizer.save_pretrained(out)
     pad_id, eos_id = tokenizer.convert_tokens_to_ids([PAD, IM_END])
-    cfg, cls = model_config(arch, size, len(tokenizer), pad_id, eos_id, max_len)
+    cfg, cls = model_config(arch, size, len(tokenizer), pad_id, eos_id, max_len, tie_word_embeddings)
     torch.manual_seed(seed)
     model = cls(cfg)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     model.save_pretrained(out)
     n_params = sum(p.numel() for p in model.parameters())
-    (out / "cascade_rl.json").write_text(json.dumps({"task": task, "arch": arch, "size": size, "params": n_params}))
+    meta = {"task": task, "arch": arch, "size": size, "params": n_params, "tie_word_embeddings": tie_word_embeddings}
+    (out / "cascade_rl.json").write_text(json.dumps(meta))
     return out

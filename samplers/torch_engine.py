@@ -4,9 +4,11 @@
     groups = engine.generate(requests)          # n Samples per GenerationRequest, in request order
     python bench/sampler_throughput.py --quick  # tokens/s against transformers' generate and vLLM
 
-The model is samplers/torch_model.py (Qwen3 / Qwen3-MoE; logits equal to
-transformers' to ~1e-6 in fp32). ``generate`` repeats one step until every row
-(n per request) is done:
+The model is samplers/torch_model.py (Qwen3 / Qwen3-MoE, its ``SERVED_MODEL_TYPES``;
+logits equal to transformers' to ~1e-6 in fp32). Another ``model_type`` (llama,
+qwen2, ...) is refused at construction, before any weight is read, with an
+``UnservedModelError`` that says to sample with ``workers.sampler_engine=vllm``.
+``generate`` repeats one step until every row (n per request) is done:
 
 - admit: waiting rows (FIFO) take the free slots of the ``max_batch`` decode
   slots. The rows of one request admitted together share one prefill: the
@@ -49,7 +51,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from ..kernels import cpu_decode
 from .engine import GenerationRequest, Sample, check_request, register_engine
-from .torch_model import KVCache, Transformer
+from .torch_model import SERVED_MODEL_TYPES, KVCache, Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -130,6 +132,8 @@ class Run:
 
 @register_engine("torch")
 class TorchEngine:
+    served_model_types = SERVED_MODEL_TYPES  # HF model_types it samples; __init__ refuses the others
+
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 256,
                  prefill_tokens: int = 8192, moe_impl: str | None = None, ignore_eos: bool = False,
                  cpu_kernels: bool | None = None) -> None:

@@ -57,6 +57,19 @@ from ..kernels import cpu_decode
 # attend(layer, q [B, T, heads, hd], k [B, T, kv_heads, hd], v [B, T, kv_heads, hd]) -> [B, T, heads * hd]
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
+# The HF ``model_type``s this model implements, hence the ones the torch engine serves. Others (llama, qwen2, ...)
+# differ in ways this file does not model (no q/k norms, q/k/v biases, ...); vLLM samples them.
+SERVED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+class UnservedModelError(ValueError):
+    """A checkpoint whose ``model_type`` is not in ``SERVED_MODEL_TYPES``; the message names the way out."""
+
+    def __init__(self, model_type: str) -> None:
+        super().__init__(f"model_type {model_type!r} is not served by the torch engine (it serves "
+                         f"{', '.join(SERVED_MODEL_TYPES)}): sample with workers.sampler_engine=vllm")
+        self.model_type = model_type
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelArgs:
@@ -80,8 +93,8 @@ class ModelArgs:
     @classmethod
     def from_hf(cls, cfg) -> ModelArgs:
         """From a transformers ``Qwen3Config`` / ``Qwen3MoeConfig``; refuses what this model does not implement."""
-        if cfg.model_type not in ("qwen3", "qwen3_moe"):
-            raise NotImplementedError(f"model_type {cfg.model_type!r}: only qwen3 and qwen3_moe")
+        if cfg.model_type not in SERVED_MODEL_TYPES:
+            raise UnservedModelError(cfg.model_type)
         rope = cfg.rope_parameters
         if rope.get("rope_type", "default") != "default":
             raise NotImplementedError(f"rope_type {rope['rope_type']!r}: only the default RoPE")
