@@ -23,14 +23,18 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 install: $(STAMP)
 
-# The main job, a miniature of the paper: tiny model (built offline, tokenizer trained on all four
-# domains) -> SFT warm start -> IF-RL -> multi-domain RL -> MOPD from each domain's best checkpoint,
-# every stage over ZeroMQ; ends with $(RUN_DIR)/report.md and its plots. A model built for another
-# task (an older checkout's arithmetic-only one) is rebuilt.
+# The main job, a miniature of the paper: the built-in tasks written as data files (the path a user's
+# data takes) -> tiny model (built offline, tokenizer trained on all four domains) -> SFT warm start on
+# the files' worked solutions -> IF-RL -> multi-domain RL -> MOPD from each domain's best checkpoint,
+# every stage over ZeroMQ, trained from the files; ends with $(RUN_DIR)/report.md and its plots. A
+# model built for another task (an older checkout's arithmetic-only one) is rebuilt.
+DATA ?= runs/data/cascade
+SFT_FILES := $(DATA)/sft/arithmetic.jsonl,$(DATA)/sft/arithmetic_mcqa.jsonl,$(DATA)/sft/arithmetic_json.jsonl,$(DATA)/sft/arithmetic_if.jsonl
 run: install
+	test -f $(DATA)/manifest.json || $(CLI) make-data cascade --out $(DATA)
 	grep -qs '"task": "cascade"' models/tiny/cascade_rl.json || (rm -rf models/tiny models/tiny-sft && \
 		$(CLI) make-tiny-model --out models/tiny --task cascade)
-	test -f models/tiny-sft/config.json || $(CLI) sft model=models/tiny out=models/tiny-sft task=cascade steps=600
+	test -f models/tiny-sft/config.json || $(CLI) sft model=models/tiny out=models/tiny-sft "files=[$(SFT_FILES)]" steps=600
 	rm -rf $(RUN_DIR)
 	$(CLI) cascade demo run_dir=$(RUN_DIR)
 

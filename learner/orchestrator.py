@@ -23,16 +23,18 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import zmq
 from transformers import AutoTokenizer
 
+from cascade_rl.data.promptset import PromptSet, PromptStream
+from cascade_rl.data.render import PromptRenderer
+from cascade_rl.data.rows import Row
 from cascade_rl.protocol.codec import ProtocolError
 from cascade_rl.protocol.messages import (
     GroupScoreRequest,
@@ -54,7 +56,6 @@ from cascade_rl.protocol.worker_main import worker_start
 from cascade_rl.verifiers.registry import is_group_domain
 
 from . import checkpoint
-from .tasks import Example, load_task, prompt_ids
 
 log = logging.getLogger("orchestrator")
 INBOUND = (Ready, Rollout, Score, TeacherLogprobs, StepDone, WeightsReady)
@@ -65,7 +66,7 @@ class Group:
     """One prompt and its n rollouts, from dispatch to training (or filtering)."""
 
     group_id: str
-    example: Example
+    row: Row
     prompt_ids: np.ndarray
     n: int
     sampling: SamplingParams
@@ -133,25 +134,17 @@ class Books:
 
 
 
-def draw_examples(pool: list[Example], seed: int) -> Iterator[Example]:
-    """The RL prompts in the order the orchestrator trains on them: uniform, with replacement, from ``seed``
-    (bench/vs_trl.py hands TRL the same sequence)."""
-    rng = random.Random(seed)
-    while True:
-        yield pool[rng.randrange(len(pool))]
-
 class Orchestrator:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        d = cfg.data
-        sizes = {"heldout": d.heldout_size, "rl": d.train_size}  # per task: the same splits in every stage
-        self.train_pool = load_task(d.task, sizes, seed=d.seed)["rl"]
-        self.heldout = load_task(d.eval_task or d.task, sizes, seed=d.seed)["heldout"]
+        self.render = PromptRenderer(self.tokenizer, cfg.data.thinking)
+        data_dir = self.run_dir / "data"  # prepared by the supervisor (supervisor/run_data.py)
+        self.prompts = PromptStream(data_dir, cfg.data.seed)  # its draw count is the data cursor
+        self.heldout = PromptSet(data_dir / "eval.arrow").rows()
+        self.data_report = json.loads((data_dir / "data.json").read_text())
         self.mopd = cfg.trainer.algorithm == "mopd"
-        self.draws = draw_examples(self.train_pool, cfg.orchestrator.seed)
-        self.examples_drawn = 0  # the data cursor: resuming replays this many draws
         self.ctx = zmq.Context.instance()
         self.router = bind_router(self.ctx, cfg.endpoints.orchestrator)
         self.beat = None
@@ -231,6 +224,8 @@ class Orchestrator:
             **{f"{k}_before": v for k, v in before.items()},
             **{f"{k}_after": v for k, v in after.items()},
             "heldout_gain": self.paired_gain(per_question_before),
+            "heldout_domains": {k.split("/", 1)[1]: {"before": v, "after": after.get(k)}
+                                for k, v in before.items() if k.startswith("heldout_accuracy/")},
             "steps": steps,
             "resumed_from_step": self.start_step,
             "max_staleness": self.cfg.orchestrator.max_staleness,
@@ -243,6 +238,7 @@ class Orchestrator:
                      "temperature": self.cfg.orchestrator.eval_temperature},
             "mismatch": self.mismatch_summary(),
             "malformed_messages": self.malformed,
+            "data": self.data_report,
             "checkpoint": self.step_done.checkpoint if self.step_done else "",
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -269,7 +265,7 @@ class Orchestrator:
         t, o = self.cfg.trainer, self.cfg.orchestrator
         wanted, kept = t.prompts_per_step, []
         for _ in range(o.max_refill_rounds + 1):
-            batch = [self._new_group(self._next_example(), t.group_size, self._train_sampling(), True)
+            batch = [self._new_group(self.prompts.next(), t.group_size, self._train_sampling(), True)
                      for _ in range(wanted - len(kept))]
             self.pump(lambda batch=batch: all(g.complete for g in batch))
             for g in batch:
@@ -302,11 +298,13 @@ class Orchestrator:
         """Held-out accuracy under the current weights: avg@eval_n at eval_temperature (the paper's
         metric), and greedy pass@1 if ``eval_greedy``. Both sets of groups are sampled together."""
         o, max_tokens = self.cfg.orchestrator, self.cfg.sampling.max_tokens
+        if not self.heldout:  # no held-out prompts (no data.eval_files, no data.heldout_fraction)
+            return {}
         modes = {"heldout_accuracy": (SamplingParams(temperature=o.eval_temperature, max_tokens=max_tokens), o.eval_n)
                  } if o.eval_n else {}
         if o.eval_greedy:
             modes["heldout_greedy_accuracy"] = (SamplingParams(temperature=0.0, max_tokens=max_tokens), 1)
-        groups = {name: [self._new_group(ex, n, sampling, False) for ex in self.heldout]
+        groups = {name: [self._new_group(row, n, sampling, False) for row in self.heldout]
                   for name, (sampling, n) in modes.items()}
         everything = [g for gs in groups.values() for g in gs]
         self.pump(lambda: all(g.complete for g in everything))
@@ -318,10 +316,9 @@ class Orchestrator:
                                      for g in gs])
             self.per_question[name] = per_question
             result[name] = float(np.mean(per_question))
-            by_domain = np.array([g.example.domain for g in gs])
-            if len(set(by_domain)) > 1:  # a mixture: each domain's accuracy too (the cascade's per-domain record)
-                result.update({f"{name}/{dom}": float(per_question[by_domain == dom].mean())
-                               for dom in sorted(set(by_domain))})
+            by_domain = np.array([g.row.domain for g in gs])  # each domain's accuracy too
+            result.update({f"{name}/{dom}": float(per_question[by_domain == dom].mean())
+                           for dom in sorted(set(by_domain))})
         return result
 
     def paired_gain(self, before: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
@@ -363,7 +360,7 @@ class Orchestrator:
             versions=np.array([r.policy_version for r, _ in rows], np.int32),
             teacher_logprobs=teacher_logprobs,
             loss_masked=np.array([masked for _, masked in rows], bool),
-            cursor={"examples_drawn": self.examples_drawn},
+            cursor={"examples_drawn": self.prompts.drawn},
         )
 
     def step_metrics(self, step: int, groups: list[Group], t_sample: float, t_step: float) -> dict:
@@ -402,27 +399,23 @@ class Orchestrator:
         if path is None:
             return 0
         info = json.loads((path / checkpoint.STATE_JSON).read_text())
-        for _ in range(info["extra"].get("orchestrator", {}).get("examples_drawn", 0)):
-            self._next_example()
+        self.prompts.restore(info["extra"].get("orchestrator", {}).get("examples_drawn", 0))
         self.version = info["step"]
-        log.info("resuming at step %d (%d examples drawn)", info["step"], self.examples_drawn)
+        log.info("resuming at step %d (%d prompts drawn)", info["step"], self.prompts.drawn)
         return info["step"]
-
-    def _next_example(self) -> Example:
-        self.examples_drawn += 1
-        return next(self.draws)
 
     def _train_sampling(self) -> SamplingParams:
         s = self.cfg.sampling
         return SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
 
-    def _new_group(self, ex: Example, n: int, sampling: SamplingParams, train: bool) -> Group:
+    def _new_group(self, row: Row, n: int, sampling: SamplingParams, train: bool) -> Group:
         self._seq += 1
-        ids = self._prompt_ids.get(ex.prompt)
-        if ids is None:  # every evaluation re-asks the same questions: tokenize each prompt once
-            ids = np.array(prompt_ids(self.tokenizer, ex), np.int32)
-            self._prompt_ids[ex.prompt] = ids
-        g = Group(f"{'t' if train else 'e'}{self._seq}", ex, ids, n, sampling, self.version, train,
+        key = row.key()
+        ids = self._prompt_ids.get(key)
+        if ids is None:  # every evaluation re-asks the same questions: render each prompt once
+            ids = np.array(self.render.ids(row.messages), np.int32)
+            self._prompt_ids[key] = ids
+        g = Group(f"{'t' if train else 'e'}{self._seq}", row, ids, n, sampling, self.version, train,
                   needs_teacher=train and self.mopd)
         self.groups[g.group_id] = g
         self.prompt_queue.append(g.group_id)
@@ -516,7 +509,7 @@ class Orchestrator:
     def _queue_score(self, g: Group, index: int) -> None:
         """Queue rollout ``index`` for scoring; for a group domain (GenRM), queue the whole group once, when
         every rollout is in (index -1: every rollout still without a score)."""
-        if not is_group_domain(g.example.domain):
+        if not is_group_domain(g.row.domain):
             self.score_queue.append((g.group_id, index))
         elif len(g.rollouts) == g.n and (g.group_id, -1) not in self.score_queue:
             self.score_queue.append((g.group_id, -1))
@@ -581,7 +574,7 @@ class Orchestrator:
                     continue
                 w.version = self.weights.version
             g.worker, g.deadline = ident, time.monotonic() + self.cfg.orchestrator.sampler_timeout_s
-            req = PromptRequest(g.group_id, g.example.domain, g.prompt_ids, g.n, g.sampling, g.min_version,
+            req = PromptRequest(g.group_id, g.row.domain, g.prompt_ids, g.n, g.sampling, g.min_version,
                                 g.attempt)
             if self._send(ident, req):
                 w.assigned[g.group_id] = g.n
@@ -597,7 +590,7 @@ class Orchestrator:
             if g is None or not indices or any(i not in g.rollouts for i in indices):
                 self.score_queue.popleft()
                 continue
-            domain = g.example.domain
+            domain = g.row.domain
             free = [(i, w) for i, w in self.workers.items()
                     if w.role == "verifier" and domain in w.domains and w.fits(len(indices))]
             if not free:
@@ -605,15 +598,15 @@ class Orchestrator:
             ident, w = min(free, key=lambda iw: iw[1].load)
             self.score_queue.popleft()
             keys = [f"{group_id}/{i}/{g.attempt}" for i in indices]
-            # the prompt ended with the thinking-mode "<think>\n": give the verifier the whole turn
-            texts = ["<think>\n" + self.tokenizer.decode(g.rollouts[i].response_ids, skip_special_tokens=True)
+            # the verifier gets the whole assistant turn: what the chat template opened it with ("<think>\n")
+            texts = [self.render.prefix + self.tokenizer.decode(g.rollouts[i].response_ids, skip_special_tokens=True)
                      for i in indices]
             deadline_s = self.cfg.orchestrator.verifier_timeout_s
             if index == -1:
-                req = GroupScoreRequest(keys, domain, g.example.prompt, texts, g.example.answer, {}, deadline_s)
+                req = GroupScoreRequest(keys, domain, g.row.question, texts, g.row.answer, g.row.metadata, deadline_s)
             else:
-                req = ScoreRequest(keys[0], domain, texts[0], g.example.answer,
-                                   {"question": g.example.question, **g.example.metadata}, deadline_s)
+                req = ScoreRequest(keys[0], domain, texts[0], g.row.answer,
+                                   {"question": g.row.question, **g.row.metadata}, deadline_s)
             if self._send(ident, req):
                 for key in keys:
                     w.assigned[key] = 1
@@ -628,7 +621,7 @@ class Orchestrator:
             if g is None or g.teacher is not None or g.error or len(g.rollouts) < g.n:
                 self.teacher_queue.popleft()
                 continue
-            domain = g.example.domain
+            domain = g.row.domain
             free = [(i, w) for i, w in self.workers.items()
                     if w.role == "teacher" and domain in w.domains and w.fits(g.n)]
             if not free:

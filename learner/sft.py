@@ -1,13 +1,14 @@
 """SFT warm start: teach the tiny model the task's format and worked solutions.
 
-    cascade-rl sft model=models/tiny out=models/tiny-sft steps=400
-    cascade-rl sft model=models/tiny out=models/tiny-sft task=cascade steps=600   # every domain (a mixture)
+    cascade-rl make-data cascade --out runs/data/cascade        # the miniature's SFT rows: sft/*.jsonl
+    cascade-rl sft model=models/tiny out=models/tiny-sft "files=[runs/data/cascade/sft/arithmetic.jsonl]" steps=400
 
 The paper's cascade starts after SFT; RL from a random model would see zero
-reward. Examples are the task's training pool (reasoning-gym, procedural);
-each sequence is the chat-formatted prompt in thinking mode followed by the
-worked solution and the end-of-turn token, with the loss on the response
-tokens only. It deliberately stops early (a few hundred steps): the point is a
+reward. Rows come from data files in the schema of data/rows.py with a
+``response`` (the assistant turn to learn; ``fields`` remaps names); each
+sequence is the prompt in the model's chat template (thinking mode) followed
+by the response and the end-of-turn token, with the loss on the response
+tokens only. A bad row stops SFT with its ``FILE:LINE: reason``. It deliberately stops early (a few hundred steps): the point is a
 policy with non-zero but improvable accuracy, which RL then raises.
 """
 
@@ -22,8 +23,12 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cascade_rl.data.prepare import BadLine
+from cascade_rl.data.render import PromptRenderer
+from cascade_rl.data.rows import BadRow, Fields, parse_messages, parse_response
+from cascade_rl.data.sources import DataError, read_records
+
 from .losses import token_logprobs
-from .tasks import load_task, prompt_ids
 
 
 @dataclasses.dataclass
@@ -32,11 +37,11 @@ class SFTConfig:
     """Input HF directory."""
     out: str = "models/tiny-sft"
     """Output HF directory."""
-    task: str = "arithmetic"
-    """Task or mixture of learner/tasks.py (``cascade``: every domain of the miniature cascade)."""
-    sizes: dict = dataclasses.field(default_factory=lambda: {"heldout": 400, "rl": 2000, "sft": 4000})
-    """Split sizes of learner/tasks.py (per task, for a mixture); heldout and rl must be at least the RL
-    stage's, so SFT never sees an RL prompt or a held-out question."""
+    files: list = dataclasses.field(default_factory=list)
+    """Data files of rows with a prompt and a response (JSONL, JSONL.gz, Parquet, save_to_disk directories);
+    the miniature's: ``cascade-rl make-data cascade --out DIR`` writes DIR/sft/*.jsonl."""
+    fields: Fields = dataclasses.field(default_factory=Fields)
+    """Where prompt and response are in the rows (``fields.response=completion``)."""
     steps: int = 400
     """Optimizer steps (about a minute and a half for the tiny model on 2 cores). 400 suits one task
     (arithmetic: ~0.4 held-out accuracy; 0.75 at 600); the four domains of ``cascade`` share them and
@@ -49,12 +54,34 @@ class SFTConfig:
     """Seed of data order and initialisation."""
 
 
-def encode_examples(tokenizer, examples) -> list[tuple[list[int], int]]:
-    """(token ids, prompt length) per example; the response ends with the end-of-turn token."""
+def read_sft_rows(files: list[str], fields: Fields) -> list[tuple[tuple[dict, ...], str]]:
+    """(conversation, response) of every row; raises DataError listing each bad row as FILE:LINE: reason."""
+    rows, bad = [], []
+    for path in files:
+        for line, raw in read_records(path):
+            try:
+                if isinstance(raw, BadRow):
+                    raise raw
+                if not isinstance(raw, dict):
+                    raise BadRow("not an object", "a row must be a JSON object")
+                prompt = raw.get(fields.prompt)
+                rows.append((parse_messages(prompt, f"'{fields.prompt}'"), parse_response(raw, fields)))
+            except BadRow as e:
+                bad.append(str(BadLine(str(path), line, e.kind, e.detail)))
+    if bad:
+        raise DataError("SFT data has bad rows:\n" + "\n".join(bad))
+    if not rows:
+        raise DataError("SFT needs rows: files=[FILE,...] of rows with a prompt and a response")
+    return rows
+
+
+def encode_examples(tokenizer, rows: list[tuple[tuple[dict, ...], str]]) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) per row; the response ends with the end-of-turn token."""
+    render = PromptRenderer(tokenizer, thinking=True)
     out = []
-    for ex in examples:
-        p_ids = prompt_ids(tokenizer, ex)
-        r_ids = tokenizer(ex.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for messages, response in rows:
+        p_ids = render.ids(messages)
+        r_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         out.append((p_ids + r_ids, len(p_ids)))
     return out
 
@@ -77,7 +104,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     rng = random.Random(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-    data = encode_examples(tokenizer, load_task(cfg.task, dict(cfg.sizes), seed=cfg.seed)["sft"])
+    data = encode_examples(tokenizer, read_sft_rows(list(cfg.files), Fields(**dict(cfg.fields))))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(s / cfg.steps * torch.pi)).item())

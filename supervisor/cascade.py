@@ -5,11 +5,14 @@ chosen from that record (DESIGN §7, the paper's Figure 2 pipeline).
     cascade-rl cascade demo run_dir=runs/c2 eval.n=8
     cascade-rl cascade my_cascade.yaml             # a file of the same form
 
-A cascade config names a starting checkpoint (the SFT model), a held-out set
-(a task mixture: every domain of the cascade, evaluated after every stage,
-not only the domains a stage trains) and the stages in order. Each stage is a
+A cascade config names a starting checkpoint (the SFT model), held-out files
+(``eval.files``: every domain of the cascade, evaluated after every stage, not
+only the domains a stage trains) and the stages in order, each with its own
+training files (``data.files=[...]`` among its overrides). Each stage is a
 ``cascade-rl launch`` of a run preset plus a stage preset plus overrides,
-started from the previous stage's final checkpoint, in ``<run_dir>/<stage>``.
+started from the previous stage's final checkpoint, in ``<run_dir>/<stage>``;
+its ``data.eval_files`` are the cascade's held-out files, so no stage trains on
+a held-out prompt.
 After a stage, every checkpoint it saved is evaluated on each domain's
 held-out questions (learner/evaluate.py) and recorded in
 ``<run_dir>/cascade.json``. A stage with ``teachers: best`` (MOPD) gets, per
@@ -31,20 +34,26 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from cascade_rl.data.prepare import prepare
+from cascade_rl.data.promptset import PromptSet
 from cascade_rl.learner import checkpoint
-from cascade_rl.learner.tasks import domains, load_task
 
-from .config import CONFIG_DIR, compose, validate
+from .config import CONFIG_DIR, DataConfig, compose, validate
+from .config_errors import ConfigError, explain
+from .run_data import BadData, registered_domains
 
 
 @dataclass
 class EvalConfig:
-    task: str = "cascade"
-    """Held-out set: a task or mixture of learner/tasks.py; accuracy is recorded per domain."""
-    heldout_size: int = 64
-    """Held-out questions per task (the stages' data.heldout_size must be the same: the same questions)."""
-    train_size: int = 2000
-    """The RL split drawn before it (the stages' data.train_size): held-out questions are never trained on."""
+    files: list[str] = field(default_factory=list)
+    """Held-out data files of every domain of the cascade (rows as data/rows.py); accuracy is recorded per
+    domain, and every stage gets them as its data.eval_files."""
+    per_domain: int = 0
+    """At most this many held-out rows per domain, the first in file order (0: all)."""
+    thinking: bool = True
+    """Render the held-out prompts in thinking mode (as the stages' data.thinking)."""
+    engine: str = "torch"
+    """Sampler engine of the evaluation: torch (qwen3, qwen3_moe) | vllm (any architecture vLLM serves)."""
     n: int = 4
     """Samples per question (avg@n)."""
     temperature: float = 1.0
@@ -88,12 +97,17 @@ def load_config(name: str, overrides: list[str]) -> DictConfig:
         path = CONFIG_DIR / "cascade" / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in (CONFIG_DIR / "cascade").glob("*.yaml"))
-        raise SystemExit(f"no cascade config {name!r} (known: {known}, or a YAML path)")
-    cfg = OmegaConf.merge(OmegaConf.structured(CascadeConfig), OmegaConf.load(path),
-                          OmegaConf.from_dotlist(overrides))
+        raise ConfigError(f"no cascade config {name!r} (known: {known}, or a YAML path)")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(CascadeConfig), OmegaConf.load(path),
+                              OmegaConf.from_dotlist(overrides))
+    except Exception as e:  # an unknown key or a value of the wrong type: one line, exit 2
+        raise ConfigError(f"{path}: {explain(e, CascadeConfig)}") from None
     names = [s.name for s in cfg.stages]
     if not names or "" in names or len(set(names)) != len(names):
-        raise SystemExit(f"cascade {name}: stages need distinct, non-empty names (got {names})")
+        raise ConfigError(f"cascade {name}: stages need distinct, non-empty names (got {names})")
+    if not cfg.eval.files:
+        raise ConfigError(f"cascade {name}: eval.files is empty: name the held-out files of every domain")
     return cfg
 
 
@@ -106,10 +120,25 @@ class Cascade:
         self.record = json.loads(self.record_path.read_text()) if self.record_path.exists() else {
             "model": str(Path(cfg.model).resolve()), "stages": {}}
         self.record["order"] = [s.name for s in cfg.stages]
-        e = cfg.eval
-        self.heldout = load_task(e.task, {"heldout": e.heldout_size, "rl": e.train_size}, seed=e.seed)["heldout"]
+        self.heldout: list = []  # the held-out rows, loaded (and validated) when the cascade runs
+
+    def load_heldout(self) -> list:
+        """The held-out rows, validated as a launch validates its data (bad rows refuse the cascade)."""
+        from transformers import AutoTokenizer
+
+        e = self.cfg.eval
+        data = OmegaConf.structured(DataConfig(eval_files=list(e.files), eval_per_domain=e.per_domain,
+                                               thinking=e.thinking))
+        out = self.run_dir / "eval_data"
+        # the reward modules every stage loads (the cascade's launch overrides name them) score held-out rows too
+        plugins = compose(self.cfg.run or None, list(self.cfg.overrides), check=False).workers.verifier_plugins
+        report = prepare(data, AutoTokenizer.from_pretrained(self.cfg.model), out, registered_domains(list(plugins)))
+        if report.bad:
+            raise BadData(report)
+        return PromptSet(out / "eval.arrow").rows()
 
     def run(self) -> int:
+        self.heldout = self.load_heldout()
         if "initial" not in self.record:
             self.record["initial"] = self.evaluate(self.record["model"], step=0)
             self.save()
@@ -137,11 +166,11 @@ class Cascade:
         stage_dir = self.run_dir / stage.name
         launch = self.stage_config(stage, model, stage_dir)
         entry = {"status": "running", "run_dir": str(stage_dir), "model": model, "stage": stage.stage,
-                 "task": launch.data.task, "algorithm": launch.trainer.algorithm, "steps": launch.trainer.steps,
+                 "files": list(launch.data.files), "algorithm": launch.trainer.algorithm, "steps": launch.trainer.steps,
                  "teachers": dict(launch.teachers)}
         self.record["stages"][stage.name] = entry
         self.save()
-        print(f"cascade: stage {stage.name} ({launch.trainer.algorithm} on {launch.data.task}, "
+        print(f"cascade: stage {stage.name} ({launch.trainer.algorithm} on {len(launch.data.files)} files, "
               f"{launch.trainer.steps} steps) from {model}")
         rc = Supervisor(launch).run()
         if rc != 0:
@@ -157,14 +186,14 @@ class Cascade:
     def stage_config(self, stage: DictConfig, model: str, stage_dir: Path) -> DictConfig:
         """The stage's launch config: run preset, stage preset, the cascade's and the stage's overrides."""
         e = self.cfg.eval
-        overrides = [f"model.path={model}", f"run_dir={stage_dir}", f"data.eval_task={e.task}",
-                     f"data.heldout_size={e.heldout_size}", f"data.train_size={e.train_size}",
+        overrides = [f"model.path={model}", f"run_dir={stage_dir}",
                      *([f"stage={stage.stage}"] if stage.stage else []), *self.cfg.overrides, *stage.overrides]
         if checkpoint.latest(stage_dir / "checkpoints") is not None:  # cut off earlier: continue it
             overrides.append("resume=true")
         launch = compose(stage.run or self.cfg.run or None, overrides, check=False)
-        if stage.teachers is not None:
-            launch.teachers = self.teachers(stage.teachers, domains(launch.data.task))
+        launch.data.eval_files, launch.data.eval_per_domain = list(e.files), e.per_domain
+        if stage.teachers is not None:  # every evaluated domain gets one; the stage's data decides which teach
+            launch.teachers = self.teachers(stage.teachers, sorted(self.record["initial"]["domains"]))
         validate(launch)
         return launch
 
@@ -187,7 +216,8 @@ class Cascade:
         from cascade_rl.learner.evaluate import evaluate_checkpoint
 
         e = self.cfg.eval
-        result = evaluate_checkpoint(path, self.heldout, e.n, e.temperature, e.max_tokens, e.seed)
+        result = evaluate_checkpoint(path, self.heldout, e.n, e.temperature, e.max_tokens, e.seed, e.thinking,
+                                     e.engine)
         print(f"cascade: {path}: " + ", ".join(f"{d} {a:.3f}" for d, a in result["domains"].items()))
         return {"path": str(Path(path).resolve()), "step": step, **result}
 

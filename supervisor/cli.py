@@ -1,13 +1,18 @@
 """The ``cascade-rl`` command line.
 
-    cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3] [--size tiny|10m|50m] [--task cascade]
-    cascade-rl sft [model=DIR] [out=DIR] [steps=N] ...
+    cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3|qwen2|llama] [--untied] [--size tiny|10m|50m]
+    cascade-rl make-data NAME --out DIR [--heldout N --rl N --sft N]   # the built-in miniature tasks as JSONL files
+    cascade-rl data check FILE... [--model DIR] [data.fields.prompt=question ...]   # every bad row, FILE:LINE: reason
+    cascade-rl sft [model=DIR] [out=DIR] [files=[FILE,...]] [steps=N] ...
     cascade-rl launch PRESET|CONFIG.yaml [hydra overrides]   e.g. launch tiny run_dir=/tmp/r
     cascade-rl launch PRESET --dry-run                       print the resolved config
     cascade-rl ctl [--run-dir DIR] status [--json]
     cascade-rl ctl [--run-dir DIR] stop
     cascade-rl ctl [--run-dir DIR] swap verifier DOMAIN NAME   # new workers score DOMAIN with NAME; old ones drain
     cascade-rl ctl [--run-dir DIR] scale samplers=N            # add samplers, or drain the newest
+
+Exit codes: 0 done; 1 the run failed, or the data has bad rows (each printed as FILE:LINE: reason);
+2 a config or command-line mistake (printed as one message that says what to change).
 """
 
 from __future__ import annotations
@@ -23,9 +28,27 @@ import zmq
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from cascade_rl.learner.tiny_model import make_tiny_model
 
-    out = make_tiny_model(args.out, arch=args.arch, size=args.size, task=args.task, seed=args.seed)
+    out = make_tiny_model(args.out, arch=args.arch, size=args.size, task=args.task, seed=args.seed,
+                          tie_word_embeddings=not args.untied)
     print(json.loads((out / "cascade_rl.json").read_text()) | {"out": str(out)})
     return 0
+
+
+def cmd_make_data(args: argparse.Namespace) -> int:
+    from cascade_rl.data.builtin import write_task_files
+
+    sizes = {"heldout": args.heldout, "rl": args.rl, "sft": args.sft}
+    files = write_task_files(args.name, args.out, sizes, seed=args.seed)
+    for split, by_task in files.items():
+        for task, path in by_task.items():
+            print(f"{split:8s} {task:18s} {path}")
+    return 0
+
+
+def cmd_data_check(args: argparse.Namespace) -> int:
+    from .data_check import check
+
+    return check(args.files, args.model, args.overrides)
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -33,7 +56,12 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
     from cascade_rl.learner.sft import SFTConfig, run_sft
 
-    cfg = OmegaConf.merge(OmegaConf.structured(SFTConfig), OmegaConf.from_dotlist(args.overrides))
+    from .config_errors import ConfigError, explain
+
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(SFTConfig), OmegaConf.from_dotlist(args.overrides))
+    except Exception as e:  # an unknown key or a value of the wrong type: one line, exit 2
+        raise ConfigError(explain(e, SFTConfig)) from None
     result = run_sft(SFTConfig(**OmegaConf.to_container(cfg)))
     print(json.dumps(result))
     return 0
@@ -153,12 +181,31 @@ def main(argv: list[str] | None = None) -> int:
 
     m = sub.add_parser("make-tiny-model", help="build a small random HF model + tokenizer offline")
     m.add_argument("--out", required=True)
-    m.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3"])
+    m.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3", "qwen2", "llama"],
+                   help="qwen2 and llama are sampled with workers.sampler_engine=vllm (the torch engine serves qwen3*)")
+    m.add_argument("--untied", action="store_true", help="an LM head of its own instead of the tied embedding")
     m.add_argument("--size", default="tiny", choices=["tiny", "10m", "50m"])
     m.add_argument("--task", default="arithmetic",
                    help="task or mixture of learner/tasks.py whose text trains the tokenizer (e.g. cascade)")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=cmd_make_tiny_model)
+
+    md = sub.add_parser("make-data", help="write the built-in miniature tasks as data files (JSONL)")
+    md.add_argument("name", help="a task or mixture of learner/tasks.py (e.g. cascade, arithmetic)")
+    md.add_argument("--out", required=True, help="directory: OUT/{heldout,rl,sft}/TASK.jsonl")
+    md.add_argument("--heldout", type=int, default=64, help="held-out rows per task")
+    md.add_argument("--rl", type=int, default=2000, help="RL prompts per task (fewer where questions are held out)")
+    md.add_argument("--sft", type=int, default=1000, help="SFT rows per task, with worked solutions")
+    md.add_argument("--seed", type=int, default=0)
+    md.set_defaults(fn=cmd_make_data)
+
+    d = sub.add_parser("data", help="check data files: rows per domain, prompt lengths, every bad row")
+    dsub = d.add_subparsers(dest="data_cmd", required=True)
+    dc = dsub.add_parser("check", help="validate files as a launch would; exit 1 if any row is bad")
+    dc.add_argument("files", nargs="+", help="data files (PATH or PATH:WEIGHT), then any key=value launch overrides "
+                                             "(data.fields.prompt=question, workers.verifier_plugins=[my.py], ...)")
+    dc.add_argument("--model", default=None, help="HF model directory: prompt lengths in its tokens, overlong check")
+    dc.set_defaults(fn=cmd_data_check)
 
     s = sub.add_parser("sft", help="supervised warm start on the task's worked solutions")
     s.add_argument("overrides", nargs="*", help="key=value (see learner/sft.py SFTConfig)")
@@ -187,8 +234,31 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--timeout", type=float, default=120.0, help="swap: seconds to wait for the old workers to drain")
     c.set_defaults(fn=cmd_ctl)
 
-    args = p.parse_args(argv)
-    return args.fn(args)
+    args, extra = p.parse_known_args(argv)  # data check: FILE... and key=value overrides around --model
+    if extra and args.cmd != "data":
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.cmd == "data":
+        words = [*args.files, *extra]
+        args.overrides = [w for w in words if "=" in w and not Path(w).exists()]
+        args.files = [w for w in words if w not in args.overrides]
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a command; a mistake in the config or the data is a message, not a traceback."""
+    from cascade_rl.data.sources import DataError
+
+    from .config_errors import ConfigError
+    from .run_data import BadData, refusal
+
+    try:
+        return args.fn(args)
+    except (ConfigError, DataError) as e:
+        print(f"cascade-rl: {e}", file=sys.stderr)
+        return 2
+    except BadData as e:
+        print("\n".join(refusal(e.report)), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from cascade_rl.data.rows import Fields
+
+from .config_errors import ConfigError, explain, unknown_keys
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 if not CONFIG_DIR.is_dir():  # installed as a wheel: configs is the cascade_rl.configs package
     import cascade_rl.configs as _configs
@@ -43,18 +47,30 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "arithmetic"
-    """Prompt set: a task or a mixture of tasks (several domains) of learner/tasks.py: a name of MIXES, or
-    inline weights "arithmetic:3+arithmetic_if:1" (the MOPD stage draws domains in these proportions)."""
-    eval_task: str = ""
-    """Held-out set evaluated (a task or mixture; empty: ``task``). A cascade stage evaluates every domain
-    of the cascade, not only the ones it trains."""
-    train_size: int = 2000
-    """RL prompts per task (distinct questions, disjoint from SFT data and held-out)."""
-    heldout_size: int = 200
-    """Held-out questions per task."""
+    files: list[str] = field(default_factory=list)
+    """Training prompts: ``PATH`` or ``PATH:WEIGHT`` (JSONL, JSONL.gz, Parquet, or a directory written by
+    ``datasets.save_to_disk``; rows as in data/rows.py). Weights on every file: each file's share of the
+    draws; on none: every row equally likely. Built-in miniature sets: ``cascade-rl make-data``."""
+    eval_files: list[str] = field(default_factory=list)
+    """Held-out prompts, evaluated per domain (training rows with the same prompt are dropped)."""
+    heldout_fraction: float = 0.0
+    """Without eval_files: hold out this fraction of ``files``, split by a hash of the prompt (question-disjoint,
+    the same split in every run)."""
+    eval_per_domain: int = 0
+    """Evaluate at most this many held-out rows per domain, the first in file order (0: all)."""
+    fields: Fields = field(default_factory=Fields)
+    """Where each field of the schema is in your rows, e.g. ``data.fields.prompt=question``."""
+    default_domain: str = ""
+    """The domain of rows without one (a single-domain file needs no domain column)."""
+    thinking: bool = True
+    """Render prompts in thinking mode (the chat template's ``enable_thinking``)."""
+    max_prompt_tokens: int = 4096
+    """Prompts longer than this (in the model's tokens, chat template included) are dropped and counted."""
+    on_bad_row: str = "error"
+    """error: refuse to launch while any row is bad, listing each as FILE:LINE: reason | skip: train without
+    them (counted per reason in summary.json)."""
     seed: int = 0
-    """Seed of the task stream and of the prompt order."""
+    """Seed of the draw order (data/order.py): which file, then which row of its shuffled epoch."""
 
 
 @dataclass
@@ -146,8 +162,6 @@ class OrchestratorConfig:
     """Sampling temperature of evaluation (paper: 1.0)."""
     eval_greedy: bool = True
     """Also report greedy (temperature 0) pass@1 on the held-out set."""
-    seed: int = 0
-    """Seed of the prompt order."""
     dynamic_filtering: bool = False
     """Drop groups whose rewards are all equal (no signal) and sample replacements (DAPO; paper: IF-RL)."""
     overlong_penalty: bool = False
@@ -199,12 +213,14 @@ class WorkersConfig:
     """torch threads per sampler (0: torch's default)."""
     verifier_procs: int = 2
     """Scoring processes per verifier worker (CPU-bound checks in parallel; a hung one is killed and replaced)."""
-    verifier_domains: list[str] = field(default_factory=lambda: ["math"])
-    """Reward domains the verifier workers serve (each scored by the verifier registered under its name)."""
+    verifier_domains: list[str] = field(default_factory=list)
+    """Reward domains the verifier workers serve (each scored by the verifier registered under its name);
+    empty: every domain of the data."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """The judge endpoint for model-judged domains (genrm, llm_judge)."""
     verifier_plugins: list[str] = field(default_factory=list)
-    """Modules the verifier workers import first: they register more verifiers (``@register_verifier``)."""
+    """Your reward modules: dotted module names or paths to .py files, imported first by the launcher and
+    every verifier worker; they register verifiers with ``@register_verifier`` (verifiers/registry.py)."""
 
 
 @dataclass
@@ -261,14 +277,21 @@ ConfigStore.instance().store(name="launch_schema", node=LaunchConfig)
 def compose(preset: str | None, overrides: list[str], check: bool = True) -> DictConfig:
     """Resolve a launch config from a preset name (configs/run/NAME.yaml) or a YAML path."""
     overrides = list(overrides)
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        if preset and Path(preset).suffix in (".yaml", ".yml") and Path(preset).is_file():
-            cfg = hydra_compose(config_name="config", overrides=overrides)
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(preset), OmegaConf.from_dotlist(overrides))
-        else:
-            run = [f"run={preset}"] if preset else []
-            cfg = hydra_compose(config_name="config", overrides=run + overrides)
-    cfg = OmegaConf.merge(OmegaConf.structured(LaunchConfig), cfg)
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            if preset and Path(preset).suffix in (".yaml", ".yml") and Path(preset).is_file():
+                cfg = hydra_compose(config_name="config", overrides=overrides)
+                cfg = OmegaConf.merge(cfg, OmegaConf.load(preset), OmegaConf.from_dotlist(overrides))
+            else:
+                run = [f"run={preset}"] if preset else []
+                cfg = hydra_compose(config_name="config", overrides=run + overrides)
+        cfg = OmegaConf.merge(OmegaConf.structured(LaunchConfig), cfg)
+    except Exception as e:  # Hydra's and OmegaConf's errors: one line that says what to change
+        if type(e).__module__.startswith(("hydra", "omegaconf")):
+            raise ConfigError(explain(e, LaunchConfig)) from None
+        raise
+    if unknown := unknown_keys(cfg, LaunchConfig):  # `+trainer.stepz=3` adds a key Hydra does not refuse
+        raise ConfigError("; ".join(unknown))
     if not cfg.run_dir:
         cfg.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     if cfg.resume and not cfg.trainer.resume_from:
@@ -279,7 +302,8 @@ def compose(preset: str | None, overrides: list[str], check: bool = True) -> Dic
 
 
 def validate(cfg: DictConfig) -> None:
-    """Cross-process rules, checked once at launch with a message that says what to change."""
+    """Cross-process rules, checked once at launch with a message that says what to change. Rules that need
+    the data (the domains it holds) are checked when it is prepared (supervisor/run_data.py)."""
     problems = []
     t, w, o = cfg.trainer, cfg.workers, cfg.orchestrator
     if t.algorithm not in ("grpo", "mopd"):
@@ -304,27 +328,24 @@ def validate(cfg: DictConfig) -> None:
     if cfg.sampling.max_tokens < 1:
         problems.append("sampling.max_tokens must be >= 1")
     if not Path(cfg.model.path).is_dir():
-        problems.append(f"model.path={cfg.model.path} is not a directory (make one: cascade-rl make-tiny-model)")
-    from cascade_rl.verifiers.registry import GROUP_VERIFIERS, VERIFIERS
-
-    known = set(VERIFIERS) | set(GROUP_VERIFIERS)
-    if w.verifier_plugins:
-        known |= set(w.verifier_domains)  # plugins register theirs in the worker; the worker checks them
-    if unknown := [d for d in w.verifier_domains if d not in known]:
-        problems.append(f"workers.verifier_domains: no verifier for {unknown} (registered: {sorted(known)})")
-    from cascade_rl.learner.tasks import domains
+        problems.append(f"model.path={cfg.model.path} is not a directory (an HF model directory; a tiny one: "
+                        f"cascade-rl make-tiny-model --out DIR)")
+    if w.sampler_engine == "torch" and (unserved := _unserved_model_type(cfg.model.path)):
+        problems.append(unserved)
+    if not cfg.data.files:
+        problems.append("data.files is empty: name the training prompts, e.g. data.files=[prompts.jsonl] "
+                        "(built-in miniature sets: cascade-rl make-data NAME --out DIR)")
+    if cfg.data.on_bad_row not in ("error", "skip"):
+        problems.append(f"data.on_bad_row={cfg.data.on_bad_row!r}: choose error or skip")
+    from cascade_rl.verifiers.registry import GROUP_VERIFIERS, VERIFIERS, load_plugins
 
     try:
-        trained, evaluated = domains(cfg.data.task), domains(cfg.data.eval_task or cfg.data.task)
-    except KeyError as e:
-        problems.append(f"data: {e.args[0]}")
-        trained = evaluated = []
-    if unserved := sorted(set(trained + evaluated) - set(w.verifier_domains)):
-        problems.append(f"workers.verifier_domains={list(w.verifier_domains)} does not serve {unserved} "
-                        f"(domains of data.task / data.eval_task)")
-    if t.algorithm == "mopd" and (untaught := sorted(set(trained) - set(cfg.teachers))):
-        problems.append(f"trainer.algorithm=mopd: no teacher for {untaught}; set teachers.DOMAIN=CHECKPOINT_DIR "
-                        f"(the cascade runner picks each domain's best checkpoint)")
+        load_plugins(list(w.verifier_plugins))
+    except Exception as e:  # the user's module: its import error is the message
+        problems.append(str(e))
+    known = set(VERIFIERS) | set(GROUP_VERIFIERS)
+    if unknown := [d for d in w.verifier_domains if d not in known]:
+        problems.append(f"workers.verifier_domains: no verifier for {unknown} (registered: {sorted(known)})")
     if cfg.teachers and t.algorithm != "mopd":
         problems.append("teachers are used by trainer.algorithm=mopd only")
     if missing := [p for p in cfg.teachers.values() if not Path(p).is_dir()]:
@@ -342,7 +363,21 @@ def validate(cfg: DictConfig) -> None:
     if t.algorithm == "mopd" and (t.kl_coef or t.entropy_coef):
         problems.append("trainer.kl_coef / entropy_coef apply to grpo only")
     if problems:
-        raise ValueError("invalid launch config:\n  " + "\n  ".join(problems))
+        raise ConfigError("invalid launch config:\n  " + "\n  ".join(problems))
+
+
+def _unserved_model_type(path: str) -> str:
+    """The torch engine's refusal of the model's architecture, found before any process starts ("" if served)."""
+    import json
+
+    from cascade_rl.samplers.torch_model import SERVED_MODEL_TYPES
+
+    config = Path(path) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type is None or model_type in SERVED_MODEL_TYPES:
+        return ""
+    return (f"model_type {model_type!r} is not served by the torch engine (it serves {', '.join(SERVED_MODEL_TYPES)}): "
+            f"sample with workers.sampler_engine=vllm")
 
 
 def _cuda() -> bool:

@@ -2,7 +2,8 @@
 
     cascade-rl launch tiny run_dir=/tmp/r workers.samplers=2
 
-``launch`` resolves the config, gives the run its endpoints (``ipc://`` under
+``launch`` resolves the config, prepares the data (supervisor/run_data.py: every row
+validated before any process starts), gives the run its endpoints (``ipc://`` under
 a short temp dir), writes ``<run_dir>/config.yaml`` and starts, each as its
 own OS process: the orchestrator, the trainer, the samplers, the
 verifiers and, for MOPD, one teacher server per distinct teacher checkpoint
@@ -35,6 +36,7 @@ from cascade_rl.protocol.sockets import recv, send
 from cascade_rl.protocol.weights import shm_dir
 
 from .display import Display
+from .run_data import prepare_run_data
 
 MODULES = {
     "orchestrator": "cascade_rl.learner.orchestrator",
@@ -118,11 +120,15 @@ class Supervisor:
     def __init__(self, cfg: DictConfig) -> None:
         self.run_dir = Path(cfg.run_dir).resolve()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        cfg.run_dir = str(self.run_dir)
+        # before any socket or process: bad rows (BadData) or a config the data contradicts (ConfigError)
+        # refuse the launch here, and the orchestrator opens what this wrote to run_dir/data
+        self.data = prepare_run_data(cfg)
         run_id = uuid.uuid4().hex[:10]
         # ipc paths must stay under ~100 bytes, so they live in a short temp dir, not in run_dir
         self.sock_dir = Path(tempfile.gettempdir()) / f"crl-{run_id}"
         self.sock_dir.mkdir(parents=True)
-        cfg.run_dir, cfg.run_id = str(self.run_dir), run_id
+        cfg.run_id = run_id
         names = ("orchestrator", "weights", "heartbeat", "control")
         if cfg.host:  # tcp: reachable from other hosts / network namespaces
             cfg.endpoints = {name: f"tcp://{cfg.host}:{port}" for name, port in zip(names, free_ports(len(names)))}

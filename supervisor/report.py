@@ -132,7 +132,7 @@ def write_report(run_dir: Path, record: dict) -> Path:
                 lines.append(f"| {d} | {where(record, path)} | {acc:.3f} |" if acc is not None
                              else f"| {d} | `{path}` | — |")
     lines += ["", "## Stages and rollout books", "",
-              "| stage | algorithm | task | steps | status | wall s | dispatched | trained | filtered | stale | lost |",
+              "| stage | algorithm | data | steps | status | wall s | dispatched | trained | filtered | stale | lost |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in record.get("order", []):
         s = record["stages"].get(name)
@@ -141,7 +141,7 @@ def write_report(run_dir: Path, record: dict) -> Path:
         summary_path = Path(s["run_dir"]) / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
         b = summary.get("books", {})
-        lines.append(f"| {name} | {s.get('algorithm', '')} | {s.get('task', '')} | {s.get('steps', '')} | "
+        lines.append(f"| {name} | {s.get('algorithm', '')} | {', '.join(Path(f).name for f in s.get('files', []))} | {s.get('steps', '')} | "
                      f"{s.get('status', '')} | {summary.get('wall_s', float('nan')):.0f} | {b.get('dispatched', '')} | "
                      f"{b.get('trained', '')} | {b.get('filtered', '')} | {b.get('stale', '')} | {b.get('lost', '')} |")
     out = run_dir / "report.md"

@@ -26,3 +26,30 @@ def tiny_dense_model(tmp_path_factory) -> str:
     from cascade_rl.learner.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-dense", arch="qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """The built-in miniature tasks as data files (``cascade-rl make-data cascade``): {split: {task: path}}."""
+    from cascade_rl.data.builtin import write_task_files
+
+    return write_task_files("cascade", tmp_path_factory.mktemp("data"), {"heldout": 16, "rl": 300})
+
+
+@pytest.fixture(scope="session")
+def math_data(tiny_data) -> list[str]:
+    """Launch overrides for the arithmetic (math) prompts and their 16 held-out questions."""
+    return [f"data.files=[{tiny_data['rl']['arithmetic']}]", f"data.eval_files=[{tiny_data['heldout']['arithmetic']}]"]
+
+
+@pytest.fixture(scope="session")
+def prepared():
+    """prepared(cfg): a composed launch config with its data prepared in run_dir/data, as the supervisor does
+    before any process starts (an Orchestrator built in a test reads it there)."""
+    from cascade_rl.supervisor.run_data import prepare_run_data
+
+    def prepare(cfg):
+        prepare_run_data(cfg)
+        return cfg
+
+    return prepare

@@ -13,34 +13,37 @@ import matplotlib.image
 import pytest
 
 from cascade_rl.supervisor.cascade import Cascade, load_config
+from cascade_rl.supervisor.config_errors import ConfigError
 from cascade_rl.supervisor.report import write_report
 
 CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
 
 
-def tiny_cascade(tmp_path: Path, model: str) -> Path:
+def tiny_cascade(tmp_path: Path, model: str, data: dict) -> Path:
     """Two stages of two steps: GRPO on instruction following, then MOPD over all four domains."""
+    heldout = [data["heldout"][t] for t in ("arithmetic", "arithmetic_mcqa", "arithmetic_json", "arithmetic_if")]
+    rl = ",".join(f"{data['rl'][t]}:1" for t in ("arithmetic", "arithmetic_mcqa", "arithmetic_json", "arithmetic_if"))
     path = tmp_path / "cascade.yaml"
     path.write_text(f"""
 run_dir: {tmp_path / "run"}
 model: {model}
 run: tiny
-overrides: ["workers.verifier_domains=[math,mcqa,structured_output,instruction_following]", orchestrator.eval_n=0,
-            orchestrator.eval_greedy=false, trainer.steps=2, trainer.save_every=1, supervisor.progress=plain]
-eval: {{task: cascade, heldout_size: 4, train_size: 200, n: 2, max_tokens: 24}}
+overrides: [orchestrator.eval_n=0, orchestrator.eval_greedy=false, trainer.steps=2, trainer.save_every=1,
+            supervisor.progress=plain]
+eval: {{files: {json.dumps(heldout)}, per_domain: 4, n: 2, max_tokens: 24}}
 stages:
   # a random model scores 0 everywhere: dynamic filtering (the IF-RL preset's) would drop every group
-  - {{name: if_rl, stage: if_rl, overrides: [data.task=arithmetic_if, sampling.max_tokens=24,
+  - {{name: if_rl, stage: if_rl, overrides: ["data.files=[{data['rl']['arithmetic_if']}]", sampling.max_tokens=24,
                                              orchestrator.dynamic_filtering=false]}}
   - {{name: mopd, stage: mopd, teachers: best,
-      overrides: [data.task=cascade, sampling.max_tokens=24, trainer.steps=2, trainer.warmup_steps=1]}}
+      overrides: ["data.files=[{rl}]", sampling.max_tokens=24, trainer.steps=2, trainer.warmup_steps=1]}}
 """)
     return path
 
 
 @pytest.mark.slow
-def test_cascade_runs_stages_records_every_checkpoint_and_distils_from_the_best(tiny_model, tmp_path):
-    config = tiny_cascade(tmp_path, tiny_model)
+def test_cascade_runs_stages_records_every_checkpoint_and_distils_from_the_best(tiny_model, tiny_data, tmp_path):
+    config = tiny_cascade(tmp_path, tiny_model, tiny_data)
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     r = subprocess.run([*CLI, "cascade", str(config)], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -83,7 +86,7 @@ def test_cascade_runs_stages_records_every_checkpoint_and_distils_from_the_best(
 
 def test_teachers_best_picks_each_domains_best_checkpoint_and_pins_explicit_ones(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(f"run_dir: {tmp_path / 'run'}\nmodel: {tmp_path}\neval: {{heldout_size: 2, train_size: 10}}\n"
+    path.write_text(f"run_dir: {tmp_path / 'run'}\nmodel: {tmp_path}\neval: {{files: [heldout.jsonl]}}\n"
                     "stages: [{name: a}, {name: b}]\n")
     cascade = Cascade(load_config(str(path), []))
 
@@ -104,10 +107,15 @@ def test_teachers_best_picks_each_domains_best_checkpoint_and_pins_explicit_ones
 def test_load_config_refuses_unnamed_or_duplicate_stages(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("stages: [{name: a}, {name: a}]\n")
-    with pytest.raises(SystemExit, match="distinct"):
+    with pytest.raises(ConfigError, match="distinct"):
         load_config(str(path), [])
-    with pytest.raises(SystemExit, match="no cascade config"):
+    with pytest.raises(ConfigError, match="no cascade config"):
         load_config("no-such-cascade", [])
+    path.write_text("stages: [{name: a}]\n")
+    with pytest.raises(ConfigError, match="eval.files is empty"):
+        load_config(str(path), [])
+    with pytest.raises(ConfigError, match=r"eval.filez: no such setting \(did you mean eval.files\?\)"):
+        load_config(str(path), ["eval.filez=[x]"])
 
 
 def test_report_from_a_record(tmp_path):
@@ -120,11 +128,11 @@ def test_report_from_a_record(tmp_path):
     ev = {"n": 2, "temperature": 1.0, "questions": {"math": 4}, "seconds": 1.0}
     record = {"model": "/sft", "order": ["s1"],
               "initial": {"path": "/sft", "step": 0, "accuracy": 0.25, "domains": {"math": 0.25}, **ev},
-              "stages": {"s1": {"run_dir": str(stage_dir), "status": "done", "algorithm": "grpo", "task": "arithmetic",
+              "stages": {"s1": {"run_dir": str(stage_dir), "status": "done", "algorithm": "grpo", "files": ["/d/rl.jsonl"],
                                 "steps": 2, "checkpoints": [
                                     {"path": "/c2", "step": 2, "accuracy": 0.5, "domains": {"math": 0.5}, **ev}]}}}
     report = write_report(tmp_path, record).read_text()
     assert "| start (SFT) | 0.250 | 0.250 |" in report
     assert "| s1 | 0.500 | 0.500 |" in report
-    assert "| s1 | grpo | arithmetic | 2 | done | 12 | 16 | 16 | 0 | 0 | 0 |" in report
+    assert "| s1 | grpo | rl.jsonl | 2 | done | 12 | 16 | 16 | 0 | 0 | 0 |" in report
     assert matplotlib.image.imread(tmp_path / "accuracy.png").ndim == 3

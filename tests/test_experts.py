@@ -63,7 +63,7 @@ def test_trainer_trains_the_moe_to_the_same_losses_with_each_impl(micro_moe, tmp
     monkeypatch.setitem(moe.EXPERTS, "triton", lambda *a: calls.append(1) or triton_experts(*a))
     for impl in ("hf", "torch", "triton"):
         cfg = compose("tiny", [f"model.path={micro_moe}", f"run_dir={tmp_path / impl}", f"model.moe_impl={impl}",
-                               "trainer.lr=1e-3"])
+                               "trainer.lr=1e-3"], check=False)
         policy, _, opt, _, _ = build(cfg, parallel.Ranks())
         losses[impl] = [train_step(policy, opt, make_batch(groups=1, resp=4, seed=s), cfg.trainer, s)["loss"]
                         for s in range(3)]
@@ -80,7 +80,7 @@ def test_the_tiny_demo_moe_trains_the_same_with_triton_experts(tiny_model, tmp_p
     losses = {}
     for impl in ("torch", "triton"):
         cfg = compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path / impl}", f"model.moe_impl={impl}",
-                               "trainer.lr=1e-3"])
+                               "trainer.lr=1e-3"], check=False)
         policy, _, opt, _, _ = build(cfg, parallel.Ranks())
         losses[impl] = [train_step(policy, opt, make_batch(groups=1, g=2, prompt=3, resp=3, seed=s), cfg.trainer,
                                    s)["loss"] for s in range(2)]

@@ -22,10 +22,10 @@ def cli(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_launch_tiny_end_to_end(tiny_model, tmp_path):
+def test_launch_tiny_end_to_end(tiny_model, math_data, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
-    proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}",
+    proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
                              "supervisor.progress=plain"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
     # while it runs: the live process table answers over the control socket
@@ -80,8 +80,8 @@ def test_launch_tiny_end_to_end(tiny_model, tmp_path):
     assert "logp mismatch" in out and "log-prob mismatch" in out
 
 
-def test_launch_dry_run_prints_resolved_config(tiny_model):
-    r = cli("launch", "tiny", f"model.path={tiny_model}", "trainer.steps=5", "--dry-run", timeout=60)
+def test_launch_dry_run_prints_resolved_config(tiny_model, math_data):
+    r = cli("launch", "tiny", f"model.path={tiny_model}", *math_data, "trainer.steps=5", "--dry-run", timeout=60)
     assert r.returncode == 0, r.stderr
     assert "steps: 5" in r.stdout and "prompts_per_step: 8" in r.stdout
 
@@ -93,10 +93,10 @@ def test_launch_rejects_bad_config_with_a_clear_message(tmp_path):
 
 
 @pytest.mark.slow
-def test_stopping_the_supervisor_stops_every_worker(tiny_model, tmp_path):
+def test_stopping_the_supervisor_stops_every_worker(tiny_model, math_data, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
-    proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}",
+    proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
                              "trainer.steps=1000", "supervisor.progress=none"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pids, deadline = [], time.monotonic() + 60
@@ -116,12 +116,12 @@ def test_stopping_the_supervisor_stops_every_worker(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_rank_trainer_then_resume_from_its_checkpoint(tiny_model, tmp_path):
+def test_two_rank_trainer_then_resume_from_its_checkpoint(tiny_model, math_data, tmp_path):
     """trainer.world_size=2: the supervisor starts the trainer under torchrun (FSDP2, gloo); a second launch
     with trainer.resume_from=latest continues at the checkpoint's step with the saved data cursor."""
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
-    common = [f"run_dir={run_dir}", f"model.path={tiny_model}", "supervisor.progress=plain"]
+    common = [f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data, "supervisor.progress=plain"]
     r = cli("launch", "tiny", *common, "trainer.world_size=2", "trainer.steps=2", env=env, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = (run_dir / "logs" / "trainer-0.log").read_text()
@@ -142,13 +142,13 @@ def test_two_rank_trainer_then_resume_from_its_checkpoint(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_swapping_a_verifier_during_a_run_loses_and_doubles_no_score(tiny_model, tmp_path):
+def test_swapping_a_verifier_during_a_run_loses_and_doubles_no_score(tiny_model, math_data, tmp_path):
     """`ctl swap verifier math math` mid-run: new workers start, the old one drains and exits; every rollout
     is scored exactly once and trained once."""
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     steps = 8
-    proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}",
+    proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
                              f"trainer.steps={steps}", "supervisor.progress=none"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 90
@@ -179,13 +179,13 @@ def test_swapping_a_verifier_during_a_run_loses_and_doubles_no_score(tiny_model,
 
 
 @pytest.mark.slow
-def test_scaling_samplers_up_and_down_during_a_run(tiny_model, tmp_path):
+def test_scaling_samplers_up_and_down_during_a_run(tiny_model, math_data, tmp_path):
     """`ctl scale samplers=2` mid-run starts a sampler that loads the current weights before it takes work;
     `ctl scale samplers=1` drains the newest one; nothing is lost."""
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     steps = 30
-    proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}",
+    proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
                              f"trainer.steps={steps}", "supervisor.progress=none"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -223,12 +223,12 @@ def test_scaling_samplers_up_and_down_during_a_run(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_faults_killed_workers_are_restarted_and_a_killed_trainer_resumes(tiny_model, tmp_path):
+def test_faults_killed_workers_are_restarted_and_a_killed_trainer_resumes(tiny_model, math_data, tmp_path):
     """SIGKILL a sampler and a verifier mid-run: they restart, the run completes, books balance with nothing
     lost. SIGKILL the trainer: the run stops with how to resume; `resume=true` continues from the checkpoint."""
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
-    common = [f"run_dir={run_dir}", f"model.path={tiny_model}", "supervisor.progress=none",
+    common = [f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data, "supervisor.progress=none",
               "supervisor.restart_backoff_s=0.2", "orchestrator.sampler_timeout_s=20",
               "orchestrator.verifier_timeout_s=10", "trainer.save_every=2"]
 
@@ -274,14 +274,14 @@ def test_faults_killed_workers_are_restarted_and_a_killed_trainer_resumes(tiny_m
 
 
 @pytest.mark.slow
-def test_async_mode_samples_the_next_batch_while_the_trainer_steps(tiny_model, tmp_path):
+def test_async_mode_samples_the_next_batch_while_the_trainer_steps(tiny_model, math_data, tmp_path):
     """max_staleness=1: batches are at most one version old when trained (some are), nothing is lost, and the
     launch refuses async GRPO without importance weights."""
     run_dir = tmp_path / "run"
-    bad = cli("launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", "orchestrator.max_staleness=1",
+    bad = cli("launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data, "orchestrator.max_staleness=1",
               timeout=60)
     assert bad.returncode != 0 and "importance_weights" in bad.stderr
-    r = cli("launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", "orchestrator.max_staleness=1",
+    r = cli("launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data, "orchestrator.max_staleness=1",
             "trainer.importance_weights=true", "trainer.steps=5", "supervisor.progress=none",
             "workers.sampler_delay_s=0.5", timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -14,14 +14,14 @@ from cascade_rl.supervisor.config import compose
 
 
 @pytest.fixture
-def make(tiny_model, tmp_path):
+def make(tiny_model, math_data, prepared, tmp_path):
     made = []
 
     def make(**opts) -> Orchestrator:
-        overrides = [f"model.path={tiny_model}", f"run_dir={tmp_path}",
+        overrides = [f"model.path={tiny_model}", *math_data, f"run_dir={tmp_path}",
                      f"+endpoints.orchestrator=ipc://{tmp_path}/orch-{len(made)}"]
         overrides += [f"orchestrator.{k}={'null' if v is None else v}" for k, v in opts.items()]
-        o = Orchestrator(compose("tiny", overrides))
+        o = Orchestrator(prepared(compose("tiny", overrides)))
         made.append(o)
         return o
 
@@ -31,8 +31,7 @@ def make(tiny_model, tmp_path):
 
 
 def group(o: Orchestrator, rewards: list[float], finish: list[str]) -> Group:
-    ex = o.train_pool[0]
-    g = o._new_group(ex, len(rewards), SamplingParams(), True)
+    g = o._new_group(o.prompts.set.row(0), len(rewards), SamplingParams(), True)
     del o.groups[g.group_id]
     for i, (r, f) in enumerate(zip(rewards, finish)):
         g.rollouts[i] = Rollout(g.group_id, i, "math", g.prompt_ids, np.array([5, 6, 7], np.int32),
@@ -65,7 +64,7 @@ def test_masked_groups_travel_as_loss_masked_rows_with_the_cursor(make):
     high = group(o, [0.6, 0.2, 0.0, 0.5], ["stop"] * 4)
     for g in (low, high):
         g.masked = bool(o.rewards(g).max() <= o.cfg.orchestrator.mask_threshold)
-    o.examples_drawn = 40
+    o.prompts.restore(40)
     batch = o.build_batch(0, [low, high])
     assert batch.loss_masked.tolist() == [True] * 4 + [False] * 4
     assert batch.response_mask[:4].any()  # the tokens stay (log-prob mismatch is still measured on them)
@@ -94,7 +93,7 @@ def test_a_group_domain_is_scored_as_one_request_when_the_group_is_complete(make
 
     import zmq
 
-    from cascade_rl.learner.tasks import Example
+    from cascade_rl.data.rows import Row
     from cascade_rl.protocol.messages import GroupScoreRequest, Ready
     from cascade_rl.protocol.sockets import recv, send
 
@@ -109,7 +108,7 @@ def test_a_group_domain_is_scored_as_one_request_when_the_group_is_complete(make
     send(verifier, Ready("verifier-9", "verifier", slots=8, domains=["test_group_len"]))
     o.pump(lambda: b"verifier-9" in o.workers, timeout_s=10)
     g = group(o, [0.0] * 4, ["stop"] * 4)
-    g.example = Example("q", "a", "test_group_len", "")
+    g.row = Row("r", ({"role": "user", "content": "q"},), "test_group_len", "a", {})
     o.groups[g.group_id] = g
     rollouts = dict(g.rollouts)
     g.rollouts.clear()
@@ -126,22 +125,22 @@ def test_a_group_domain_is_scored_as_one_request_when_the_group_is_complete(make
     assert verifier.poll(5000)
     req = recv(verifier, (GroupScoreRequest,))
     assert req.keys == [f"{g.group_id}/{i}/0" for i in range(4)] and len(req.texts) == 4
-    assert req.domain == "test_group_len" and req.prompt == g.example.prompt
+    assert req.domain == "test_group_len" and req.prompt == "q"
     assert set(o.workers[b"verifier-9"].assigned) == set(req.keys)
     verifier.close(0)
 
 
 @pytest.fixture
-def mopd(tiny_model, tmp_path):
+def mopd(tiny_model, math_data, prepared, tmp_path):
     """An MOPD orchestrator and a real teacher peer (a DEALER) on its ROUTER."""
     import zmq
 
     from cascade_rl.protocol.messages import Ready
     from cascade_rl.protocol.sockets import send
 
-    o = Orchestrator(compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path}", "stage=mopd", "data.task=arithmetic",
-                                      f"+teachers.math={tiny_model}",
-                                      f"+endpoints.orchestrator=ipc://{tmp_path}/orch-mopd"]))
+    o = Orchestrator(prepared(compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path}", "stage=mopd", *math_data,
+                                               f"+teachers.math={tiny_model}",
+                                               f"+endpoints.orchestrator=ipc://{tmp_path}/orch-mopd"])))
     teacher = zmq.Context.instance().socket(zmq.DEALER)
     teacher.setsockopt(zmq.IDENTITY, b"teacher-9")
     teacher.setsockopt(zmq.LINGER, 0)
@@ -155,7 +154,7 @@ def mopd(tiny_model, tmp_path):
 
 def arrived(o: Orchestrator, lengths: list[int]) -> Group:
     """A training group whose rollouts (of these response lengths) have all arrived and are scored."""
-    g = o._new_group(o.train_pool[0], len(lengths), SamplingParams(), True)
+    g = o._new_group(o.prompts.set.row(0), len(lengths), SamplingParams(), True)
     o.prompt_queue.clear()
     for i, n in enumerate(lengths):
         g.rollouts[i] = Rollout(g.group_id, i, "math", g.prompt_ids, np.arange(5, 5 + n, dtype=np.int32),

@@ -11,9 +11,9 @@ PAPER_DEFAULTS = {"trainer.prompts_per_step": 128, "trainer.group_size": 16, "tr
                   "trainer.entropy_coef": 0.0, "orchestrator.max_staleness": 0}
 
 STAGES = {
-    "if_rl": {"data.task": "arithmetic_if", "trainer.steps": 180, "sampling.max_tokens": 49152, "orchestrator.dynamic_filtering": True},
-    "multi_domain": {"data.task": "multi_domain", "trainer.steps": 70, "sampling.max_tokens": 49152},
-    "mopd": {"data.task": "cascade", "trainer.algorithm": "mopd", "trainer.group_size": 4, "trainer.lr": 2e-6, "trainer.warmup_steps": 30,
+    "if_rl": {"trainer.steps": 180, "sampling.max_tokens": 49152, "orchestrator.dynamic_filtering": True},
+    "multi_domain": {"trainer.steps": 70, "sampling.max_tokens": 49152},
+    "mopd": {"trainer.algorithm": "mopd", "trainer.group_size": 4, "trainer.lr": 2e-6, "trainer.warmup_steps": 30,
              "trainer.warmup_start_lr": 2e-7, "trainer.eps_low": 0.5, "trainer.eps_high": 2.0},
     "rlhf": {"trainer.kl_coef": 0.03, "sampling.max_tokens": 16384, "orchestrator.overlong_penalty": False,
              "trainer.steps": 30},
@@ -43,12 +43,21 @@ def test_a_run_preset_overrides_the_stage_where_it_sets_scale(tiny_model):
     assert cfg.trainer.prompts_per_step == 8 and cfg.sampling.max_tokens == 24  # from the run preset
 
 
-def test_validation_names_missing_verifiers_and_teachers(tiny_model):
-    with pytest.raises(ValueError) as e:
-        compose("tiny", ["stage=mopd", f"model.path={tiny_model}", "workers.verifier_domains=[math,swe]"])
-    assert "no verifier for ['swe']" in str(e.value) and "no teacher for" in str(e.value)
-    with pytest.raises(ValueError, match=r"does not serve \['instruction_following'\]"):
-        compose("tiny", ["stage=if_rl", f"model.path={tiny_model}", "workers.verifier_domains=[math]"])
-    with pytest.raises(ValueError, match="teachers are used by trainer.algorithm=mopd only"):
-        compose("tiny", [f"model.path={tiny_model}", f"+teachers.math={tiny_model}"])
-    compose("tiny", ["stage=rlhf", f"model.path={tiny_model}", "workers.verifier_domains=[math]"])  # valid
+def test_validation_names_missing_verifiers_and_teachers(tiny_model, math_data, prepared, tmp_path):
+    from cascade_rl.supervisor.config_errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"no verifier for \['swe'\]"):
+        compose("tiny", ["stage=mopd", f"model.path={tiny_model}", *math_data, "workers.verifier_domains=[math,swe]"])
+    with pytest.raises(ConfigError, match="teachers are used by trainer.algorithm=mopd only"):
+        compose("tiny", [f"model.path={tiny_model}", *math_data, f"+teachers.math={tiny_model}"])
+    # the rules that need the data's domains: checked when the data is prepared, before any process starts
+    mopd = compose("tiny", ["stage=mopd", f"model.path={tiny_model}", *math_data, f"run_dir={tmp_path / 'a'}"])
+    with pytest.raises(ConfigError, match=r"no teacher for \['math'\]"):
+        prepared(mopd)
+    narrow = compose("tiny", [f"model.path={tiny_model}", *math_data, "workers.verifier_domains=[mcqa]",
+                              f"run_dir={tmp_path / 'b'}"])
+    with pytest.raises(ConfigError, match=r"does not serve \['math'\]"):
+        prepared(narrow)
+    served = prepared(compose("tiny", ["stage=rlhf", f"model.path={tiny_model}", *math_data,
+                                       f"run_dir={tmp_path / 'c'}"]))
+    assert list(served.workers.verifier_domains) == ["math"]  # empty: every domain of the data

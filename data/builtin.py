@@ -1,0 +1,50 @@
+"""The built-in miniature tasks (learner/tasks.py) written as data files, so the demo trains from files exactly
+as a user's data is trained from.
+
+    cascade-rl make-data cascade --out runs/data/cascade [--heldout 64 --rl 2000 --sft 1000 --seed 0]
+    # -> runs/data/cascade/{heldout,rl,sft}/<task>.jsonl, one file per member task, and manifest.json
+
+Each member task of NAME (a task or a mixture of learner/tasks.py) gets one
+JSONL file per split, in the row schema of data/rows.py plus ``response``
+(the worked solution, for SFT). Splits are question-disjoint within a task,
+and no RL or SFT row of any task asks a question that any task holds out
+(learner/tasks.py ``held_out_questions``), so a held-out file measures
+generalisation whichever files a stage trains on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cascade_rl.learner.tasks import SPLITS, Example, held_out_questions, load_task, mixture
+
+
+def example_row(ex: Example, row_id: str) -> dict:
+    return {"id": row_id, "prompt": ex.prompt, "domain": ex.domain, "answer": ex.answer, "metadata": ex.metadata,
+            "response": ex.solution}
+
+
+def write_task_files(name: str, out: str | Path, sizes: dict[str, int], seed: int = 0) -> dict[str, dict[str, str]]:
+    """Write ``out/<split>/<task>.jsonl`` for every member task of ``name``; returns {split: {task: path}}.
+    ``sizes``: rows per task and split (RL and SFT files hold fewer where questions are held out)."""
+    out = Path(out)
+    members = list(mixture(name) or {name: 1.0})
+    wanted = {split: sizes.get(split, 0) for split in SPLITS}
+    reserved = held_out_questions(wanted["heldout"], seed) if wanted["heldout"] else set()
+    files: dict[str, dict[str, str]] = {split: {} for split in SPLITS if wanted[split]}
+    for task in members:
+        for split, examples in load_task(task, wanted, seed).items():
+            if split != "heldout":
+                examples = [ex for ex in examples if ex.question not in reserved]
+            path = out / split / f"{task}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".jsonl.tmp")
+            with open(tmp, "w") as f:
+                for i, ex in enumerate(examples):
+                    f.write(json.dumps(example_row(ex, f"{task}/{split}/{i}")) + "\n")
+            tmp.replace(path)
+            files[split][task] = str(path)
+    (out / "manifest.json").write_text(json.dumps({"name": name, "seed": seed, "sizes": wanted, "files": files},
+                                                  indent=2))
+    return files

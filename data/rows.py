@@ -1,0 +1,202 @@
+"""The row schema, and the rules that turn one raw record into a ``Row`` or say why not (no IO).
+
+    row = parse_row({"prompt": "What is 2+2?", "domain": "math", "answer": "4"}, Fields())
+    parse_row({"prompt": ""}, Fields())   # raises BadRow("empty prompt", ...)
+
+A row (one line of JSONL, one row of Parquet or of an HF dataset):
+
+| field | type | meaning |
+| --- | --- | --- |
+| ``prompt`` | string, or a list of ``{role, content}`` | one user message, or a conversation (system / user / earlier assistant turns) ending in a user or tool turn |
+| ``domain`` | string | the registered verifier that scores it (``data.default_domain`` fills it when absent) |
+| ``answer`` | string (numbers and JSON values become text) | the reference handed to the verifier; may be empty (judge domains) |
+| ``metadata`` | object (or a JSON string of one) | handed to the verifier: MCQA options, a JSON Schema, IFEval ids and kwargs, code tests, ... |
+| ``id`` | string or integer, optional | stable id; derived from the content when absent |
+| ``response`` | string | SFT only: the assistant turn to learn (RL ignores it) |
+
+Every name can be remapped (``data.fields.prompt=question``). A ``BadRow``
+carries a short ``kind`` (counted per run: ``summary.json`` ``data.bad_rows``)
+and the ``detail`` a user reads next to ``FILE:LINE``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import xxhash
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclasses.dataclass
+class Fields:
+    """Where each field of the schema lives in the user's rows (``data.fields``: verl's ``prompt_key``)."""
+
+    prompt: str = "prompt"
+    """A string (one user message) or a list of {role, content} chat messages."""
+    domain: str = "domain"
+    """The registered verifier domain that scores the row."""
+    answer: str = "answer"
+    """The reference handed to the verifier (may be empty)."""
+    metadata: str = "metadata"
+    """An object (or a JSON string of one) handed to the verifier."""
+    id: str = "id"
+    """Optional stable id (derived from the content when absent)."""
+    response: str = "response"
+    """SFT only: the assistant turn to learn."""
+
+
+class BadRow(ValueError):
+    """A row that cannot be trained on: ``kind`` names the rule it broke, ``detail`` says what to change."""
+
+    def __init__(self, kind: str, detail: str = "") -> None:
+        super().__init__(detail or kind)
+        self.kind, self.detail = kind, detail or kind
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Row:
+    """One prompt of a prompt set, as the orchestrator and the verifiers see it."""
+
+    id: str
+    messages: tuple[dict[str, str], ...]
+    """The conversation up to the model's turn: ``({"role": "user", "content": ...}, ...)``."""
+    domain: str
+    answer: str
+    metadata: dict[str, Any]
+
+    @property
+    def question(self) -> str:
+        """The last user message: what judges and ``metadata["question"]`` get."""
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "user"), "")
+
+    def key(self) -> str:
+        """The prompt's identity for question-disjoint splits: the same conversation, the same key."""
+        return prompt_key(self.messages)
+
+
+def prompt_key(messages: tuple[dict[str, str], ...] | list[dict[str, str]]) -> str:
+    return xxhash.xxh64_hexdigest(json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False).encode())
+
+
+def heldout_by_hash(key: str, fraction: float) -> bool:
+    """Deterministic, question-disjoint held-out split: the prompt's hash read as a number in [0, 1)."""
+    return fraction > 0 and int(key, 16) / 2.0**64 < fraction
+
+
+def _type(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), type(value).__name__)
+
+
+def _field(raw: dict, fields: Fields, name: str) -> tuple[str, Any]:
+    """(the user's field name, its value or None); the name says where to look if it is wrong."""
+    key = getattr(fields, name)
+    return key, raw.get(key)
+
+
+def _where(fields: Fields, name: str) -> str:
+    key = getattr(fields, name)
+    return f"'{key}'" if key == name else f"'{key}' (data.fields.{name})"
+
+
+def parse_messages(prompt: Any, where: str) -> tuple[dict[str, str], ...]:
+    """A prompt as a conversation: a string is one user message; a list must hold {role, content} objects."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise BadRow("empty prompt", f"field {where} is empty")
+        return ({"role": "user", "content": prompt},)
+    if not isinstance(prompt, list):
+        raise BadRow("ill-typed field", f"field {where} must be a string or a list of {{role, content}} messages, "
+                                        f"got {_type(prompt)}")
+    if not prompt:
+        raise BadRow("empty prompt", f"field {where} is an empty list of messages")
+    out = []
+    for i, m in enumerate(prompt):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadRow("bad message", f"field {where}, message {i}: must be an object with string 'role' and "
+                                        f"'content', got {json.dumps(m, ensure_ascii=False)[:80]}")
+        if m["role"] not in ROLES:
+            raise BadRow("bad message", f"field {where}, message {i}: role {m['role']!r} is not one of "
+                                        f"{', '.join(ROLES)}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] == "assistant":
+        raise BadRow("bad message", f"field {where}: the last message is the assistant's; a prompt ends with the turn "
+                                    f"the model answers (user or tool)")
+    if not any(m["content"].strip() for m in out if m["role"] == "user"):
+        raise BadRow("empty prompt", f"field {where} has no user message with content")
+    return tuple(out)
+
+
+def _text(value: Any, where: str) -> str:
+    """A reference as text: numbers as written, JSON values (a tool call, a schema) as JSON text."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        raise BadRow("ill-typed field", f"field {where} must be a string, got a boolean")
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, dict | list):
+        return json.dumps(value, ensure_ascii=False)
+    raise BadRow("ill-typed field", f"field {where} must be a string, got {_type(value)}")
+
+
+def _metadata(value: Any, where: str, drop_nulls: bool) -> dict[str, Any]:
+    """An object, or a JSON string of one (Parquet files often store it so). Columnar formats fill the keys
+    other rows have with null (``drop_nulls``): those are dropped, not handed to the verifier."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError as e:
+            raise BadRow("ill-typed field", f"field {where} is a string but not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise BadRow("ill-typed field", f"field {where} must be an object, got {_type(value)}")
+    return {k: v for k, v in value.items() if v is not None} if drop_nulls else value
+
+
+def row_id(messages: tuple[dict[str, str], ...], domain: str, answer: str) -> str:
+    """A stable id derived from the content (the same row gets the same id in every run)."""
+    return xxhash.xxh64_hexdigest(json.dumps([prompt_key(messages), domain, answer], ensure_ascii=False).encode())
+
+
+def parse_row(raw: Any, fields: Fields = Fields(), default_domain: str = "", drop_nulls: bool = False) -> Row:
+    """One raw record as a ``Row``; raises ``BadRow`` for the first rule it breaks.
+
+    Which domains exist and whether the verifier accepts the metadata are checked by the caller
+    (``data.prepare``): they depend on the registry, not on the row alone."""
+    if not isinstance(raw, dict):
+        raise BadRow("not an object", f"a row must be a JSON object, got {_type(raw)}")
+    key, prompt = _field(raw, fields, "prompt")
+    if key not in raw:
+        raise BadRow("missing field", f"missing field {_where(fields, 'prompt')}")
+    messages = parse_messages(prompt, _where(fields, "prompt"))
+    _, domain = _field(raw, fields, "domain")
+    domain = default_domain if domain is None else domain
+    if not domain:
+        raise BadRow("missing field", f"missing field {_where(fields, 'domain')} (or set data.default_domain)")
+    if not isinstance(domain, str):
+        raise BadRow("ill-typed field", f"field {_where(fields, 'domain')} must be a string, got {_type(domain)}")
+    answer = _text(_field(raw, fields, "answer")[1], _where(fields, "answer"))
+    metadata = _metadata(_field(raw, fields, "metadata")[1], _where(fields, "metadata"), drop_nulls)
+    _, rid = _field(raw, fields, "id")
+    if rid is None or rid == "":
+        rid = row_id(messages, domain, answer)
+    elif isinstance(rid, bool) or not isinstance(rid, str | int):
+        raise BadRow("ill-typed field", f"field {_where(fields, 'id')} must be a string or an integer, got {_type(rid)}")
+    return Row(str(rid), messages, domain, answer, metadata)
+
+
+def parse_response(raw: dict, fields: Fields = Fields()) -> str:
+    """SFT: the assistant turn a row teaches."""
+    key, response = _field(raw, fields, "response")
+    if not isinstance(response, str) or not response.strip():
+        got = "missing" if key not in raw else f"{_type(response)}" if not isinstance(response, str) else "empty"
+        raise BadRow("missing field" if key not in raw else "ill-typed field",
+                     f"SFT needs field {_where(fields, 'response')} (the assistant turn to learn): {got}")
+    return response

@@ -1,0 +1,80 @@
+"""A launch's data, prepared before any process starts: validated, split, written to ``run_dir/data``.
+
+    report = prepare_run_data(cfg)   # raises BadData (every bad row, FILE:LINE: reason) or ConfigError
+
+The supervisor calls it first; the orchestrator then opens ``run_dir/data``
+memory-mapped (data/promptset.py). It imports the user's reward modules
+(``workers.verifier_plugins``) so their domains are known, reads every row
+(data/prepare.py), and settles the rules that need the data: which domains the
+verifier workers serve (``workers.verifier_domains``, filled with the data's
+domains when empty) and, for MOPD, that every trained domain has a teacher.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from cascade_rl.data.prepare import BadLine, Report, prepare
+
+from .config_errors import ConfigError
+
+
+class BadData(ValueError):
+    """Rows that are bad, with ``data.on_bad_row=error``: the launch is refused with every line."""
+
+    def __init__(self, report: Report) -> None:
+        super().__init__(f"{sum(report.bad.values())} bad rows")
+        self.report = report
+
+
+def refusal(report: Report) -> list[str]:
+    """What a refused launch prints: every bad row's line, then the counts and what to do."""
+    lines = [str(b) for b in report.bad_lines if b.kind in report.bad]
+    total = sum(report.bad.values())
+    if total > len(lines):
+        lines.append(f"... and {total - len(lines)} more (all of them: cascade-rl data check FILES)")
+    counts = ", ".join(f"{kind}: {n}" for kind, n in report.bad.most_common())
+    lines.append(f"{total} bad rows ({counts}): fix them, or set data.on_bad_row=skip to train without them")
+    return lines
+
+
+def registered_domains(plugins: list[str]) -> set[str]:
+    from cascade_rl.verifiers.registry import GROUP_VERIFIERS, VERIFIERS, load_plugins
+
+    load_plugins(plugins)
+    return set(VERIFIERS) | set(GROUP_VERIFIERS)
+
+
+def prepare_run_data(cfg: DictConfig) -> Report:
+    from transformers import AutoTokenizer
+
+    w = cfg.workers
+    # workers run with their own working directory in mind: give them absolute paths to the user's modules
+    w.verifier_plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in w.verifier_plugins]
+    domains = registered_domains(list(w.verifier_plugins))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path={cfg.model.path}: no tokenizer loads from it: {e}") from None
+    report = prepare(cfg.data, tokenizer, Path(cfg.run_dir) / "data", domains)
+    if report.bad and cfg.data.on_bad_row == "error":
+        raise BadData(report)
+    used = sorted(set(report.domains["train"]) | set(report.domains["eval"]))
+    if not w.verifier_domains:
+        w.verifier_domains = used
+    elif unserved := sorted(set(used) - set(w.verifier_domains)):
+        raise ConfigError(f"workers.verifier_domains={list(w.verifier_domains)} does not serve {unserved}, "
+                          f"domains of the data (leave it empty to serve every domain of the data)")
+    if cfg.trainer.algorithm == "mopd":
+        trained = set(report.domains["train"])
+        if untaught := sorted(trained - set(cfg.teachers)):
+            raise ConfigError(f"trainer.algorithm=mopd: no teacher for {untaught}; set +teachers.DOMAIN=CHECKPOINT_DIR "
+                              f"(the cascade runner picks each domain's best checkpoint)")
+        # a teacher of a domain the data does not hold would be a process with nothing to do
+        cfg.teachers = {d: p for d, p in cfg.teachers.items() if d in trained}
+    return report
+
+
+__all__ = ["BadData", "BadLine", "prepare_run_data", "refusal"]
