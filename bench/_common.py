@@ -1,9 +1,44 @@
-"""Shared by the benchmarks: the machine a figure was measured on (every result JSON names it)."""
+"""Shared by the benchmarks: the machine a figure was measured on (every result JSON names it), and the data
+and model of ``make run`` (the built-in tasks as files, the SFT'd tiny model), made the same way if missing."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
+TASKS = ("arithmetic", "arithmetic_mcqa", "arithmetic_json", "arithmetic_if")
+
+
+def builtin_data() -> dict[str, dict[str, str]]:
+    """{split: {task: path}} of make run's data files (runs/data/cascade), written first if missing."""
+    out = ROOT / "runs" / "data" / "cascade"
+    if not (out / "manifest.json").exists():
+        subprocess.run([*CLI, "make-data", "cascade", "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+    return json.loads((out / "manifest.json").read_text())["files"]
+
+
+def math_data(heldout_per_domain: int = 0) -> list[str]:
+    """Launch overrides: the arithmetic (math) prompts of make run and their held-out questions."""
+    files = builtin_data()
+    return [f"data.files=[{files['rl']['arithmetic']}]", f"data.eval_files=[{files['heldout']['arithmetic']}]",
+            f"data.eval_per_domain={heldout_per_domain}"]
+
+
+def sft_model() -> Path:
+    """make run's SFT'd tiny model (models/tiny-sft); built the same way if missing (about 3 minutes)."""
+    tiny, sft = ROOT / "models" / "tiny", ROOT / "models" / "tiny-sft"
+    if not (sft / "config.json").exists():
+        if not (tiny / "config.json").exists():
+            subprocess.run([*CLI, "make-tiny-model", "--out", str(tiny), "--task", "cascade"], check=True)
+        files = ",".join(builtin_data()["sft"][t] for t in TASKS)
+        subprocess.run([*CLI, "sft", f"model={tiny}", f"out={sft}", f"files=[{files}]", "steps=600"], check=True)
+    return sft
 
 
 def machine() -> str:

@@ -28,6 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import math_data  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
 
@@ -45,7 +48,7 @@ def launch(k: int, delay: float, steps: int, model: str, work: Path) -> dict:
     run_dir = work / f"k{k}-d{delay}-{time.monotonic_ns()}"
     args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}",
             f"orchestrator.max_staleness={k}", "trainer.importance_weights=true", "trainer.prompts_per_step=8",
-            "trainer.group_size=8", "sampling.max_tokens=32", "trainer.lr=2e-5", "data.heldout_size=8",
+            "trainer.group_size=8", "sampling.max_tokens=32", "trainer.lr=2e-5", *math_data(8),
             f"workers.sampler_delay_s={delay}", "supervisor.progress=none"]
     r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=1800,
                        env=dict(os.environ, XDG_STATE_HOME=str(work / "state")))

@@ -3,7 +3,7 @@ cascade with and without its MOPD stage.
 
     .venv/bin/python bench/mopd_vs_grpo.py [--quick] [--seeds 0,1,2] [--steps 30] [--eval-every 5]
 
-For each seed S (trainer.seed = orchestrator.seed = S; the held-out questions are the same for all):
+For each seed S (trainer.seed = data.seed = S; the held-out questions are the same for all):
 
 1. the demo cascade (configs/cascade/demo.yaml: SFT'd tiny model -> IF-RL -> multi-domain RL -> MOPD) in
    ``bench/results/mopd_vs_grpo/seed{S}/cascade``; ``--cascade DIR`` reuses a finished one (e.g.
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import yaml
-from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _common import builtin_data, machine  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -53,7 +53,7 @@ def cascade(seed: int, out: Path, model: str) -> dict:
     """The demo cascade with this seed (resumes or skips what an earlier run of this bench finished)."""
     cfg = yaml.safe_load((ROOT / "configs" / "cascade" / "demo.yaml").read_text())
     cfg.update(run_dir=str(out), model=model, report=True)
-    cfg["overrides"] = [*cfg.get("overrides", []), f"trainer.seed={seed}", f"orchestrator.seed={seed}",
+    cfg["overrides"] = [*cfg.get("overrides", []), f"trainer.seed={seed}", f"data.seed={seed}",
                         "supervisor.progress=none"]
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_cascade.yaml").write_text(yaml.safe_dump(cfg))
@@ -69,16 +69,16 @@ def checkpoints(record: dict, before: str = "mopd") -> list[dict]:
 
 def curve(method: str, seed: int, start: str, teacher: str, out: Path, steps: int, every: int, cfg: dict) -> list:
     """Math held-out accuracy [(step, accuracy)] of ``steps`` steps of ``method`` from ``start``."""
-    e = cfg["eval"]
-    args = ["launch", "cascade", f"model.path={start}", f"run_dir={out}", "data.task=arithmetic",
-            "data.eval_task=arithmetic", f"data.heldout_size={e['heldout_size']}", f"data.train_size={e['train_size']}",
+    files = builtin_data()
+    args = ["launch", "cascade", f"model.path={start}", f"run_dir={out}", f"data.files=[{files['rl']['arithmetic']}]",
+            f"data.eval_files=[{files['heldout']['arithmetic']}]",
             f"trainer.steps={steps}", "trainer.save_every=0", f"orchestrator.eval_every={every}",
-            f"orchestrator.eval_n={e['n']}", f"trainer.seed={seed}", f"orchestrator.seed={seed}",
+            f"orchestrator.eval_n={cfg['eval']['n']}", f"trainer.seed={seed}", f"data.seed={seed}",
             "supervisor.progress=none"]
     if method == "mopd":
         mopd = next(s for s in cfg["stages"] if s.get("stage") == "mopd")
         args += ["stage=mopd", f"+teachers.math={teacher}",
-                 *[o for o in mopd.get("overrides", []) if not o.startswith(("data.task", "trainer.steps"))]]
+                 *[o for o in mopd.get("overrides", []) if not o.startswith(("data.files", "trainer.steps"))]]
     run([*CLI, *args], out / "launch.log")
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return [(m["step"], m["heldout_accuracy"]) for m in metrics if "heldout_accuracy" in m]

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/sampler_throughput.py [--quick] [--model models/tiny] [--engines generate,torch,vllm]
 
-Workload (DESIGN §9): the tiny Qwen3-MoE demo model (built in a temporary
+Workload (docs/ARCHITECTURE.md §9): the tiny Qwen3-MoE demo model (built in a temporary
 directory if ``--model`` is missing), fp32, 64 chat-formatted arithmetic
 prompts (lengths differ), 64 new tokens each, plain sampling at temperature
 1.0 (no top-k, no top-p). Every side produces exactly 64 tokens per sequence,

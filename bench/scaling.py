@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from _common import machine, math_data  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -62,7 +62,7 @@ def launch(model: Path, samplers: int, steps: int, work: Path) -> dict:
     run_dir = work / f"{model.name}-s{samplers}-{time.monotonic_ns()}"
     args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}",
             "trainer.prompts_per_step=8", "trainer.group_size=8", "sampling.max_tokens=64", "trainer.lr=3e-6",
-            "data.task=arithmetic", "data.train_size=500", "data.heldout_size=8", "orchestrator.eval_n=0",
+            *math_data(), "orchestrator.eval_n=0",
             "orchestrator.eval_greedy=false", "orchestrator.sampler_timeout_s=600", f"workers.samplers={samplers}",
             f"workers.sampler_threads={0 if samplers == 1 else 1}", "supervisor.progress=none"]
     r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=3600,

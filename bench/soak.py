@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import psutil
-from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _common import machine, math_data  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
@@ -55,7 +55,6 @@ OVERRIDES = [
     "sampling.max_tokens=8",
     "orchestrator.eval_n=1",
     "orchestrator.eval_greedy=false",
-    "data.heldout_size=4",
     "supervisor.progress=none",
 ]
 
@@ -163,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = tmp / "run"
 
     # --------------------------------------------------------------------------- launch and sample
-    cmd = [*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}", *OVERRIDES]
+    cmd = [*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}", *OVERRIDES,
+           *math_data(4)]
     log = open(tmp / "launch.log", "wb")
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

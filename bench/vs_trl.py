@@ -40,7 +40,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from _common import builtin_data, machine, math_data, sft_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -48,8 +48,7 @@ TRL_VENV = ROOT / ".venv-trl"
 TRL_VERSION = "1.16.0"
 CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
 TARGET = 0.5  # ours_sync step time / TRL step time
-SETUP = {"prompts_per_step": 8, "group_size": 8, "max_tokens": 64, "lr": 3e-6, "task": "arithmetic",
-         "train_size": 500, "heldout_size": 8, "seed": 0}
+SETUP = {"prompts_per_step": 8, "group_size": 8, "max_tokens": 64, "lr": 3e-6, "seed": 0}
 
 
 def trl_python() -> Path:
@@ -76,30 +75,30 @@ def trl_python() -> Path:
 
 def model_dir() -> Path:
     """The SFT'd tiny model of ``make run``; built the same way if missing (about 3 minutes)."""
-    tiny, sft = ROOT / "models" / "tiny", ROOT / "models" / "tiny-sft"
-    if not (sft / "config.json").exists():
-        if not (tiny / "config.json").exists():
-            subprocess.run([*CLI, "make-tiny-model", "--out", str(tiny), "--task", "cascade"], check=True)
-        subprocess.run([*CLI, "sft", f"model={tiny}", f"out={sft}", "task=cascade", "steps=600"], check=True)
-    return sft
+    return sft_model()
 
 
 def write_prompts(model: Path, steps: int, path: Path) -> None:
-    """The prompts of cascade-rl's first ``steps`` steps, in the order its orchestrator draws them."""
+    """The prompts of cascade-rl's first ``steps`` steps, in the order its orchestrator draws them: the same
+    files prepared the same way, the same seeded draw order, the same chat-template rendering."""
+    from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from cascade_rl.learner.orchestrator import draw_examples
-    from cascade_rl.learner.tasks import load_task, prompt_ids
+    from cascade_rl.data.prepare import prepare
+    from cascade_rl.data.promptset import PromptStream
+    from cascade_rl.data.render import PromptRenderer
+    from cascade_rl.supervisor.config import DataConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    pool = load_task(SETUP["task"], {"heldout": SETUP["heldout_size"], "rl": SETUP["train_size"]},
-                     seed=SETUP["seed"])["rl"]
-    draws = draw_examples(pool, SETUP["seed"])
-    with open(path, "w") as f:
-        for _ in range(steps * SETUP["prompts_per_step"]):
-            ex = next(draws)
-            f.write(json.dumps({"question": ex.prompt, "answer": ex.answer,
-                                "prompt_ids": prompt_ids(tokenizer, ex)}) + "\n")
+    data = OmegaConf.structured(DataConfig(files=[builtin_data()["rl"]["arithmetic"]], seed=SETUP["seed"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare(data, tokenizer, Path(tmp))
+        stream, render = PromptStream(Path(tmp), SETUP["seed"]), PromptRenderer(tokenizer, data.thinking)
+        with open(path, "w") as f:
+            for _ in range(steps * SETUP["prompts_per_step"]):
+                row = stream.next()
+                f.write(json.dumps({"question": row.question, "answer": row.answer,
+                                    "prompt_ids": render.ids(row.messages)}) + "\n")
 
 
 class TreeMemory:
@@ -169,8 +168,7 @@ def run_ours(staleness: int, model: Path, steps: int, work: Path) -> dict:
     args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}",
             f"trainer.prompts_per_step={s['prompts_per_step']}", f"trainer.group_size={s['group_size']}",
             f"sampling.max_tokens={s['max_tokens']}", "sampling.temperature=1.0", f"trainer.lr={s['lr']}",
-            "trainer.kl_coef=0", f"data.task={s['task']}", f"data.train_size={s['train_size']}",
-            f"data.heldout_size={s['heldout_size']}", f"data.seed={s['seed']}", f"orchestrator.seed={s['seed']}",
+            "trainer.kl_coef=0", *math_data(), f"data.seed={s['seed']}",
             "model.dtype=float32", "orchestrator.eval_n=0", "orchestrator.eval_greedy=false",
             "supervisor.progress=none", f"orchestrator.max_staleness={staleness}",
             f"trainer.importance_weights={str(staleness > 0).lower()}",

@@ -32,7 +32,8 @@ class PromptRenderer:
         generation = with_prompt[len(without):] if with_prompt.startswith(without) else ""
         self.prefix = generation[generation.rfind(THINK):] if THINK in generation else ""
 
-    def _template(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+    def _template(self, messages: Sequence, add_generation_prompt: bool):
+        """The rendered text of one conversation, or of each of a list of conversations."""
         return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                                   tokenize=False, enable_thinking=self.thinking)
 
@@ -44,8 +45,12 @@ class PromptRenderer:
         return self.tokenizer(self.text(messages), add_special_tokens=False)["input_ids"]
 
     def lengths(self, conversations: Sequence[Sequence[dict]]) -> list[int]:
-        """Prompt tokens of many conversations (one batched tokenizer call)."""
+        """Prompt tokens of many conversations (one batched tokenizer call; a fast tokenizer's Rust backend
+        directly, which skips transformers' conversion of every encoding to Python lists)."""
         if not conversations:
             return []
-        texts = [self.text(m) for m in conversations]
+        texts = self._template([list(m) for m in conversations], add_generation_prompt=True)  # one batched call
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return [len(e) for e in backend.encode_batch(texts, add_special_tokens=False)]
         return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]

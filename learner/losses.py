@@ -12,7 +12,7 @@ tokens within a group:
 so every token of a group weighs the same, and every group weighs the same.
 Rows are ordered group by group: rows [g·G, (g+1)·G) belong to group g.
 
-Per-stage options (DESIGN §4): truncated importance weights w_t on the
+Per-stage options (docs/ARCHITECTURE.md §4): truncated importance weights w_t on the
 policy term (``truncated_importance_weights``), a k3 KL penalty to a frozen
 reference (``kl_k3``) and an entropy bonus, each token-averaged the same way
 (``group_token_mean``). ``mopd_loss`` is the distillation rule: a dense
@@ -25,7 +25,7 @@ engine's, which differ through kernels and precision even at equal weights:
     d = log π_inf − log π_trainer   (per masked token)
     abs_diff_mean = mean |d|,  abs_diff_max = max |d|,  kl_k3 = mean (exp(d) − d − 1)
     outside_band = fraction of tokens whose ratio π_trainer/π_inf = exp(−d) lies outside
-                   [0.5, 2.0], the band truncated importance weights keep (DESIGN §4)
+                   [0.5, 2.0], the band truncated importance weights keep (docs/ARCHITECTURE.md §4)
 
 Run the hand-computed checks with ``pytest tests/test_losses.py``.
 """
@@ -142,7 +142,7 @@ def truncated_importance_weights(logprobs: Tensor, inf_logprobs: Tensor, mask: T
 
 def mopd_loss(logprobs: Tensor, teacher_logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor,
               eps_low: float = 0.5, eps_high: float = 2.0) -> Tensor:
-    """Multi-domain on-policy distillation (DESIGN §4), a scalar:
+    """Multi-domain on-policy distillation (docs/ARCHITECTURE.md §4), a scalar:
 
         a_t = log π_teacher − log π_θ          (the reverse-KL token advantage, stop-gradient)
         L   = mean over rows of −(1/|V(y)|) Σ_{t∈V(y)} w_t · sg[a_t] · log π_θ

@@ -4,7 +4,7 @@ Each objective maps one micro-batch's log-probs to ``(loss, stats)``: the loss i
 the micro-batch's share of the step's loss (a mean over its groups or rows; the
 trainer scales it by the micro-batch's fraction of the batch), ``stats`` are
 detached tensors for logging. The pieces are the pure functions of
-learner/losses.py; this module only wires the per-stage options (DESIGN §4):
+learner/losses.py; this module only wires the per-stage options (docs/ARCHITECTURE.md §4):
 
 - grpo: token-level GRPO; with ``importance_weights`` each token weighted by the
   truncated ratio w_t; ``kl_coef`` adds β·k3(π_θ‖π_ref); ``entropy_coef``

@@ -410,11 +410,14 @@ class Orchestrator:
 
     def _new_group(self, row: Row, n: int, sampling: SamplingParams, train: bool) -> Group:
         self._seq += 1
-        key = row.key()
-        ids = self._prompt_ids.get(key)
-        if ids is None:  # every evaluation re-asks the same questions: render each prompt once
+        # every evaluation re-asks the same questions: render each held-out prompt once (training prompts
+        # come once per epoch of a file that may hold millions: rendered when drawn, never kept)
+        key = None if train else row.key()
+        ids = self._prompt_ids.get(key) if key else None
+        if ids is None:
             ids = np.array(self.render.ids(row.messages), np.int32)
-            self._prompt_ids[key] = ids
+            if key:
+                self._prompt_ids[key] = ids
         g = Group(f"{'t' if train else 'e'}{self._seq}", row, ids, n, sampling, self.version, train,
                   needs_teacher=train and self.mopd)
         self.groups[g.group_id] = g

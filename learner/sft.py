@@ -104,7 +104,8 @@ def run_sft(cfg: SFTConfig) -> dict:
     rng = random.Random(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-    data = encode_examples(tokenizer, read_sft_rows(list(cfg.files), Fields(**dict(cfg.fields))))
+    fields = cfg.fields if isinstance(cfg.fields, Fields) else Fields(**cfg.fields)  # a dict from the command line
+    data = encode_examples(tokenizer, read_sft_rows(list(cfg.files), fields))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(s / cfg.steps * torch.pi)).item())

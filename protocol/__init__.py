@@ -1,6 +1,6 @@
 """Wire protocol of cascade-rl: typed messages, the msgpack codec, socket helpers.
 
-Imports nothing else of ours (DESIGN.md §1)."""
+Imports nothing else of ours (docs/ARCHITECTURE.md §1)."""
 
 from .codec import PROTOCOL_VERSION, ProtocolError, decode, encode
 from .messages import (

@@ -1,6 +1,6 @@
 """Every wire type of cascade-rl, each commented ``sender → receiver``.
 
-Fields are the DESIGN.md §3 minimum plus what the implementation needs. Arrays
+Fields are the minimum of docs/ARCHITECTURE.md §3 plus what the implementation needs. Arrays
 are declared with :func:`array` and travel in their own frames. ``validate``
 returns a reason string for semantically impossible values (the codec turns it
 into a ``ProtocolError``); checks that need model knowledge (vocabulary size,

@@ -1,5 +1,5 @@
 """Cascade runner: RL stages one after another, every checkpoint evaluated per domain, MOPD teachers
-chosen from that record (DESIGN §7, the paper's Figure 2 pipeline).
+chosen from that record (docs/ARCHITECTURE.md §7, the paper's Figure 2 pipeline).
 
     cascade-rl cascade demo                        # configs/cascade/demo.yaml
     cascade-rl cascade demo run_dir=runs/c2 eval.n=8

@@ -76,7 +76,7 @@ class DataConfig:
 @dataclass
 class SamplingConfig:
     temperature: float = 1.0
-    """Paper: T = 1.0 in every RL stage (DESIGN §4)."""
+    """Paper: T = 1.0 in every RL stage (docs/ARCHITECTURE.md §4)."""
     top_p: float = 1.0
     """Paper: 1.0 (0.95 in code RL)."""
     max_tokens: int = 64

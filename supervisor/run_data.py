@@ -12,9 +12,12 @@ domains when empty) and, for MOPD, that every trained domain has a teacher.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from cascade_rl.data.prepare import BadLine, Report, prepare
 
@@ -58,7 +61,8 @@ def prepare_run_data(cfg: DictConfig) -> Report:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path={cfg.model.path}: no tokenizer loads from it: {e}") from None
-    report = prepare(cfg.data, tokenizer, Path(cfg.run_dir) / "data", domains)
+    with _reading(cfg.supervisor.progress) as on_read:
+        report = prepare(cfg.data, tokenizer, Path(cfg.run_dir) / "data", domains, on_read=on_read)
     if report.bad and cfg.data.on_bad_row == "error":
         raise BadData(report)
     used = sorted(set(report.domains["train"]) | set(report.domains["eval"]))
@@ -74,7 +78,33 @@ def prepare_run_data(cfg: DictConfig) -> Report:
                               f"(the cascade runner picks each domain's best checkpoint)")
         # a teacher of a domain the data does not hold would be a process with nothing to do
         cfg.teachers = {d: p for d, p in cfg.teachers.items() if d in trained}
+    if cfg.supervisor.progress != "none":
+        print(describe(report), flush=True)
     return report
+
+
+def describe(report: Report) -> str:
+    """One line a launch prints about its data."""
+    rows = report.to_json()["rows"]
+    domains = ", ".join(f"{d} {n}" for d, n in sorted(report.domains["train"].items()))
+    line = f"data: {rows['train']} training prompts ({domains}), {rows['eval']} held out"
+    if report.bad:
+        line += f"; {sum(report.bad.values())} bad rows skipped ({', '.join(f'{k}: {n}' for k, n in report.bad.items())})"
+    if report.dropped:
+        line += "; dropped " + ", ".join(f"{k}: {n}" for k, n in report.dropped.items())
+    return line
+
+
+@contextlib.contextmanager
+def _reading(mode: str):
+    """A live count of the rows read, on a terminal (a million rows take a while); else nothing."""
+    if mode in ("none", "plain") or (mode == "auto" and not sys.stdout.isatty()):
+        yield None
+        return
+    columns = (SpinnerColumn(), TextColumn("preparing data: {task.completed:,} rows read"), TimeElapsedColumn())
+    with Progress(*columns, transient=True) as progress:
+        task = progress.add_task("data", total=None)
+        yield lambda n: progress.update(task, completed=n)
 
 
 __all__ = ["BadData", "BadLine", "prepare_run_data", "refusal"]

@@ -1,4 +1,4 @@
-"""Teacher servers for MOPD (DESIGN.md §4): token log-probs of given sequences under a frozen checkpoint.
+"""Teacher servers for MOPD (docs/ARCHITECTURE.md §4): token log-probs of given sequences under a frozen checkpoint.
 
 One process per teacher checkpoint (``teachers/server.py``), serving the domains it is the teacher of:
 

@@ -33,7 +33,7 @@ def tiny_data(tmp_path_factory):
     """The built-in miniature tasks as data files (``cascade-rl make-data cascade``): {split: {task: path}}."""
     from cascade_rl.data.builtin import write_task_files
 
-    return write_task_files("cascade", tmp_path_factory.mktemp("data"), {"heldout": 16, "rl": 300})
+    return write_task_files("cascade", tmp_path_factory.mktemp("data"), {"heldout": 16, "rl": 300, "sft": 32})
 
 
 @pytest.fixture(scope="session")

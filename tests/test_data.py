@@ -254,7 +254,7 @@ def test_the_sum_of_the_parts_is_every_row(tmp_path, tiny_model):
                      AutoTokenizer.from_pretrained(tiny_model), None, DOMAINS)
     rows_in_file = sum(1 for line, _ in BAD if line)
     kept = sum(report.domains["train"].values()) + sum(report.domains["eval"].values())
-    assert kept + sum(report.bad.values()) + sum(report.dropped.values()) == rows_in_file
+    assert kept + sum(report.bad.values()) + sum(report.dropped.values()) == rows_in_file == report.read
 
 
 def test_lengths_are_measured_in_the_models_tokens(tmp_path, tiny_model):

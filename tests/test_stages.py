@@ -1,4 +1,4 @@
-"""Stage presets (configs/stage/*.yaml) carry the paper's numbers (DESIGN §4) over the schema's defaults."""
+"""Stage presets (configs/stage/*.yaml) carry the paper's numbers (docs/ARCHITECTURE.md §4) over the schema's defaults."""
 
 from __future__ import annotations
 

@@ -231,13 +231,17 @@ def test_tokenizer_corpus_of_a_mixture_covers_every_domain():
     assert "Options: (A)" in text and '</think>\n\n{"' in text and "Put the final answer in" in text
 
 
-def test_sft_trains_on_a_mixture(tiny_model, tmp_path):
-    from cascade_rl.learner.sft import SFTConfig, run_sft
+def test_sft_trains_on_the_files_of_every_domain(tiny_model, tiny_data, tmp_path):
+    from cascade_rl.data.sources import DataError
+    from cascade_rl.learner.sft import SFTConfig, read_sft_rows, run_sft
 
-    sizes = {"heldout": 8, "rl": 16, "sft": 32}
-    out = run_sft(SFTConfig(model=tiny_model, out=str(tmp_path / "sft"), task="cascade", sizes=sizes, steps=2,
-                            batch_size=8))
+    files = list(tiny_data["sft"].values())
+    out = run_sft(SFTConfig(model=tiny_model, out=str(tmp_path / "sft"), files=files, steps=2, batch_size=8))
     assert out["steps"] == 2 and (tmp_path / "sft" / "config.json").is_file()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "q", "response": "a"}\n{"prompt": "q"}\n')
+    with pytest.raises(DataError, match=f"{bad}:2: SFT needs field 'response'"):
+        read_sft_rows([str(bad)], SFTConfig().fields)
 
 
 def test_inline_mixture_weights_set_the_proportions():

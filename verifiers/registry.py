@@ -33,8 +33,8 @@ reported as ``FILE:LINE: reason`` instead of failing rollouts later. A check is 
 and local: no network, no subprocess; a domain need not have one. Register it with its
 verifier (``register_verifier(name, check=check)``), or alone (``@register_check(name)``).
 
-Example plugin, ``rewards.py`` (``workers.verifier_plugins: [rewards.py]``,
-``workers.verifier_domains: [..., word_count]``)::
+Example plugin, ``rewards.py`` (``workers.verifier_plugins=[rewards.py]``; rows of domain
+``word_count`` in the data are then scored by it)::
 
     from cascade_rl.verifiers.registry import register_verifier
     from cascade_rl.verifiers.text import final_answer_text
