@@ -50,8 +50,6 @@ class EvalConfig:
     domain, and every stage gets them as its data.eval_files."""
     per_domain: int = 0
     """At most this many held-out rows per domain, the first in file order (0: all)."""
-    thinking: bool = True
-    """Render the held-out prompts in thinking mode (as the stages' data.thinking)."""
     engine: str = "torch"
     """Sampler engine of the evaluation: torch (qwen3, qwen3_moe) | vllm (any architecture vLLM serves)."""
     n: int = 4
@@ -121,18 +119,22 @@ class Cascade:
             "model": str(Path(cfg.model).resolve()), "stages": {}}
         self.record["order"] = [s.name for s in cfg.stages]
         self.heldout: list = []  # the held-out rows, loaded (and validated) when the cascade runs
+        self.thinking = True  # rendered as the stages render their prompts (data.thinking)
 
     def load_heldout(self) -> list:
         """The held-out rows, validated as a launch validates its data (bad rows refuse the cascade)."""
         from transformers import AutoTokenizer
 
         e = self.cfg.eval
+        # what every stage launches with (the cascade's run preset and overrides): its reward modules score the
+        # held-out rows too, and its prompts are rendered the same way
+        common = compose(self.cfg.run or None, list(self.cfg.overrides), check=False)
+        self.thinking = common.data.thinking
         data = OmegaConf.structured(DataConfig(eval_files=list(e.files), eval_per_domain=e.per_domain,
-                                               thinking=e.thinking))
+                                               thinking=self.thinking))
         out = self.run_dir / "eval_data"
-        # the reward modules every stage loads (the cascade's launch overrides name them) score held-out rows too
-        plugins = compose(self.cfg.run or None, list(self.cfg.overrides), check=False).workers.verifier_plugins
-        report = prepare(data, AutoTokenizer.from_pretrained(self.cfg.model), out, registered_domains(list(plugins)))
+        plugins = list(common.workers.verifier_plugins)
+        report = prepare(data, AutoTokenizer.from_pretrained(self.cfg.model), out, registered_domains(plugins))
         if report.bad:
             raise BadData(report)
         return PromptSet(out / "eval.arrow").rows()
@@ -216,7 +218,7 @@ class Cascade:
         from cascade_rl.learner.evaluate import evaluate_checkpoint
 
         e = self.cfg.eval
-        result = evaluate_checkpoint(path, self.heldout, e.n, e.temperature, e.max_tokens, e.seed, e.thinking,
+        result = evaluate_checkpoint(path, self.heldout, e.n, e.temperature, e.max_tokens, e.seed, self.thinking,
                                      e.engine)
         print(f"cascade: {path}: " + ", ".join(f"{d} {a:.3f}" for d, a in result["domains"].items()))
         return {"path": str(Path(path).resolve()), "step": step, **result}
