@@ -20,7 +20,8 @@ def builtin_data() -> dict[str, dict[str, str]]:
     out = ROOT / "runs" / "data" / "cascade"
     if not (out / "manifest.json").exists():
         subprocess.run([*CLI, "make-data", "cascade", "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
-    return json.loads((out / "manifest.json").read_text())["files"]
+    files = json.loads((out / "manifest.json").read_text())["files"]  # relative to the manifest's directory
+    return {split: {task: str(out / path) for task, path in by_task.items()} for split, by_task in files.items()}
 
 
 def math_data(heldout_per_domain: int = 0) -> list[str]:

@@ -40,7 +40,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import builtin_data, machine, math_data, sft_model  # noqa: E402
+from _common import machine, math_data, sft_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -81,16 +81,15 @@ def model_dir() -> Path:
 def write_prompts(model: Path, steps: int, path: Path) -> None:
     """The prompts of cascade-rl's first ``steps`` steps, in the order its orchestrator draws them: the same
     files prepared the same way, the same seeded draw order, the same chat-template rendering."""
-    from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
     from cascade_rl.data.prepare import prepare
     from cascade_rl.data.promptset import PromptStream
     from cascade_rl.data.render import PromptRenderer
-    from cascade_rl.supervisor.config import DataConfig
+    from cascade_rl.supervisor.config import compose
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    data = OmegaConf.structured(DataConfig(files=[builtin_data()["rl"]["arithmetic"]], seed=SETUP["seed"]))
+    data = compose(None, [*math_data(), f"data.seed={SETUP['seed']}"], check=False).data  # run_ours's data section
     with tempfile.TemporaryDirectory() as tmp:
         prepare(data, tokenizer, Path(tmp))
         stream, render = PromptStream(Path(tmp), SETUP["seed"]), PromptRenderer(tokenizer, data.thinking)

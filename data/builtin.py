@@ -45,6 +45,8 @@ def write_task_files(name: str, out: str | Path, sizes: dict[str, int], seed: in
                     f.write(json.dumps(example_row(ex, f"{task}/{split}/{i}")) + "\n")
             tmp.replace(path)
             files[split][task] = str(path)
-    (out / "manifest.json").write_text(json.dumps({"name": name, "seed": seed, "sizes": wanted, "files": files},
-                                                  indent=2))
+    relative = {split: {task: str(Path(p).relative_to(out)) for task, p in by_task.items()}
+                for split, by_task in files.items()}  # the manifest moves with its directory
+    (out / "manifest.json").write_text(json.dumps({"name": name, "seed": seed, "sizes": wanted,
+                                                   "files": relative}, indent=2))
     return files

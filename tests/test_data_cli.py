@@ -112,11 +112,13 @@ def test_make_data_writes_the_builtin_tasks_as_files(tmp_path):
     assert r.returncode == 0, r.stderr
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert sorted(manifest["files"]["rl"]) == ["arithmetic", "arithmetic_json", "arithmetic_mcqa"]
-    rows = [json.loads(x) for x in Path(manifest["files"]["sft"]["arithmetic_mcqa"]).read_text().splitlines()]
+    assert manifest["files"]["rl"]["arithmetic"] == "rl/arithmetic.jsonl"  # relative: the directory can move
+    files = {split: {t: tmp_path / p for t, p in by_task.items()} for split, by_task in manifest["files"].items()}
+    rows = [json.loads(x) for x in files["sft"]["arithmetic_mcqa"].read_text().splitlines()]
     assert rows and {"id", "prompt", "domain", "answer", "metadata", "response"} <= set(rows[0])
     assert rows[0]["domain"] == "mcqa" and rows[0]["metadata"] == {"options": ["A", "B", "C", "D"]}
-    heldout = {json.loads(x)["prompt"].split(".")[0] for t in manifest["files"]["heldout"].values()
-               for x in Path(t).read_text().splitlines()}
-    trained = {json.loads(x)["prompt"].split(".")[0] for t in manifest["files"]["rl"].values()
-               for x in Path(t).read_text().splitlines()}
+    heldout = {json.loads(x)["prompt"].split(".")[0] for t in files["heldout"].values()
+               for x in t.read_text().splitlines()}
+    trained = {json.loads(x)["prompt"].split(".")[0] for t in files["rl"].values()
+               for x in t.read_text().splitlines()}
     assert heldout and not heldout & trained  # no held-out question is an RL question, in any format
