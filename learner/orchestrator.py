@@ -3,7 +3,9 @@
     python -m cascade_rl.learner.orchestrator --config RUN_DIR/config.yaml
 
 It binds the one ROUTER every sampler, verifier and the trainer connect to,
-and runs the stage top to bottom (``run``): evaluate the starting policy,
+opens the prompt sets the supervisor prepared in ``run_dir/data`` (data/:
+memory-mapped, drawn in the seeded order whose count is the checkpoint's data
+cursor), and runs the stage top to bottom (``run``): evaluate the starting policy,
 then for each step sample a batch of groups on the newest weights, score
 them, hand the complete groups to the trainer as a ``TrainBatch`` and wait for
 ``StepDone``; evaluate again at the end and write ``summary.json``.

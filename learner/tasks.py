@@ -1,4 +1,5 @@
-"""Prompt sets for RL stages and SFT, generated procedurally by reasoning-gym.
+"""Prompt sets for RL stages and SFT, generated procedurally by reasoning-gym, written as data files by
+``cascade-rl make-data`` (data/builtin.py): the demo trains from those files as a user's run does.
 
 A task turns a reasoning-gym dataset into ``Example``s: the user question, the
 instruction that follows it in the prompt, the reference answer and metadata
@@ -88,14 +89,6 @@ class Problem:
     def rng(self, seed: int) -> random.Random:
         """Random choices (options, key, instruction) per question: independent of its place in the stream."""
         return random.Random(f"{seed}/{self.expression}")
-
-
-def prompt_ids(tokenizer, ex: Example) -> list[int]:
-    """The prompt as the policy sees it: the user turn in the model's chat template, then the generation
-    prompt (thinking mode: it ends in ``<think>\\n``). The orchestrator, SFT and evaluation all use this."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}], add_generation_prompt=True,
-                                         tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _arithmetic_steps(expression: str) -> list[str]:
