@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from cascade_rl.data.prepare import BadLine, Report, prepare
+from cascade_rl.data.prepare import Report, prepare
 
 from .config_errors import ConfigError
 
@@ -106,5 +106,3 @@ def _reading(mode: str):
         task = progress.add_task("data", total=None)
         yield lambda n: progress.update(task, completed=n)
 
-
-__all__ = ["BadData", "BadLine", "prepare_run_data", "refusal"]
