@@ -1,0 +1,141 @@
+"""AdamW with fp32 master weights and fp32 moments, for training bf16 (or fp16) parameters.
+
+    optimizer = MasterAdamW(policy.parameters(), lr=3e-6, betas=(0.9, 0.999), weight_decay=0.0)
+
+Why: with ``model.dtype=bf16`` the model's parameters are bf16, so the Triton kernels, the varlen attention
+and the samplers all see the same bf16 weights. But bf16 keeps 8 significant bits: at 1.0 its spacing is
+2^-7 ≈ 0.0078, while an RL step moves a weight by about lr = 2e-6..3e-6 (docs/ARCHITECTURE.md §4). Applied to
+the bf16 parameter directly, such an update rounds away and the policy never changes. As mixed-precision
+training does, this optimizer keeps per low-precision parameter an fp32 master copy and fp32 moments
+(``exp_avg``, ``exp_avg_sq``), applies the AdamW update to the master in fp32, and writes the rounded result
+back into the parameter: small updates accumulate in the master until they move the bf16 value.
+
+fp32 (or fp64) parameters are their own master: for them this is exactly ``torch.optim.AdamW`` (its
+single-tensor path, decoupled weight decay, the same bias correction), with no extra copy. Memory for a bf16
+parameter: 2 (param) + 2 (grad) + 4 (master) + 8 (moments) = 16 bytes, as for fp32 AdamW.
+
+Written with plain elementwise tensor ops, one parameter at a time, so that it runs on any torch version and on
+FSDP2's DTensor shards alike (learner/parallel.py): the master, the moments and the grad of a sharded parameter
+are DTensors with the parameter's placements. Checkpoints (docs/ARCHITECTURE.md §6) hold the fp32 state:
+``load_state_dict`` keeps it fp32 where ``torch.optim.Optimizer`` would cast it to the bf16 parameter's dtype.
+Tests: tests/test_optim.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+# Parameters kept in these dtypes get an fp32 master copy and fp32 moments.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def needs_master(p: Tensor) -> bool:
+    """Whether ``p`` is stored in too few bits to take AdamW's small updates itself."""
+    return p.dtype in LOW_PRECISION
+
+
+def _scalar(x: float | Tensor) -> float:
+    """A hyperparameter as a Python float (the trainer sets ``group["lr"]`` as a float; a tensor works too)."""
+    return x.item() if isinstance(x, Tensor) else float(x)
+
+
+class MasterAdamW(Optimizer):
+    """``torch.optim.AdamW`` whose update of a bf16/fp16 parameter runs on an fp32 master copy.
+
+    State per parameter: ``step`` (a float32 scalar tensor on the CPU, as torch keeps it), ``exp_avg`` and
+    ``exp_avg_sq`` (fp32 for low-precision parameters, else the parameter's dtype), and ``master`` (fp32) for
+    low-precision parameters only. ``param_groups`` hold the model's own parameters, so the trainer sets
+    ``group["lr"]`` and clips the model parameters' grads (``clip_grad_norm_``) as with any optimizer.
+    """
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        if not 0.0 <= _scalar(lr):
+            raise ValueError(f"invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"invalid epsilon: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"invalid weight_decay: {weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step for every parameter that has a grad (``closure`` as in ``torch.optim``: torch's
+        distributed checkpoint helpers call ``step(closure=None)`` to create the state before loading it)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _state(self, p: Tensor) -> dict[str, Any]:
+        """The parameter's state, created on first use (a master is also added to a state loaded from a plain
+        AdamW checkpoint, which has none)."""
+        state = self.state[p]
+        if needs_master(p) and "master" not in state:
+            state["master"] = p.detach().float()  # a new fp32 tensor (a DTensor shard under FSDP2)
+        if "step" not in state:
+            like = state.get("master", p).detach()
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+        return state
+
+    def _update(self, p: Tensor, group: dict[str, Any]) -> None:
+        """torch.optim.adam._single_tensor_adam (decoupled weight decay, not capturable), on the fp32 master when
+        the parameter is low-precision, then the master rounded back into the parameter."""
+        if p.grad.is_sparse:
+            raise RuntimeError("MasterAdamW does not support sparse gradients")
+        state = self._state(p)
+        lr, (beta1, beta2) = _scalar(group["lr"]), group["betas"]
+        eps, weight_decay = group["eps"], group["weight_decay"]
+        master = state.get("master", p)
+        grad = p.grad.float() if master is not p else p.grad
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+
+        state["step"] += 1
+        step = state["step"].item()  # a CPU tensor: no device sync
+        if weight_decay != 0:
+            master.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        master.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+        if master is not p:
+            p.copy_(master)  # round to nearest into bf16/fp16
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``Optimizer.load_state_dict``, then every floating state tensor of a low-precision parameter set
+        again from ``state_dict`` as fp32 on the parameter's device.
+
+        torch casts floating state to the parameter's dtype (``_process_value_according_to_param_policy``),
+        which for a bf16 parameter would round the master and the moments to bf16: the resumed run would then
+        differ from the uninterrupted one. The values are taken from ``state_dict`` itself, never from the
+        downcast copy, and copied (torch would alias ``step``, which the next step increments in place);
+        ``step`` stays where it was saved (the CPU), as torch keeps it."""
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for param_id, p in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(param_id)
+            if saved is None or not needs_master(p):
+                continue
+            for key, value in saved.items():
+                if isinstance(value, Tensor) and value.is_floating_point():
+                    # copy=True: never share storage with the caller's dict (another optimizer's live state)
+                    device = value.device if key == "step" else p.device
+                    self.state[p][key] = value.to(device=device, dtype=torch.float32, copy=True)
