@@ -44,7 +44,7 @@ from .losses import token_logprobs
 # from position_ids, and those that take flash-attn varlen kwargs. Anything else (a custom
 # kernel outside masking_utils) would silently attend across rows, so it is refused.
 MASK_FROM_POSITIONS = frozenset({"sdpa", "eager", "flex_attention"})
-VARLEN_KWARGS = frozenset({"flash_attention_2", "flash_attention_3", "flash_attention_4"})
+VARLEN_KWARGS = frozenset({"flash_attention_2", "flash_attention_3", "flash_attention_4", "varlen"})
 
 
 @dataclasses.dataclass(frozen=True)

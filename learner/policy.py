@@ -10,8 +10,9 @@ positions that predict a response token (prompt positions cost no LM-head work
 at all). Layouts (``learner.packing``), all giving the same numbers
 (tests/test_policy.py):
 
-- ``pack=True`` with flash-attn varlen (CUDA, ``flash_attention_2``): padding-free
-  [1, T] sequences of at most ``pack_tokens``, rows told apart by cu_seqlens.
+- ``pack=True`` with a varlen kernel (CUDA: ``varlen``, torch's own FlashAttention varlen,
+  learner/attention.py; or ``flash_attention_2``): padding-free [1, T] sequences of at most
+  ``pack_tokens``, rows told apart by cu_seqlens.
 - ``pack=True`` otherwise (SDPA, eager): rows bin-packed into lanes as wide as
   the longest row, position ids restarting per row. transformers turns those
   into a per-row block mask; packing everything into one [1, T] row instead
@@ -99,7 +100,7 @@ class Policy(nn.Module):
         return self._scatter(lp, flat, n, length), self._scatter(ent, flat, n, length)
 
     def _varlen(self, input_ids, lengths, target_mask, head, with_entropy):
-        """flash-attn varlen: [1, T] packs of at most ``pack_tokens`` with cu_seqlens, no mask at all."""
+        """A varlen kernel: [1, T] packs of at most ``pack_tokens`` with cu_seqlens, no mask at all."""
         n, length = input_ids.shape
         logprobs = input_ids.new_zeros((n, length), dtype=torch.float32)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
