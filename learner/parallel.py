@@ -41,18 +41,17 @@ class Ranks:
         return self.world_size > 1
 
 
-def init(world_size: int) -> Ranks:
+def init(world_size: int, device: torch.device | str = "cpu") -> Ranks:
     """Join the process group torchrun set up (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``...); one rank:
-    nothing to join."""
+    nothing to join. NCCL when this rank's ``device`` (protocol/devices.py ``role_device``, which made
+    cuda:LOCAL_RANK current) is a GPU, gloo on the CPU."""
     if world_size <= 1:
         return Ranks()
     if int(os.environ.get("WORLD_SIZE", "1")) != world_size:
         raise RuntimeError(f"trainer.world_size={world_size} but torchrun started "
                            f"{os.environ.get('WORLD_SIZE', 1)} ranks")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    dist.init_process_group(backend, device_id=torch.device(device) if backend == "nccl" else None)
     return Ranks(dist.get_rank(), dist.get_world_size())
 
 

@@ -30,21 +30,22 @@ from pathlib import Path
 
 import torch
 import zmq
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from cascade_rl.protocol.devices import role_device
 from cascade_rl.protocol.messages import Ready, StepDone, TrainBatch
 from cascade_rl.protocol.sockets import WorkerLink, send
 from cascade_rl.protocol.worker_main import worker_start
 
 from . import checkpoint, parallel
-from .experts import use_moe_impl
 from .losses import group_advantages, group_token_mean, mismatch_stats
+from .models import describe, load_model
 from .objectives import OBJECTIVES, Terms
+from .optim import MasterAdamW
 from .policy import Policy
 from .weights import TRANSPORTS
 
 log = logging.getLogger("trainer")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclasses.dataclass
@@ -82,7 +83,14 @@ class Batch:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        return (torch.arange(self.input_ids.shape[1])[None, :] < self.lengths[:, None]).long()
+        return (torch.arange(self.input_ids.shape[1], device=self.lengths.device)[None, :]
+                < self.lengths[:, None]).long()
+
+    def to(self, device: torch.device) -> Batch:
+        """Every tensor on ``device`` (the trainer's: the message arrives in host memory)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
+                                            for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def rows(self, sl: slice) -> Batch:
         """Rows ``sl`` (whole groups) as a batch of their own."""
@@ -114,7 +122,7 @@ def train_step(policy: Policy, optimizer, batch: Batch, cfg, step: int,
     objective = OBJECTIVES[cfg.algorithm]
     advantages = group_advantages(batch.rewards.view(-1, batch.group_size)).flatten()
     policy.train()
-    sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+    sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=batch.rewards.device))
     trainer_lp = torch.zeros_like(batch.inf_logprobs)
     for rows, weight in batch.groups(cfg.micro_batch_groups):
         mb = batch.rows(rows)
@@ -151,25 +159,23 @@ def train_step(policy: Policy, optimizer, batch: Batch, cfg, step: int,
     }
 
 
-def build(cfg, ranks: parallel.Ranks):
-    """Policy (FSDP2-sharded on several ranks), frozen reference if kl_coef > 0, AdamW, tokenizer, and the
-    state to resume from (``{"step": 0, "extra": {}}`` for a fresh stage)."""
+def build(cfg, ranks: parallel.Ranks, device: torch.device | str = "cpu"):
+    """Policy on ``device`` (FSDP2-sharded on several ranks), frozen reference if kl_coef > 0, AdamW (fp32 master
+    weights and moments for bf16 parameters), tokenizer, and the state to resume from (``{"step": 0, "extra":
+    {}}`` for a fresh stage)."""
     t = cfg.trainer
     resume = checkpoint.resolve(cfg.trainer.resume_from, Path(cfg.run_dir))
-    model = use_moe_impl(AutoModelForCausalLM.from_pretrained(resume or cfg.model.path, dtype=DTYPES[cfg.model.dtype]),
-                         cfg.model.moe_impl)
+    model = load_model(resume or cfg.model.path, cfg, device)
     reference = None
     if t.kl_coef > 0:  # the stage's starting policy; each rank holds a full copy (no gradient, no optimizer)
-        ref_model = use_moe_impl(AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype]),
-                                 cfg.model.moe_impl)
-        reference = Policy(ref_model.requires_grad_(False).eval(), cfg.sampling.temperature,
-                           t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl, t.share_prefix)
+        reference = Policy(load_model(cfg.model.path, cfg, device).requires_grad_(False).eval(),
+                           cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl,
+                           t.share_prefix)
     policy = parallel.parallelize(
         Policy(model, cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl,
                t.share_prefix),
         ranks)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr_at(0, t), betas=tuple(t.betas),
-                                  weight_decay=t.weight_decay)
+    optimizer = MasterAdamW(policy.parameters(), lr=lr_at(0, t), betas=tuple(t.betas), weight_decay=t.weight_decay)
     state = {"step": 0, "extra": {}}
     if resume:
         state = load_state(resume, policy, optimizer, ranks)
@@ -216,17 +222,21 @@ def main(argv: list[str] | None = None) -> None:
     # --- config, ranks, model, optimizer (and resume)
     args, cfg = worker_start(__doc__.splitlines()[0], argv, default_id="trainer-0")
     tcfg, run_dir = cfg.trainer, Path(cfg.run_dir)
-    ranks = parallel.init(tcfg.world_size)
-    log.info("trainer rank %d of %d", ranks.rank, ranks.world_size)
+    device = role_device(cfg, "trainer")  # cuda:LOCAL_RANK when gpus.trainer names GPUs, else cpu
+    ranks = parallel.init(tcfg.world_size, device)
     torch.manual_seed(tcfg.seed)
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
-    policy, reference, optimizer, tokenizer, state = build(cfg, ranks)
+    policy, reference, optimizer, tokenizer, state = build(cfg, ranks, device)
+    where = describe(policy.model)
+    log.info("trainer rank %d of %d on %s (experts %s, log-probs %s)", ranks.rank, ranks.world_size, where,
+             cfg.model.moe_impl, tcfg.logprob_impl)
     version = state["step"]
 
     # --- rank 0: sockets (weights PUB bound here, link to the orchestrator)
     link = pub = transport = None
-    status = {"state": "waiting", "version": version, "counters": {"steps": version, "train_s": 0.0}}
+    status = {"state": "waiting", "version": version,
+              "counters": {"steps": version, "train_s": 0.0, "device": where}}
     if ranks.main:
         options = dict(cfg.weights_options)
         if cfg.weights_transport == "stream" and cfg.host:
@@ -251,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
             msg: TrainBatch = parallel.broadcast_message(link.inbox.get() if ranks.main else None, ranks)
             status["state"] = "training"
             t0 = time.perf_counter()
-            batch = Batch.from_message(msg)
+            batch = Batch.from_message(msg).to(device)
             batch = batch.rows(parallel.shard_rows(len(batch.rewards) // batch.group_size, batch.group_size, ranks))
             metrics = parallel.reduce_metrics(train_step(policy, optimizer, batch, tcfg, version, reference), ranks)
             version += 1
@@ -268,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
             send(pub, notice)  # samplers apply it at their next safe point
             link.send(notice)  # the orchestrator forwards it to samplers that join late
             status.update(state="waiting", version=version)
-            status["counters"] = {"steps": version, "train_s": status["counters"]["train_s"] + metrics["train_s"]}
+            status["counters"].update(steps=version, train_s=status["counters"]["train_s"] + metrics["train_s"])
             link.send(StepDone(step=msg.step, version=version, metrics=metrics, checkpoint=checkpoint_dir))
             log.info("step %d: loss %.4f reward %.3f grad_norm %.3f (%.2fs)", version, metrics["loss"],
                      metrics["reward_mean"], metrics["grad_norm"], metrics["train_s"])

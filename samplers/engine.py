@@ -48,8 +48,27 @@ class Engine(Protocol):
         """Apply the weights file at ``path`` as policy ``version``."""
 
 
-ENGINES: Registry = Registry("engine")  # name -> factory(model_path, dtype=..., ...) returning an Engine
+# name -> an Engine class with ``from_config(cfg, device, url)`` and a ``gpu_memory`` attribute:
+#   "torch":  the model runs in the sampler process; gpus.memory.sampler caps its torch allocator
+#   "engine": the model runs in the sampler process; the engine takes the share as its own option (vLLM)
+#   "server": the model runs in a server process of its own (SGLang): the sampler process uses no GPU
+ENGINES: Registry = Registry("engine")
 register_engine = ENGINES.register
+
+
+def build_engine(cfg, url: str = ""):
+    """The sampler's engine, from the run config, on the sampler's device (protocol/devices.py: cuda when
+    ``gpus.samplers`` names GPUs, else cpu). ``url``: the server the supervisor started for this sampler."""
+    from cascade_rl.protocol.devices import role_device
+
+    engine = ENGINES[cfg.workers.sampler_engine]
+    if engine.gpu_memory == "server":
+        import torch
+
+        device = torch.device("cpu")
+    else:
+        device = role_device(cfg, "sampler", apply_memory_fraction=engine.gpu_memory == "torch")
+    return engine.from_config(cfg, device, url)
 
 
 def check_request(request: GenerationRequest, vocab_size: int, max_context: int) -> str:

@@ -1,12 +1,15 @@
 """The SGLang engine: the engine interface over an SGLang server's native HTTP API.
 
-    workers.sampler_engine=sglang    (GPU machines with `pip install sglang`)
+    workers.sampler_engine=sglang gpus.samplers=[1]     (GPU machines with `pip install sglang`)
 
-Each sampler owns one server: ``python -m sglang.launch_server --model-path DIR
---host 127.0.0.1 --port P`` (started here, stopped with the sampler; set
-``SGLANG_URL`` to use a server you started yourself). SGLang needs CUDA, so on
-CPU-only machines this engine refuses to start and its tests skip with that
-reason. Endpoints used (SGLang's documented native API):
+Each sampler talks to one SGLang server, a process of its own that the supervisor
+starts on the sampler's GPU (``server_command``: ``python -m sglang.launch_server
+--model-path DIR --port P ...`` with the options of ``workers.sglang``), watches and
+stops with the run; its log is ``logs/sglang-i.log``. ``workers.sglang.url`` points
+every sampler at a server you run yourself instead. The sampler process itself holds
+no model and no GPU memory. SGLang needs CUDA, so on CPU-only machines the supervisor
+refuses this engine before launch and its tests skip with that reason. Endpoints used
+(SGLang's documented native API):
 
 * ``GET /health`` — readiness;
 * ``POST /generate`` with ``input_ids`` (one row per sample: the radix cache
@@ -28,10 +31,7 @@ than hand the trainer biased numbers. Greedy requests (T = 0) are served.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..protocol.devices import dtype_name, memory_fraction
 from .engine import GenerationRequest, Sample, check_request, register_engine
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -65,16 +66,35 @@ def _post(url: str, payload: dict, timeout: float) -> dict | list:
         return json.loads(resp.read())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def server_command(cfg, port: int) -> list[str]:
+    """The command line of the SGLang server the supervisor starts for one sampler (its GPU is the sampler's,
+    given as CUDA_VISIBLE_DEVICES): the run's model and dtype, the sampler's memory share, ``workers.sglang.args``."""
+    s = cfg.workers.sglang
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(cfg.model.path), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", dtype_name(cfg.model.dtype), "--skip-tokenizer-init",
+           "--random-seed", str(int(cfg.trainer.seed))]
+    share = float(s.mem_fraction_static) or memory_fraction(cfg, "sampler")
+    if share:
+        cmd += ["--mem-fraction-static", f"{share:g}"]
+    return cmd + [str(a) for a in s.args]
 
 
 @register_engine("sglang")
 class SGLangEngine:
-    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cuda", startup_s: float = 600.0,
-                 request_timeout_s: float = 600.0) -> None:
+    gpu_memory = "server"  # the model lives in the SGLang server process (samplers/engine.py)
+
+    @classmethod
+    def from_config(cls, cfg, device, url: str = "") -> SGLangEngine:
+        """The engine over ``url`` (the server the supervisor started for this sampler) or
+        ``workers.sglang.url`` (a server of your own)."""
+        s = cfg.workers.sglang
+        url = url or s.url
+        if not url:
+            raise RuntimeError("sglang engine: no server URL (the supervisor passes --engine-url; or set "
+                               "workers.sglang.url)")
+        return cls(cfg.model.path, url, startup_s=float(s.startup_s), request_timeout_s=float(s.request_timeout_s))
+
+    def __init__(self, model_path: str, url: str, startup_s: float = 600.0, request_timeout_s: float = 600.0) -> None:
         from transformers import AutoConfig
 
         self.model_path = str(Path(model_path).resolve())
@@ -83,24 +103,12 @@ class SGLangEngine:
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.timeout = request_timeout_s
         self.version = 0
-        self.server: subprocess.Popen | None = None
-        self.url = os.environ.get("SGLANG_URL", "")
-        if not self.url:
-            reason = sglang_unavailable()
-            if reason:
-                raise RuntimeError(f"sglang engine: {reason}")
-            port = _free_port()
-            self.url = f"http://127.0.0.1:{port}"
-            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", "127.0.0.1",
-                   "--port", str(port), "--dtype", dtype, "--device", device, "--skip-tokenizer-init"]
-            self.server = subprocess.Popen(cmd)
+        self.url = url.rstrip("/")
         self._wait_healthy(startup_s)
 
     def _wait_healthy(self, limit_s: float) -> None:
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
-            if self.server is not None and self.server.poll() is not None:
-                raise RuntimeError(f"sglang server exited with code {self.server.returncode} during start-up")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
                     if resp.status == 200:
@@ -108,7 +116,8 @@ class SGLangEngine:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(1.0)
-        raise TimeoutError(f"sglang server at {self.url} not healthy after {limit_s:.0f} s (raise startup_s?)")
+        raise TimeoutError(f"sglang server at {self.url} not healthy after {limit_s:.0f} s (its log: logs/sglang-*.log; "
+                           f"raise workers.sglang.startup_s?)")
 
     def check(self, request: GenerationRequest) -> str:
         reason = check_request(request, self.vocab_size, self.max_context)
@@ -171,8 +180,3 @@ class SGLangEngine:
             weights["model.embed_tokens.weight"] = weights.pop("lm_head.weight")
         save_file(weights, str(staged / "model.safetensors"))
         return staged
-
-    def close(self) -> None:
-        if self.server is not None and self.server.poll() is None:
-            self.server.terminate()
-            self.server.wait(30)

@@ -50,10 +50,9 @@ from torch import Tensor
 from transformers import AutoTokenizer, GenerationConfig
 
 from ..kernels import cpu_decode
+from ..protocol.devices import torch_dtype
 from .engine import GenerationRequest, Sample, check_request, register_engine
 from .torch_model import SERVED_MODEL_TYPES, KVCache, Transformer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def sample_tokens(
@@ -133,6 +132,12 @@ class Run:
 @register_engine("torch")
 class TorchEngine:
     served_model_types = SERVED_MODEL_TYPES  # HF model_types it samples; __init__ refuses the others
+    gpu_memory = "torch"  # on a GPU, gpus.memory.sampler caps this process's torch allocator (samplers/engine.py)
+
+    @classmethod
+    def from_config(cls, cfg, device: torch.device, url: str = "") -> TorchEngine:
+        """The run's model in ``model.dtype`` on the sampler's ``device``."""
+        return cls(cfg.model.path, dtype=cfg.model.dtype, device=str(device))
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 256,
                  prefill_tokens: int = 8192, moe_impl: str | None = None, ignore_eos: bool = False,
@@ -143,7 +148,7 @@ class TorchEngine:
         GPUs; untested here); ``ignore_eos``: rows run to ``max_tokens`` (benchmarks); ``cpu_kernels``: the
         C++ kernels (kernels/cpu_decode.cpp: MoE, RMS norm, decode attention), by default on for fp32 on CPU
         when they build."""
-        self.device, self.dtype = torch.device(device), DTYPES[dtype]
+        self.device, self.dtype = torch.device(device), torch_dtype(dtype)
         fits = self.device.type == "cpu" and self.dtype == torch.float32
         if cpu_kernels and not fits:
             raise ValueError("cpu_kernels=True needs device=cpu and dtype=float32")

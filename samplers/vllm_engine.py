@@ -31,6 +31,7 @@ import os
 import numpy as np
 from safetensors import safe_open
 
+from ..protocol.devices import dtype_name, memory_fraction
 from .engine import GenerationRequest, Sample, check_request, register_engine
 
 GREEDY_EPS = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS)
@@ -72,12 +73,31 @@ def reload_from_file(worker, path: str, tied: bool) -> None:
             method.moe_kernel.fused_experts.process_weights_after_loading(module)  # prepack experts
 
 
+def vllm_options(cfg, device) -> dict:
+    """``VLLMEngine`` keyword arguments from the run config (``workers.vllm``, ``model.dtype``, and on a GPU
+    ``gpus.memory.sampler`` as vLLM's ``gpu_memory_utilization`` when set)."""
+    v = cfg.workers.vllm
+    options = dict(dtype=dtype_name(cfg.model.dtype), device=str(device), seed=int(cfg.trainer.seed),
+                   max_model_len=int(v.max_model_len) or None, kv_cache_gib=int(v.kv_cache_gib),
+                   enforce_eager=bool(v.enforce_eager), **dict(v.options))
+    if str(device).startswith("cuda"):
+        options["gpu_memory_utilization"] = memory_fraction(cfg, "sampler") or float(v.gpu_memory_utilization)
+    return options
+
+
 @register_engine("vllm")
 class VLLMEngine:
+    gpu_memory = "engine"  # vLLM sizes its KV cache by gpu_memory_utilization (samplers/engine.py)
+
+    @classmethod
+    def from_config(cls, cfg, device, url: str = "") -> VLLMEngine:
+        return cls(cfg.model.path, **vllm_options(cfg, device))
+
     def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None, seed: int = 0,
                  max_model_len: int | None = None, kv_cache_gib: int = 1, ignore_eos: bool = False,
-                 **llm_kwargs) -> None:
-        """``ignore_eos``: rows run to ``max_tokens`` (benchmarks); ``llm_kwargs`` go to ``vllm.LLM``."""
+                 enforce_eager: bool = True, **llm_kwargs) -> None:
+        """``ignore_eos``: rows run to ``max_tokens`` (benchmarks); ``enforce_eager``: no CUDA graphs or
+        torch.compile (start-up in seconds); ``llm_kwargs`` go to ``vllm.LLM`` (e.g. gpu_memory_utilization)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -86,9 +106,8 @@ class VLLMEngine:
 
         if device is not None and device.split(":")[0] != current_platform.device_type:
             raise ValueError(f"this vLLM build runs on {current_platform.device_type!r}, not {device!r}")
-        # enforce_eager: no torch.compile / graph capture, so start-up takes seconds, not minutes
-        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
-                       logprobs_mode="processed_logprobs", **llm_kwargs)
+        self.llm = LLM(model=model_path, dtype=dtype_name(dtype), seed=seed, max_model_len=max_model_len,
+                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **llm_kwargs)
         config = self.llm.llm_engine.model_config
         self.vocab_size = config.get_vocab_size()
         self.max_context = config.max_model_len

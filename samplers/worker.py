@@ -2,8 +2,9 @@
 
     python -m cascade_rl.samplers.worker --config RUN_DIR/config.yaml --worker-id sampler-0
 
-Started by the supervisor. It loads version 0 from ``model.path``, tells the
-orchestrator it is ready, and loops: collect the requests that have arrived,
+Started by the supervisor. It builds its engine from the run config on its
+device (samplers/engine.py ``build_engine``: cuda when ``gpus.samplers`` names
+GPUs, else cpu), loads version 0 from ``model.path``, tells the orchestrator it is ready, and loops: collect the requests that have arrived,
 apply the newest announced weights at this safe point (between batches), and
 generate every request whose ``min_version`` the engine satisfies. A request
 the engine cannot serve gets ``Rollout(finish_reason="error")`` with the
@@ -12,6 +13,7 @@ reason; the worker lives on.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import queue
 import signal
@@ -27,7 +29,7 @@ from cascade_rl.protocol.weights import WeightsError, resolve
 from cascade_rl.protocol.worker_main import worker_start
 
 from . import sglang_engine, torch_engine, vllm_engine  # noqa: F401  (each registers its engine)
-from .engine import ENGINES, GenerationRequest
+from .engine import GenerationRequest, build_engine
 
 log = logging.getLogger("sampler")
 
@@ -54,10 +56,11 @@ def error_rollout(req: PromptRequest, worker_id: str, version: int, reason: str)
 
 class Sampler:
     BATCH_WINDOW_S = 0.003
-    def __init__(self, cfg, worker_id: str) -> None:
+    def __init__(self, cfg, worker_id: str, engine_url: str = "") -> None:
         self.worker_id = worker_id
-        self.engine = ENGINES[cfg.workers.sampler_engine](cfg.model.path, dtype=cfg.model.dtype)
-        self.counters = {"rollouts": 0, "tokens": 0, "errors": 0, "weight_loads": 0, "gen_s": 0.0}
+        self.engine = build_engine(cfg, engine_url)
+        self.counters = {"rollouts": 0, "tokens": 0, "errors": 0, "weight_loads": 0, "gen_s": 0.0,
+                         "device": engine_device(self.engine, cfg)}
         self.state = "idle"
         self.latest: WeightsReady | None = None
         self.pending: list[PromptRequest] = []
@@ -175,12 +178,26 @@ class Sampler:
         self.state = "idle"
 
 
+def engine_device(engine, cfg) -> str:
+    """Where the engine's model runs, for heartbeats and ``ctl status``."""
+    model = getattr(engine, "model", None)
+    if isinstance(model, torch.nn.Module):
+        p = next(model.parameters())
+        return f"{p.device} {str(p.dtype).removeprefix('torch.')}"
+    url = getattr(engine, "url", "")
+    return f"{cfg.workers.sampler_engine}{' ' + url if url else ''} {cfg.model.dtype}" + (
+        f" gpus={list(cfg.gpus.samplers)}" if cfg.gpus.samplers else "")
+
+
 def main(argv: list[str] | None = None) -> None:
-    args, cfg = worker_start(__doc__.splitlines()[0], argv)
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--engine-url", default="", help="the engine server the supervisor started for this sampler")
+    known, rest = extra.parse_known_args(argv)
+    args, cfg = worker_start(__doc__.splitlines()[0], rest)
     if cfg.workers.sampler_threads:
         torch.set_num_threads(cfg.workers.sampler_threads)
     torch.manual_seed(zlib.crc32(f"{cfg.trainer.seed}:{args.worker_id}".encode()))
-    Sampler(cfg, args.worker_id).run()
+    Sampler(cfg, args.worker_id, known.engine_url).run()
 
 
 if __name__ == "__main__":

@@ -139,13 +139,13 @@ def cmd_ctl(args: argparse.Namespace) -> int:
             from rich.console import Console
             from rich.table import Table
 
-            table = Table("role", "id", "pid", "state", "version", "restarts", "throughput",
+            table = Table("role", "id", "pid", "state", "version", "restarts", "throughput", "device",
                           title=reply.result["run_dir"])
             for w in workers:
                 c = w["counters"]
                 rate = c.get("tokens", 0) / c["gen_s"] if c.get("gen_s") else None
                 table.add_row(w["role"], w["id"], str(w["pid"]), w["state"], str(w["version"]), str(w["restarts"]),
-                              f"{rate:.0f} tok/s" if rate else "-")
+                              f"{rate:.0f} tok/s" if rate else "-", str(c.get("device", "")))
             Console().print(table)
     else:
         print(json.dumps(reply.result))

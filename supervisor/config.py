@@ -24,6 +24,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from cascade_rl.data.rows import Fields
+from cascade_rl.protocol.devices import DeviceError, dtype_name
 
 from .config_errors import ConfigError, explain, unknown_keys
 
@@ -39,7 +40,11 @@ class ModelConfig:
     path: str = "models/tiny-sft"
     """HF model directory (weights + tokenizer); version 0 of the policy."""
     dtype: str = "float32"
-    """float32 | bfloat16: parameter dtype in trainer and samplers (fp32 on CPU)."""
+    """fp32 | bf16 (or float32 | bfloat16): the parameter dtype of trainer, samplers and teachers. With bf16 the
+    trainer's AdamW keeps an fp32 master copy of every parameter and fp32 moments (learner/optim.py)."""
+    attn_impl: str = "auto"
+    """Trainer and teacher attention: auto (varlen on CUDA, sdpa on CPU) | varlen (torch's FlashAttention varlen
+    kernel on packed rows, CUDA; learner/attention.py) | flash_attention_2 (the flash-attn package) | sdpa | eager."""
     moe_impl: str = "hf"
     """Trainer's MoE experts: hf (transformers' grouped_mm; fastest on CPU) | torch (kernels/moe.py reference)
     | triton (kernels/moe.py; CUDA, or TRITON_INTERPRET=1 for tests)."""
@@ -192,13 +197,48 @@ class JudgeConfig:
 
 
 @dataclass
+class VLLMConfig:
+    gpu_memory_utilization: float = 0.9
+    """Share of its GPU a vLLM sampler takes (weights + KV cache); ``gpus.memory.sampler``, when set, wins."""
+    max_model_len: int = 0
+    """Longest prompt + response vLLM plans its KV cache for (0: the model's own)."""
+    enforce_eager: bool = True
+    """No CUDA graphs / torch.compile: start-up in seconds (false: faster decode after a longer start)."""
+    kv_cache_gib: int = 1
+    """CPU only: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """More keyword arguments of ``vllm.LLM`` (e.g. {max_num_seqs: 512})."""
+
+
+@dataclass
+class SGLangConfig:
+    url: str = ""
+    """A server you run yourself (one URL for every sampler). Empty: the supervisor starts one SGLang server per
+    sampler, on that sampler's GPU, and stops it with the run (logs/sglang-i.log)."""
+    port: int = 0
+    """First port of the servers the supervisor starts (sampler i: port + i; 0: free ports)."""
+    mem_fraction_static: float = 0.0
+    """SGLang's ``--mem-fraction-static`` (0: ``gpus.memory.sampler``, else SGLang's default)."""
+    args: list[str] = field(default_factory=list)
+    """More ``sglang.launch_server`` arguments, e.g. [--chunked-prefill-size, "4096"]."""
+    startup_s: float = 600.0
+    """How long a sampler waits for its server's /health before it fails."""
+    request_timeout_s: float = 600.0
+    """Per HTTP request (/generate, /update_weights_from_disk)."""
+
+
+@dataclass
 class WorkersConfig:
     samplers: int = 1
     """Sampler processes."""
     verifiers: int = 1
     """Verifier processes."""
     sampler_engine: str = "torch"
-    """Engine registered in samplers/engine.py."""
+    """Engine registered in samplers/engine.py: torch | vllm | sglang."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """Options of the vllm engine."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """Options of the sglang engine and its servers."""
     sampler_slots: int = 256
     """Sequences (group members) a sampler takes at once; they decode together in one batch."""
     sampler_stream_groups: bool = False
@@ -221,6 +261,39 @@ class WorkersConfig:
     verifier_plugins: list[str] = field(default_factory=list)
     """Your reward modules: dotted module names or paths to .py files, imported first by the launcher and
     every verifier worker; they register verifiers with ``@register_verifier`` (verifiers/registry.py)."""
+
+
+@dataclass
+class GpuMemoryConfig:
+    """Shares of one GPU, per process of a role (0: no cap, for a GPU the process has alone). The shares of the
+    processes on one GPU must sum to at most 1. torch: set_per_process_memory_fraction; vLLM:
+    gpu_memory_utilization; SGLang: --mem-fraction-static."""
+
+    trainer: float = 0.0
+    """Each trainer rank's share of its GPU."""
+    sampler: float = 0.0
+    """Each sampler's (or its SGLang server's) share of its GPU."""
+    teacher: float = 0.0
+    """Each teacher server's share of its GPU."""
+
+
+@dataclass
+class GpusConfig:
+    """Which GPUs each role's processes use (ids as this machine numbers them, or as the supervisor's own
+    CUDA_VISIBLE_DEVICES does). A role without GPUs runs on the CPU. The supervisor gives every process exactly
+    its GPUs (CUDA_VISIBLE_DEVICES) and refuses, before launch, GPUs the machine lacks or a GPU shared by
+    several processes without a memory split (supervisor/placement.py)."""
+
+    trainer: list[int] = field(default_factory=list)
+    """The trainer's GPUs, one per rank (trainer.world_size of them), e.g. [0, 1]."""
+    samplers: list[int] = field(default_factory=list)
+    """The GPU of each sampler: sampler-i runs on samplers[i] (workers.samplers of them; ``ctl scale`` beyond
+    the list is refused)."""
+    teachers: list[int] = field(default_factory=list)
+    """The GPU of each teacher server (teacher-i serves the i-th distinct teacher checkpoint)."""
+    memory: GpuMemoryConfig = field(default_factory=GpuMemoryConfig)
+    """The share of its GPU one process of each role may take: needed for every role on a GPU that several
+    processes share, e.g. gpus.memory={trainer: 0.5, sampler: 0.3, teacher: 0.15}."""
 
 
 @dataclass
@@ -263,6 +336,7 @@ class LaunchConfig:
     """MOPD: domain -> the HF checkpoint that teaches it (one teacher server per distinct checkpoint; the
     cascade runner fills this with each domain's best checkpoint)."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    gpus: GpusConfig = field(default_factory=GpusConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -352,14 +426,23 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"teachers: {missing} are not directories")
     if cfg.model.moe_impl not in ("hf", "torch", "triton"):
         problems.append(f"model.moe_impl={cfg.model.moe_impl!r}: choose hf, torch or triton")
-    if cfg.model.moe_impl == "triton" and not _cuda() and os.environ.get("TRITON_INTERPRET") != "1":
-        problems.append("model.moe_impl=triton needs CUDA (or TRITON_INTERPRET=1: Triton's interpreter, for tests "
-                        "only)")
+    triton = [k for k, v in (("model.moe_impl", cfg.model.moe_impl), ("trainer.logprob_impl", t.logprob_impl))
+              if v == "triton"]
+    on_cpu = [f"gpus.{k}" for k in ("trainer", "teachers") if not cfg.gpus[k] and (k == "trainer" or cfg.teachers)]
+    if triton and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        problems.append(f"{' and '.join(triton)}=triton run on GPUs, but {' and '.join(on_cpu)} name none: give them "
+                        f"GPUs (e.g. gpus.trainer=[0]), or choose {'hf' if triton[0] == 'model.moe_impl' else 'torch'} "
+                        f"(TRITON_INTERPRET=1 runs Triton's interpreter on the CPU, for tests only)")
+    try:
+        dtype_name(cfg.model.dtype)
+    except DeviceError as e:
+        problems.append(str(e))
+    from cascade_rl.learner.attention import CHOICES as ATTN_IMPLS
+
+    if cfg.model.attn_impl not in ATTN_IMPLS:
+        problems.append(f"model.attn_impl={cfg.model.attn_impl!r}: choose one of {', '.join(ATTN_IMPLS)}")
     if t.logprob_impl not in ("torch", "triton"):
         problems.append(f"trainer.logprob_impl={t.logprob_impl!r}: choose torch or triton")
-    if t.logprob_impl == "triton" and not _cuda() and os.environ.get("TRITON_INTERPRET") != "1":
-        problems.append("trainer.logprob_impl=triton needs CUDA (or TRITON_INTERPRET=1: Triton's interpreter, "
-                        "for tests only)")
     if t.algorithm == "mopd" and (t.kl_coef or t.entropy_coef):
         problems.append("trainer.kl_coef / entropy_coef apply to grpo only")
     if problems:
@@ -378,12 +461,6 @@ def _unserved_model_type(path: str) -> str:
         return ""
     return (f"model_type {model_type!r} is not served by the torch engine (it serves {', '.join(SERVED_MODEL_TYPES)}): "
             f"sample with workers.sampler_engine=vllm")
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def to_yaml(cfg: DictConfig) -> str:

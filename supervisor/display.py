@@ -54,9 +54,10 @@ class Display:
                 f"{_fmt(last.get('trainer/mismatch/abs_diff_max'), '.1e')})")
         self.progress.update(self.task, completed=orch.get("step", 0), info=info)
         if self.live:
-            table = Table("role", "id", "pid", "state", "version", "restarts", box=None)
+            table = Table("role", "id", "pid", "state", "version", "restarts", "device", box=None)
             for w in workers:
-                table.add_row(w["role"], w["id"], str(w["pid"]), w["state"], str(w["version"]), str(w["restarts"]))
+                table.add_row(w["role"], w["id"], str(w["pid"]), w["state"], str(w["version"]), str(w["restarts"]),
+                              str(w["counters"].get("device", "")))
             books_line = " ".join(f"{k}={v}" for k, v in books.items() if not isinstance(v, dict))
             self.live.update(Group(self.progress, table, f"books: {books_line}"))
         elif self.mode == "plain" and last and last != self._last_printed:

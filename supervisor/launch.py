@@ -7,7 +7,11 @@ validated before any process starts), gives the run its endpoints (``ipc://`` un
 a short temp dir), writes ``<run_dir>/config.yaml`` and starts, each as its
 own OS process: the orchestrator, the trainer, the samplers, the
 verifiers and, for MOPD, one teacher server per distinct teacher checkpoint
-(``teachers``: domain -> checkpoint). It then serves heartbeats (PULL) and ``cascade-rl ctl`` requests
+(``teachers``: domain -> checkpoint); with ``workers.sampler_engine=sglang``, one
+SGLang server per sampler too. Each process sees exactly the GPUs the config's
+``gpus`` section gives its role (supervisor/placement.py; ``CUDA_VISIBLE_DEVICES``,
+empty for CPU processes); a layout the machine cannot hold is refused before any
+process starts. It then serves heartbeats (PULL) and ``cascade-rl ctl`` requests
 (REP) until the orchestrator exits: 0 ends the run, anything else fails it.
 A crashed worker other than the orchestrator is restarted with exponential
 backoff up to ``supervisor.max_restarts`` times.
@@ -35,6 +39,8 @@ from cascade_rl.protocol.messages import Control, ControlReply, Heartbeat
 from cascade_rl.protocol.sockets import recv, send
 from cascade_rl.protocol.weights import shm_dir
 
+from . import placement
+from .config_errors import ConfigError
 from .display import Display
 from .run_data import prepare_run_data
 
@@ -45,6 +51,7 @@ MODULES = {
     "verifier": "cascade_rl.verifiers.worker",
     "teacher": "cascade_rl.teachers.server",
 }
+SERVER_ROLES = {"sglang"}  # processes that are not our workers: no heartbeats, watched by their exit alone
 
 
 def teacher_groups(teachers) -> dict[str, list[str]]:
@@ -101,6 +108,10 @@ class Proc:
     version: int = 0
     counters: dict = dataclasses.field(default_factory=dict)
     args: list[str] = dataclasses.field(default_factory=list)  # extra arguments (a verifier's --impl)
+    gpus: tuple[int, ...] = ()  # config ids of the GPUs it sees (supervisor/placement.py); () = the CPU
+    cmd: list[str] = dataclasses.field(default_factory=list)  # a server's own command (SERVER_ROLES)
+    serves: str = ""  # a server: the worker that uses it (restarted with it, so it reloads the weights)
+    slot: int = 0  # a sampler: its entry of gpus.samplers
     replaced_by: list[str] = dataclasses.field(default_factory=list)  # a swap retires this once they run
     draining: bool = False  # SIGTERM sent: it finishes what it holds and exits; never restarted
 
@@ -113,7 +124,24 @@ class Proc:
             "version": self.version,
             "restarts": self.restarts,
             "counters": self.counters,
+            "gpus": list(self.gpus),
         }
+
+
+def sampler_procs(cfg, worker_id: str, slot: int, port: int | None = None) -> list[Proc]:
+    """The processes of one sampler on entry ``slot`` of gpus.samplers: the sampler on that GPU; with the
+    sglang engine (and no workers.sglang.url), first an SGLang server on that GPU, and the sampler, which then
+    holds no model, on none, told the server's URL."""
+    gpus = placement.gpus_of(cfg, "sampler", slot)
+    sg = cfg.workers.sglang
+    if cfg.workers.sampler_engine != "sglang" or sg.url:
+        return [Proc("sampler", worker_id, gpus=gpus, slot=slot)]
+    from cascade_rl.samplers.sglang_engine import server_command
+
+    port = port or (sg.port + slot if sg.port else free_ports(1)[0])
+    server = Proc("sglang", f"sglang-{worker_id.split('-')[-1]}", gpus=gpus, cmd=server_command(cfg, port),
+                  serves=worker_id)
+    return [server, Proc("sampler", worker_id, args=["--engine-url", f"http://127.0.0.1:{port}"], slot=slot)]
 
 
 class Supervisor:
@@ -124,6 +152,15 @@ class Supervisor:
         # before any socket or process: bad rows (BadData) or a config the data contradicts (ConfigError)
         # refuse the launch here, and the orchestrator opens what this wrote to run_dir/data
         self.data = prepare_run_data(cfg)
+        if problems := placement.check(cfg, len(teacher_groups(cfg.teachers)), placement.visible_gpus()):
+            raise ConfigError("GPU layout:\n  " + "\n  ".join(problems))
+        if cfg.workers.sampler_engine == "sglang" and not cfg.workers.sglang.url:
+            from cascade_rl.samplers.sglang_engine import sglang_unavailable
+
+            if reason := sglang_unavailable():
+                raise ConfigError(f"workers.sampler_engine=sglang: {reason}")
+            if not cfg.gpus.samplers:
+                raise ConfigError("workers.sampler_engine=sglang: the SGLang servers need GPUs: set gpus.samplers")
         run_id = uuid.uuid4().hex[:10]
         # ipc paths must stay under ~100 bytes, so they live in a short temp dir, not in run_dir
         self.sock_dir = Path(tempfile.gettempdir()) / f"crl-{run_id}"
@@ -159,7 +196,8 @@ class Supervisor:
         # PYTHONSAFEPATH (python -P): never put the cwd on sys.path, in this process's children and
         # theirs (torchrun's ranks): a checkout's top-level verifiers/ or kernels/ folders would shadow
         # the PyPI packages of those names
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", PYTHONSAFEPATH="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", PYTHONSAFEPATH="1",
+                   **placement.cuda_env(proc.gpus))
         log = open(self.run_dir / "logs" / f"{proc.worker_id}.log", "ab")
         launcher = [sys.executable, "-P", "-m"]
         if proc.role == "sampler" and self.cfg.workers.sampler_launcher:  # elsewhere: a netns, another host
@@ -167,8 +205,8 @@ class Supervisor:
         if proc.role == "trainer" and self.cfg.trainer.world_size > 1:  # one process per rank, torchrun's
             launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={self.cfg.trainer.world_size}",
                          "-m"]
-        cmd = [*launcher, MODULES[proc.role], "--config", str(self.config_path), "--worker-id", proc.worker_id,
-               *proc.args]
+        cmd = proc.cmd or [*launcher, MODULES[proc.role], "--config", str(self.config_path), "--worker-id",
+                           proc.worker_id, *proc.args]
         proc.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                       preexec_fn=_die_with_parent)
         log.close()
@@ -176,16 +214,36 @@ class Supervisor:
 
     def start(self) -> None:
         w = self.cfg.workers
-        groups = [("orchestrator", 1), ("trainer", 1), ("sampler", w.samplers), ("verifier", w.verifiers)]
-        for role, count in groups:
-            for i in range(count):
-                worker_id = role if role == "orchestrator" else f"{role}-{i}"
-                self.procs[worker_id] = Proc(role, worker_id)
-                self.spawn(self.procs[worker_id])
+        self.add(Proc("orchestrator", "orchestrator"))
+        self.add(Proc("trainer", "trainer-0", gpus=placement.gpus_of(self.cfg, "trainer")))
+        for i in range(w.samplers):
+            self.add_sampler(f"sampler-{i}", i)
+        for i in range(w.verifiers):
+            self.add(Proc("verifier", f"verifier-{i}"))
         for i, (path, domains) in enumerate(teacher_groups(self.cfg.teachers).items()):
-            proc = Proc("teacher", f"teacher-{i}", args=["--model", path, "--domains", ",".join(domains)])
-            self.procs[proc.worker_id] = proc
-            self.spawn(proc)
+            self.add(Proc("teacher", f"teacher-{i}", args=["--model", path, "--domains", ",".join(domains)],
+                          gpus=placement.gpus_of(self.cfg, "teacher", i)))
+
+    def add(self, proc: Proc) -> Proc:
+        self.procs[proc.worker_id] = proc
+        self.spawn(proc)
+        return proc
+
+    def add_sampler(self, worker_id: str, slot: int) -> None:
+        for proc in sampler_procs(self.cfg, worker_id, slot):
+            self.add(proc)
+
+    def free_sampler_slot(self) -> int:
+        """The first entry of gpus.samplers no sampler holds (a draining one holds its own until it exits);
+        CPU samplers need none (0). Raises ValueError when every entry is held."""
+        if not self.cfg.gpus.samplers:
+            return 0
+        held = {p.slot for p in self.procs.values() if p.role == "sampler"}
+        free = [i for i in range(len(self.cfg.gpus.samplers)) if i not in held]
+        if not free:
+            raise ValueError(f"every entry of gpus.samplers={list(self.cfg.gpus.samplers)} holds a sampler: list "
+                             f"more GPUs there to run more samplers")
+        return free[0]
 
     def watch(self) -> str:
         """Check every process once; returns 'running', 'done' or a failure reason."""
@@ -205,11 +263,13 @@ class Supervisor:
             if p.role == "trainer" and rc is not None:  # a fresh trainer would restart at version 0: resume instead
                 return (f"trainer exited with code {rc} (see logs/trainer-0.log); continue from the last checkpoint "
                         f"with: cascade-rl launch ... run_dir={self.run_dir} resume=true")
-            silent = now - p.last_beat > sup.heartbeat_timeout_s
+            silent = p.role not in SERVER_ROLES and now - p.last_beat > sup.heartbeat_timeout_s
             if rc is None and not silent:
                 continue
             if rc is None:  # hung: no heartbeat for too long
                 self._kill(p.popen)
+            if p.serves in self.procs and self.procs[p.serves].popen is not None:
+                self._kill(self.procs[p.serves].popen)  # a fresh server has the base weights: so must its sampler
             if p.restarts >= sup.max_restarts:
                 return f"{p.worker_id} failed {p.restarts + 1} times (see logs/{p.worker_id}.log)"
             p.state = f"exited({rc})" if rc is not None else "hung"
@@ -234,6 +294,10 @@ class Supervisor:
             if p.draining and (p.popen is None or p.popen.poll() is not None):
                 self.retired.append({**p.row(), "state": f"retired({p.popen.returncode if p.popen else None})"})
                 del self.procs[p.worker_id]
+                for server in [q for q in self.procs.values() if q.serves == p.worker_id]:  # its SGLang server
+                    if server.popen is not None:
+                        self._kill(server.popen)
+                    del self.procs[server.worker_id]
 
     def scale(self, role: str, count: int) -> dict:
         """Run ``count`` workers of ``role`` (samplers): start new ones (they get the current weights from the
@@ -245,11 +309,12 @@ class Supervisor:
         taken = {int(w.split("-")[-1]) for w in [*self.procs, *(r["id"] for r in self.retired)]
                  if w.startswith(f"{role}-")}
         for i in range(count - len(live)):
-            args = live[0].args if live else []
-            proc = Proc(role, f"{role}-{max(taken | {-1}) + 1 + i}", args=list(args))
-            self.procs[proc.worker_id] = proc
-            self.spawn(proc)
-            started.append(proc.worker_id)
+            worker_id = f"{role}-{max(taken | {-1}) + 1 + i}"
+            if role == "sampler":  # on the first free entry of gpus.samplers, with its server if the engine has one
+                self.add_sampler(worker_id, self.free_sampler_slot())
+            else:
+                self.add(Proc(role, worker_id, args=list(live[0].args if live else [])))
+            started.append(worker_id)
         for p in live[count:][::-1] if len(live) > count else []:
             if p.popen is not None and p.popen.poll() is None:
                 os.killpg(p.popen.pid, signal.SIGTERM)

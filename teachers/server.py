@@ -4,8 +4,9 @@
         --model PATH --domains math,mcqa [--slots 32] [--max-batch-tokens 16384] [--threads 0]
 
 Started by the supervisor, one process per teacher checkpoint. It loads the HF
-checkpoint at ``--model`` (``model.dtype``, ``model.moe_impl``; frozen, eval
-mode, on the CPU as the one-rank trainer), connects to the orchestrator like
+checkpoint at ``--model`` as the trainer does (learner/models.py: ``model.dtype``,
+``model.attn_impl``, ``model.moe_impl``; frozen, eval mode) on its device (``gpus.teachers``:
+the i-th teacher server on the i-th GPU listed; none: the CPU), connects to the orchestrator like
 every worker (``Ready`` with role "teacher", its ``slots`` and ``domains``;
 heartbeats to the supervisor) and loops: collect the requests that have
 arrived (after the first, a few ms more for the rest of a burst), take them in
@@ -40,9 +41,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cascade_rl.learner.experts import use_moe_impl
+from cascade_rl.learner.models import describe, load_model
 from cascade_rl.learner.policy import Policy
-from cascade_rl.learner.trainer import DTYPES
+from cascade_rl.protocol.devices import role_device
 from cascade_rl.protocol.messages import Ready, TeacherLogprobs, TeacherRequest
 from cascade_rl.protocol.sockets import WorkerLink
 from cascade_rl.protocol.worker_main import worker_start
@@ -86,12 +87,13 @@ class Teacher:
         self.max_len = getattr(model.config, "max_position_embeddings", None)
 
     @classmethod
-    def load(cls, path: str, domains: list[str], cfg) -> Teacher:
-        """The checkpoint at ``path`` as the trainer would load it (``model.dtype``, ``model.moe_impl``)."""
-        from transformers import AutoModelForCausalLM
+    def load(cls, path: str, domains: list[str], cfg, device: torch.device | str = "cpu") -> Teacher:
+        """The checkpoint at ``path`` as the trainer would load it (learner/models.py), on ``device``."""
+        return cls(load_model(path, cfg, device), domains, cfg.trainer)
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.model.dtype])
-        return cls(use_moe_impl(model, cfg.model.moe_impl), domains, cfg.trainer)
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def check(self, req: TeacherRequest) -> str:
         """Why this model cannot answer ``req`` ("" if it can). The codec has checked the lengths."""
@@ -118,10 +120,10 @@ class Teacher:
             by_temperature[req.temperature].append(i)
         for temperature, members in by_temperature.items():
             group = [requests[i] for i in members]
-            ids, lengths, mask = batch_rows(group)
+            ids, lengths, mask = (t.to(self.device) for t in batch_rows(group))
             with torch.inference_mode():
                 lp, _ = Policy(self.model, temperature, **self.policy_args)(ids, lengths, mask)
-            flat = lp[mask].numpy()  # row-major: request by request, response by response
+            flat = lp[mask].float().cpu().numpy()  # row-major: request by request, response by response
             bounds = np.cumsum([len(r.response_ids) for r in group])[:-1]
             for i, values in zip(members, np.split(flat, bounds)):
                 out[i] = values
@@ -146,7 +148,7 @@ class Server:
                                expect=(TeacherRequest,), status=self.status, heartbeat_s=cfg.supervisor.heartbeat_s)
 
     def status(self) -> dict:
-        return {"state": self.state, "counters": dict(self.counters)}
+        return {"state": self.state, "counters": {**self.counters, "device": describe(self.teacher.model)}}
 
     def run(self) -> None:
         """Serve until drained (see the module docstring)."""
@@ -252,9 +254,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(known.threads)
 
     # --- model, then serve
-    teacher = Teacher.load(known.model, domains, cfg)
-    log.info("teacher %s serving %s (vocab %d, max length %s)", known.model, teacher.domains, teacher.vocab,
-             teacher.max_len)
+    teacher = Teacher.load(known.model, domains, cfg, role_device(cfg, "teacher"))
+    log.info("teacher %s serving %s on %s (vocab %d, max length %s)", known.model, teacher.domains,
+             describe(teacher.model), teacher.vocab, teacher.max_len)
     Server(teacher, args.worker_id, cfg, known.slots, known.max_batch_tokens).run()
 
 

@@ -43,14 +43,31 @@ def engine(request, tiny_model):
     import cascade_rl.samplers.worker  # noqa: F401  (registers every engine)
 
     threads = torch.get_num_threads()
+    if request.param == "sglang":  # its server, as the supervisor starts it (samplers/sglang_engine.py)
+        yield from _sglang_engine(tiny_model)
+        return
     eng = ENGINES["torch"](tiny_model, cpu_kernels=False) if request.param == "torch-ops" else ENGINES[
         request.param](tiny_model)
     if request.param == "torch" and shutil.which("c++"):  # with a compiler they must build
         assert eng.cpu_kernels, f"the C++ CPU kernels did not build: {cpu_decode.build_error()}"
     yield eng
-    if hasattr(eng, "close"):
-        eng.close()
     torch.set_num_threads(threads)
+
+
+def _sglang_engine(model: str):
+    import subprocess
+
+    from cascade_rl.samplers.sglang_engine import SGLangEngine, server_command
+    from cascade_rl.supervisor.config import compose
+    from cascade_rl.supervisor.launch import free_ports
+
+    port = free_ports(1)[0]
+    server = subprocess.Popen(server_command(compose(None, [f"model.path={model}"], check=False), port))
+    try:
+        yield SGLangEngine(model, f"http://127.0.0.1:{port}")
+    finally:
+        server.terminate()
+        server.wait(60)
 
 
 @pytest.fixture(scope="module")

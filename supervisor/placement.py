@@ -1,0 +1,120 @@
+"""The GPU plan: which GPUs each process of a run sees, and the layouts refused before launch.
+
+    problems = check(cfg, teachers=2, visible=torch.cuda.device_count())    # [] or what to change
+    gpus = gpus_of(cfg, "sampler", 1)                                          # (1,): sampler-1's GPUs
+    env = cuda_env(gpus)                                                      # {"CUDA_VISIBLE_DEVICES": "1"}
+
+The config's ``gpus`` section names, per role, the GPUs of its processes: the trainer's
+ranks (``gpus.trainer``, one per rank), each sampler (``gpus.samplers[i]`` for the i-th
+sampler slot) and each teacher server (``gpus.teachers[i]``). The supervisor starts every
+process with exactly its GPUs visible (``CUDA_VISIBLE_DEVICES``; none for a process of a
+role without GPUs, and for the orchestrator and verifiers), so inside the process they
+are ``cuda:0..`` and protocol/devices.py ``role_device`` picks them from the same config.
+Ids are the machine's, or positions in the supervisor's own ``CUDA_VISIBLE_DEVICES``
+when it has one (a job scheduler's allocation).
+
+Refused before any process starts, each with what to change:
+- a GPU the machine does not have (or any GPU on a machine without CUDA);
+- fewer GPUs than processes: trainer ranks, samplers, distinct teacher checkpoints;
+- a GPU shared by several processes where a role on it has no ``gpus.memory`` share,
+  or where the shares sum to more than 1.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+from cascade_rl.protocol.devices import GPU_KEYS
+
+
+def gpus_of(cfg, role: str, index: int = 0) -> tuple[int, ...]:
+    """The GPUs of process ``index`` of ``role`` (the trainer's: all its ranks'); () runs on the CPU."""
+    if role not in GPU_KEYS:
+        return ()
+    ids = [int(g) for g in cfg.gpus[GPU_KEYS[role]]]
+    if role == "trainer" or not ids:
+        return tuple(ids)
+    if index >= len(ids):
+        raise IndexError(f"{role}-{index} has no GPU: gpus.{GPU_KEYS[role]}={ids} names {len(ids)}")
+    return (ids[index],)
+
+
+def cuda_env(gpus: tuple[int, ...], visible: str | None = None) -> dict[str, str]:
+    """The environment that makes ``gpus`` (config ids) a process's only devices; ``visible`` is the
+    supervisor's own CUDA_VISIBLE_DEVICES (default: read from the environment), which config ids index."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    names = [v.strip() for v in visible.split(",") if v.strip()] if visible else None
+    return {"CUDA_VISIBLE_DEVICES": ",".join(names[g] if names else str(g) for g in gpus)}
+
+
+def processes(cfg, teachers: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """worker id -> (role, GPUs) for every GPU-capable process the config can start: each trainer rank (one
+    process per rank under torchrun), every listed sampler slot (scaling up may use all of them), every teacher."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for rank, gpu in enumerate(cfg.gpus.trainer):
+        out[f"trainer-0/rank{rank}"] = ("trainer", (int(gpu),))
+    for i in range(max(len(cfg.gpus.samplers), 0)):
+        out[f"sampler-{i}"] = ("sampler", gpus_of(cfg, "sampler", i))
+    for i in range(min(len(cfg.gpus.teachers), teachers) if cfg.gpus.teachers else 0):
+        out[f"teacher-{i}"] = ("teacher", gpus_of(cfg, "teacher", i))
+    return out
+
+
+def check(cfg, teachers: int, visible: int) -> list[str]:
+    """What is wrong with the config's GPU layout on a machine with ``visible`` GPUs ([] if nothing)."""
+    g, problems = cfg.gpus, []
+    world, samplers = cfg.trainer.world_size, cfg.workers.samplers
+    if g.trainer and len(g.trainer) != world:
+        problems.append(f"gpus.trainer={list(g.trainer)} names {len(g.trainer)} GPUs for trainer.world_size={world}: "
+                        f"one GPU per rank")
+    if len(set(g.trainer)) != len(g.trainer):
+        problems.append(f"gpus.trainer={list(g.trainer)} names a GPU twice: one GPU per rank")
+    if g.samplers and len(g.samplers) < samplers:
+        problems.append(f"gpus.samplers={list(g.samplers)} names {len(g.samplers)} GPUs for workers.samplers={samplers}"
+                        f": one entry per sampler (an id may repeat, with gpus.memory.sampler)")
+    if g.teachers and len(g.teachers) < teachers:
+        problems.append(f"gpus.teachers={list(g.teachers)} names {len(g.teachers)} GPUs for {teachers} teacher "
+                        f"checkpoints: one entry per distinct checkpoint")
+    if bad := {k: v for k, v in g.memory.items() if not 0 <= float(v) <= 1}:
+        problems.append(f"gpus.memory: shares must lie in [0, 1] (0: no cap), got {dict(bad)}")
+    named = sorted({int(x) for key in GPU_KEYS.values() for x in g[key]})
+    if named and visible == 0:
+        problems.append(f"gpus.* names GPUs {named} but this machine has no CUDA device visible to torch: "
+                        f"empty gpus.trainer/samplers/teachers to run on the CPU")
+    elif missing := [x for x in named if not 0 <= x < visible]:
+        problems.append(f"gpus.* names GPUs {missing} but this machine has {visible} (ids 0..{visible - 1}"
+                        f"{', as CUDA_VISIBLE_DEVICES numbers them' if os.environ.get('CUDA_VISIBLE_DEVICES') else ''})")
+    if problems:
+        return problems
+    return _sharing(cfg, processes(cfg, teachers))
+
+
+def _sharing(cfg, procs: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+    """A GPU shared by several processes needs a memory share for each role on it, summing to at most 1."""
+    on: dict[int, list[tuple[str, str]]] = defaultdict(list)
+    for worker_id, (role, gpus) in procs.items():
+        for gpu in gpus:
+            on[gpu].append((worker_id, role))
+    problems = []
+    for gpu, members in sorted(on.items()):
+        if len(members) < 2:
+            continue
+        ids = ", ".join(w for w, _ in members)
+        unset = sorted({role for _, role in members if not cfg.gpus.memory.get(role)})
+        if unset:
+            problems.append(f"GPU {gpu} is shared by {ids} without a memory split: set gpus.memory."
+                            f"{unset[0]}=SHARE for {', '.join(unset)} (e.g. gpus.memory={{trainer: 0.5, sampler: 0.3, "
+                            f"teacher: 0.15}}; the shares on one GPU sum to at most 1)")
+            continue
+        total = sum(float(cfg.gpus.memory[role]) for _, role in members)
+        if total > 1.0 + 1e-9:
+            problems.append(f"GPU {gpu} is shared by {ids} whose gpus.memory shares sum to {total:.2f} > 1: lower them")
+    return problems
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process sees (0 without a CUDA build of torch)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
