@@ -60,11 +60,14 @@ def parallelize(policy: nn.Module, ranks: Ranks) -> nn.Module:
     LM head: gathered for the policy's forward, which runs the base model and the chunked LM head)."""
     if not ranks.distributed:
         return policy
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # bf16 parameters: gradients are summed across ranks in fp32, then stored in the parameters' dtype
+    # (learner/optim.py keeps the fp32 master); fp32 parameters: no change
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     for layer in policy.model.base_model.layers:
-        fully_shard(layer)
-    fully_shard(policy)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(policy, mp_policy=mp)
     return policy
 
 

@@ -17,11 +17,11 @@ HELPER = Path(__file__).parent / "helpers" / "dist_steps.py"
 TOL = 2e-5
 
 
-def run(world: int, model: str, out: Path) -> tuple[dict, list]:
+def run(world: int, model: str, out: Path, dtype: str = "float32") -> tuple[dict, list]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
         if world > 1 else [sys.executable]
-    r = subprocess.run([*launcher, str(HELPER), model, str(out)], capture_output=True, text=True, env=env,
+    r = subprocess.run([*launcher, str(HELPER), model, str(out), dtype], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return load_file(out), json.loads(Path(str(out) + ".json").read_text())
@@ -44,3 +44,27 @@ def test_two_ranks_equal_one_rank(model_fixture, request, tmp_path):
     for a, b in zip(m1, m2):  # the metrics combine across ranks to the 1-rank values
         for k in ("loss", "grad_norm", "response_tokens", "zero_adv_groups", "entropy", "mismatch/abs_diff_max"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+
+
+def test_two_bf16_ranks_train_like_one_rank(tiny_dense_model, tmp_path):
+    """bf16 parameters under FSDP2 (gradients summed across ranks in fp32, fp32 master weights in the optimizer)
+    take the 1-rank steps: bf16 matmuls over half the rows round differently, and Adam turns a near-zero
+    gradient's rounding into a step of up to lr, so the updates agree in direction, not bit for bit."""
+    one, _ = run(1, tiny_dense_model, tmp_path / "one.safetensors", "bfloat16")
+    two, _ = run(2, tiny_dense_model, tmp_path / "two.safetensors", "bfloat16")
+    start = load_file(Path(tiny_dense_model) / "model.safetensors")
+    u1, u2 = [], []
+    for k in one:
+        assert one[k].dtype == two[k].dtype == torch.bfloat16, k
+        if k in start and start[k].shape == one[k].shape:
+            base = start[k].to(torch.bfloat16).float()
+            u1.append((one[k].float() - base).flatten())
+            u2.append((two[k].float() - base).flatten())
+    u1, u2 = torch.cat(u1), torch.cat(u2)
+    assert (u1 != 0).float().mean() > 0.5  # the steps really changed the weights
+    assert torch.nn.functional.cosine_similarity(u1, u2, dim=0) > 0.99  # measured: 1.0000
+    assert (u1 - u2).abs().max() <= 2 * 2 * 1e-3 + 2 ** -7 * start_max(start)  # two steps of lr 1e-3, one bf16 step
+
+
+def start_max(state: dict) -> float:
+    return max(t.abs().max().item() for t in state.values())

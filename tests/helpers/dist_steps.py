@@ -1,7 +1,7 @@
 """Two GRPO steps of the trainer on a fixed batch, on as many ranks as torchrun started (or one).
 
-    torchrun --nproc-per-node 2 tests/helpers/dist_steps.py MODEL_DIR OUT.safetensors
-    python tests/helpers/dist_steps.py MODEL_DIR OUT.safetensors          # one rank
+    torchrun --nproc-per-node 2 tests/helpers/dist_steps.py MODEL_DIR OUT.safetensors [bfloat16]
+    python tests/helpers/dist_steps.py MODEL_DIR OUT.safetensors [bfloat16]          # one rank
 
 Writes the final weights (rank 0) and the per-step metrics next to them (OUT.json); used by
 tests/test_parallel.py to compare 2 ranks with 1.
@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from cascade_rl.learner import parallel
+from cascade_rl.learner.optim import MasterAdamW
 from cascade_rl.learner.policy import Policy
 from cascade_rl.learner.trainer import Batch, strip_prefix, train_step
 from cascade_rl.learner.weights import unshared
@@ -42,15 +43,16 @@ def batch(step: int) -> Batch:
 
 def main() -> None:
     model_dir, out = sys.argv[1], sys.argv[2]
+    dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ranks = parallel.init(world)
     torch.manual_seed(0)
     cfg = OmegaConf.create(dict(algorithm="grpo", lr=1e-3, warmup_steps=0, warmup_start_lr=0.0, max_grad_norm=1.0,
                                 micro_batch_groups=1, importance_weights=True, eps_low=0.5, eps_high=2.0,
                                 kl_coef=0.0, entropy_coef=0.01))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     policy = parallel.parallelize(Policy(model, temperature=1.0, chunk_tokens=7, pack=True), ranks)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    optimizer = MasterAdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)  # the trainer's
     metrics = []
     for step in range(2):
         b = batch(step)
