@@ -30,7 +30,8 @@ from cascade_rl.verifiers.registry import VERIFIERS
 
 
 def evaluate_checkpoint(path: str, heldout: list[Row], n: int = 4, temperature: float = 1.0,
-                        max_tokens: int = 64, seed: int = 0, thinking: bool = True, engine: str = "torch") -> dict:
+                        max_tokens: int = 64, seed: int = 0, thinking: bool = True, engine: str = "torch",
+                        device: str = "cpu") -> dict:
     """``{"accuracy": mean over questions, "domains": {domain: accuracy}, "questions": {domain: count},
     "errors": {reason: count}, "seconds": wall time}``; accuracy of a question = mean reward of its n samples."""
     unknown = sorted({row.domain for row in heldout} - set(VERIFIERS))
@@ -41,7 +42,9 @@ def evaluate_checkpoint(path: str, heldout: list[Row], n: int = 4, temperature: 
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(path)
     render = PromptRenderer(tokenizer, thinking)
-    sampler = ENGINES[engine](path)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    sampler = ENGINES[engine](path, device=device)
     requests = [GenerationRequest(f"q{i}", np.array(render.ids(row.messages), np.int32), n, temperature, 1.0,
                                   max_tokens, [], seed + i) for i, row in enumerate(heldout)]
     with torch.inference_mode():

@@ -52,6 +52,9 @@ class EvalConfig:
     """At most this many held-out rows per domain, the first in file order (0: all)."""
     engine: str = "torch"
     """Sampler engine of the evaluation: torch (qwen3, qwen3_moe) | vllm (any architecture vLLM serves)."""
+    device: str = "auto"
+    """Where the evaluation samples, between stages (no stage holds a GPU then): auto (the first GPU this
+    process sees, else the CPU) | cpu | cuda | cuda:N."""
     n: int = 4
     """Samples per question (avg@n)."""
     temperature: float = 1.0
@@ -219,7 +222,7 @@ class Cascade:
 
         e = self.cfg.eval
         result = evaluate_checkpoint(path, self.heldout, e.n, e.temperature, e.max_tokens, e.seed, self.thinking,
-                                     e.engine)
+                                     e.engine, e.device)
         print(f"cascade: {path}: " + ", ".join(f"{d} {a:.3f}" for d, a in result["domains"].items()))
         return {"path": str(Path(path).resolve()), "step": step, **result}
 
