@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--only", default="", help="comma-separated script names (default: all)")
     args = ap.parse_args(argv)
     only = {n for n in args.only.split(",") if n}
+    # gpu_*.py are GPU checks without a baseline of their own: bench/gpu_checks.sh runs them
     scripts = [p for p in sorted(BENCH.glob("[!_]*.py")) if p.name != Path(__file__).name
-               and (not only or p.stem in only)]
+               and not p.stem.startswith("gpu_") and (not only or p.stem in only)]
     console = Console(stderr=True)
     summaries = []
     for script in scripts:

@@ -1,0 +1,157 @@
+"""On a CUDA GPU: the bf16 trainer path with the Triton kernels and varlen attention, and a full MOPD launch with
+trainer, sampler and teacher sharing GPU 0 (docs/ARCHITECTURE.md §10). Skipped without CUDA; bench/gpu_checks.sh
+runs this file on the GPU machine (bench/gpu_launch.py times the same launch at larger sizes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU: Triton kernels, varlen attention and bf16 on one device "
+    "(bench/gpu_checks.sh runs it on one)")  # fmt: skip
+# every role on GPU 0, sharing it (the shares sum to at most 1); the kernels a GPU run uses
+ONE_GPU = ["gpus.trainer=[0]", "gpus.samplers=[0]", "gpus.teachers=[0]",
+           "gpus.memory={trainer: 0.35, sampler: 0.3, teacher: 0.15}"]  # fmt: skip
+GPU_PATH = ["model.dtype=bf16", "model.attn_impl=varlen", "model.moe_impl=triton", "trainer.logprob_impl=triton"]
+MISMATCH_MEAN_MAX = {"bf16": 0.05, "fp32": 1e-4}  # engine vs trainer log-probs: mean |Δ| per token
+
+
+def safetensors_dtypes(ckpt: Path) -> set[str]:
+    from safetensors import safe_open
+
+    dtypes = set()
+    for f in ckpt.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            dtypes |= {st.get_slice(k).get_dtype() for k in st.keys()}
+    return dtypes
+
+
+@pytest.fixture(scope="module")
+def teacher_model(tmp_path_factory, tiny_model) -> str:
+    """A second tiny MoE: the same architecture and tokenizer as ``tiny_model``, another seed."""
+    from cascade_rl.learner.tiny_model import make_tiny_model
+
+    out = make_tiny_model(tmp_path_factory.mktemp("models") / "teacher", arch="qwen3_moe", seed=1)
+    assert (out / "tokenizer.json").read_bytes() == (Path(tiny_model) / "tokenizer.json").read_bytes()
+    return str(out)
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_mopd_launch_with_trainer_sampler_and_teacher_on_one_gpu(tiny_model, teacher_model, math_data, tmp_path):
+    check_mopd_launch(tiny_model, teacher_model, math_data, tmp_path, [*ONE_GPU, *GPU_PATH], "cuda", "bf16")
+
+
+def check_mopd_launch(tiny_model: str, teacher_model: str, math_data: list[str], tmp_path: Path,
+                      placement: list[str], device: str, dtype: str) -> None:
+    """A 2-step MOPD launch with ``placement`` overrides; every role must run on ``device`` in ``dtype``."""
+    run_dir = tmp_path / "run"
+    steps, prompts, group = 2, 8, 4
+    cmd = [*CLI, "launch", "tiny", "stage=mopd", "trainer.algorithm=mopd", f"run_dir={run_dir}",
+           f"model.path={tiny_model}", f"+teachers.math={teacher_model}", *math_data, "data.eval_per_domain=8",
+           f"trainer.steps={steps}", f"trainer.prompts_per_step={prompts}", f"trainer.group_size={group}",
+           "sampling.max_tokens=32", "supervisor.progress=plain", *placement]  # fmt: skip
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # SIGTERM: the supervisor stops every worker on its way out
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"the launch took over 300 s:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    books = summary["books"]
+    # every rollout in exactly one column
+    assert summary["steps"] == steps and summary["policy_version"] == steps
+    assert books["lost"] == 0 and books["in_flight"] == 0
+    assert books["dispatched"] == books["trained"] + books["filtered"] + books["stale"]
+    assert books["trained"] == steps * prompts * group
+
+    # each model role ran where asked (on a GPU: GPU 0, its only visible device, cuda:0), as the workers record
+    workers = {w["id"]: w for w in summary["workers"]}
+    for wid in ("trainer-0", "sampler-0", "teacher-0"):
+        assert workers[wid]["gpus"] == ([0] if device == "cuda" else []), workers[wid]
+        assert workers[wid]["counters"]["device"].startswith(device), workers[wid]["counters"]
+    torch_dtype = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
+    assert torch_dtype in workers["trainer-0"]["counters"]["device"]
+    assert f"on {device}" in (run_dir / "logs" / "trainer-0.log").read_text()
+
+    # engine vs trainer log-probs, every step: present, finite, small
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [m for m in metrics if "version" in m]
+    assert [m["version"] for m in train_steps] == list(range(1, steps + 1))
+    for m in train_steps:
+        for key in ("abs_diff_mean", "abs_diff_max", "kl_k3", "outside_band"):
+            assert math.isfinite(m[f"trainer/mismatch/{key}"]), (key, m)
+        assert m["trainer/mismatch/abs_diff_mean"] < MISMATCH_MEAN_MAX[dtype], m
+        assert math.isfinite(m["trainer/mopd/reverse_kl"]) and math.isfinite(m["trainer/loss"])
+    assert set(summary["mismatch"]) >= {"abs_diff_mean", "abs_diff_max"}
+    assert all(math.isfinite(v) for v in summary["mismatch"].values())
+
+    # the checkpoint holds the weights in the dtype they were trained in
+    ckpt = Path(summary["checkpoint"])
+    assert ckpt.name == f"step_{steps:06d}"
+    assert safetensors_dtypes(ckpt) == {{"bf16": "BF16", "fp32": "F32"}[dtype]}
+
+
+@needs_cuda
+def test_policy_with_triton_kernels_and_varlen_matches_torch_and_sdpa_on_cuda(tiny_model):
+    """The trainer's bf16 GPU path (Triton MoE + fused log-prob kernel + torch's FlashAttention varlen, packed
+    rows) against the torch path (HF grouped_mm experts + chunked torch log-probs + SDPA) on the same weights:
+    log-probs, entropies and gradients agree within bf16's precision."""
+    compare_policy_paths(tiny_model, "cuda", "bf16", ("sdpa", "hf", "torch"), ("varlen", "triton", "triton"))
+
+
+def compare_policy_paths(tiny_model: str, device: str, dtype: str, reference: tuple[str, str, str],
+                         candidate: tuple[str, str, str]) -> None:
+    """Policy log-probs, entropies and gradients of one batch under two (attn_impl, moe_impl, logprob_impl)."""
+    from transformers import AutoConfig
+
+    from cascade_rl.learner.models import load_model
+    from cascade_rl.learner.policy import Policy
+    from cascade_rl.supervisor.config import compose
+
+    vocab = AutoConfig.from_pretrained(tiny_model).vocab_size
+    g = torch.Generator().manual_seed(0)
+    n, width, prompt = 8, 160, 12
+    lengths = torch.randint(prompt + 4, width + 1, (n,), generator=g)
+    ids = torch.randint(3, vocab, (n, width), generator=g)
+    ids[torch.arange(width)[None, :] >= lengths[:, None]] = 0
+    target = (torch.arange(width)[None, :] >= prompt) & (torch.arange(width)[None, :] < lengths[:, None])
+    ids, lengths, target = ids.to(device), lengths.to(device), target.to(device)
+    weights = torch.randn(n, width, generator=g).to(device)
+
+    results = []
+    for attn, moe, logprob in (reference, candidate):
+        cfg = compose(None, [f"model.path={tiny_model}", f"model.dtype={dtype}", f"model.attn_impl={attn}",
+                             f"model.moe_impl={moe}"], check=False)
+        model = load_model(tiny_model, cfg, device)
+        assert model.config._attn_implementation == attn
+        assert next(model.parameters()).dtype == {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        lp, ent = Policy(model, logprob_impl=logprob)(ids, lengths, target, with_entropy=True)
+        ((lp * weights).sum() + ent.sum()).backward()
+        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).float().flatten()
+                           for p in model.parameters()])
+        results.append((lp.detach().float(), ent.detach().float(), grads))
+
+    (lp_ref, ent_ref, g_ref), (lp, ent, grads) = results
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and torch.isfinite(grads).all()
+    assert not lp[~target].any()  # nothing outside the targets
+    diff = (lp - lp_ref)[target].abs()
+    assert diff.mean() < 0.02 and diff.max() < 0.2, (diff.mean().item(), diff.max().item())
+    ent_diff = (ent - ent_ref)[target].abs()
+    assert ent_diff.mean() < 0.02, ent_diff.mean().item()
+    cosine = torch.nn.functional.cosine_similarity(grads, g_ref, dim=0)
+    assert cosine > 0.99, cosine.item()
