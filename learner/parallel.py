@@ -105,7 +105,9 @@ def reduce_metrics(metrics: dict[str, float], ranks: Ranks) -> dict[str, float]:
     if not ranks.distributed:
         return metrics
     keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    # NCCL reduces device tensors only: the current GPU (role_device made it current), gloo host ones
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
     summed, maxed = values.clone(), values.clone()
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
     dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
