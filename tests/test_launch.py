@@ -22,6 +22,12 @@ def cli(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+def cuda_visible(pid: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES in the environment process ``pid`` was started with (None: unset)."""
+    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+    return env.get("CUDA_VISIBLE_DEVICES")
+
+
 def test_launch_tiny_end_to_end(tiny_model, math_data, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
@@ -36,6 +42,7 @@ def test_launch_tiny_end_to_end(tiny_model, math_data, tmp_path):
             if r.returncode == 0:
                 table = json.loads(r.stdout)
                 if all(w["pid"] for w in table):
+                    visible = {w["id"]: cuda_visible(w["pid"]) for w in table}
                     break
         time.sleep(0.3)
     out, _ = proc.communicate(timeout=120)
@@ -43,6 +50,8 @@ def test_launch_tiny_end_to_end(tiny_model, math_data, tmp_path):
     assert table is not None, "ctl status never answered during the run"
     assert {w["role"] for w in table} == {"orchestrator", "trainer", "sampler", "verifier"}
     assert all({"role", "id", "pid", "state", "version", "restarts"} <= set(w) for w in table)
+    # no gpus.* in the config: every process was started with no GPU visible (supervisor/placement.py)
+    assert visible == {w["id"]: "" for w in table}
 
     summary = json.loads((run_dir / "summary.json").read_text())
     books = summary["books"]
@@ -78,6 +87,10 @@ def test_launch_tiny_end_to_end(tiny_model, math_data, tmp_path):
     assert mismatch["abs_diff_max"] == max(m["trainer/mismatch/abs_diff_max"] for m in train_steps)
     assert mismatch["abs_diff_mean"] <= 1e-5 and mismatch["outside_band"] == 0.0  # torch engine, fp32
     assert "logp mismatch" in out and "log-prob mismatch" in out
+
+    # each model role reports where its model ran: the CPU, in the run's dtype
+    devices = {w["id"]: w["counters"].get("device", "") for w in summary["workers"]}
+    assert devices["trainer-0"].startswith("cpu float32 sdpa") and devices["sampler-0"] == "cpu float32"
 
 
 def test_launch_dry_run_prints_resolved_config(tiny_model, math_data):
