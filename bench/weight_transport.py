@@ -26,6 +26,23 @@ times and the checksum's own cost (XXH3-128 of the same bytes, one thread).
 Both transports hash every byte twice (publisher, then the sampler's check),
 so on a machine where the hash is slower than a copy, it sets the ratio.
 
+GPU mode (only where CUDA is available; elsewhere the script is the above alone):
+``shm`` vs ``cuda_ipc`` for a trainer and a sampler sharing the GPU, on synthetic
+bf16 state dicts on the GPU: ``tiny`` (8.4M parameters, 17 MB) and ``1b`` (1.07B
+parameters, 2.1 GB: a 14-layer, 2048-wide dense model with a 32000 vocabulary).
+The loader is a second process (spawned) holding its own copy of every tensor on
+the GPU, as an engine's parameters: ``shm`` is publish (GPU -> host, file in
+/dev/shm, checksummed) + ``resolve`` (re-hash) + ``load_file`` to the GPU + copy
+into the loader's tensors; ``cuda_ipc`` is publish (device-to-device copy into
+the trainer's buffer, sidecar) + copy from views of that buffer (``reading``,
+seqlock checked after a synchronize). One warm-up round, then 5 (tiny) and 3
+(1b) timed rounds (``--quick``: 3 and 2) in alternating order, none started
+after 70 s of GPU mode; medians, and the ratio cuda_ipc / shm of publish + load.
+After the rounds the loader's tensors are compared with the trainer's (an
+integer fingerprint per tensor of its bits) for each transport. A size is
+skipped for ``shm`` when /dev/shm lacks room for two copies of it. Results go
+under ``gpu`` in the JSON, and ``cuda_ipc_vs_shm`` into the summary line.
+
 Writes bench/results/weight_transport.json; the last stdout line is the summary JSON object.
 """
 
@@ -35,6 +52,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -42,9 +60,11 @@ from pathlib import Path
 import torch
 import xxhash
 from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+from safetensors.torch import load_file
 
 from cascade_rl.learner.weights import TRANSPORTS
-from cascade_rl.protocol.weights import resolve
+from cascade_rl.protocol import cuda_ipc
+from cascade_rl.protocol.weights import resolve, shm_dir
 
 ROOT = Path(__file__).resolve().parent
 HIDDEN, VOCAB, TARGET = 1024, 8192, 1.5
@@ -74,6 +94,186 @@ def sampler(conn, run_id: str) -> None:
             conn.send(time.perf_counter() - t0)
         except Exception as e:  # reported, and the bench fails loudly
             conn.send(f"{type(e).__name__}: {e}")
+
+
+# --------------------------------------------------------------------------- GPU mode: shm vs cuda_ipc
+
+# name -> (vocab, hidden, intermediate, layers) of a synthetic dense bf16 model
+GPU_SIZES = {"tiny": (8192, 256, 1024, 4), "1b": (32000, 2048, 8192, 14)}
+GPU_ROUNDS = {"tiny": 5, "1b": 3}  # timed rounds after one warm-up (1b: ~2-4 s a shm round on an H200 host)
+GPU_ROUNDS_QUICK = {"tiny": 3, "1b": 2}
+GPU_BUDGET_S = 70.0  # no new round starts after this long in GPU mode (the whole script: < 90 s on an H200)
+GPU_REPLY_S = 60.0  # the loader answers within this, or the GPU mode stops with what it has
+
+
+def make_gpu_weights(size: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """Random bf16 tensors on ``device``, named and shaped like a dense HF causal LM of ``GPU_SIZES[size]``."""
+    vocab, hidden, inter, layers = GPU_SIZES[size]
+    g = torch.Generator(device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.bfloat16)
+
+    weights = {"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
+               "model.norm.weight": torch.ones(hidden, device=device, dtype=torch.bfloat16)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            weights[f"{p}self_attn.{name}.weight"] = rand(hidden, hidden)
+        weights[f"{p}mlp.gate_proj.weight"], weights[f"{p}mlp.up_proj.weight"] = rand(inter, hidden), rand(inter, hidden)
+        weights[f"{p}mlp.down_proj.weight"] = rand(hidden, inter)
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            weights[f"{p}{name}.weight"] = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+    return weights
+
+
+def fingerprint(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """name -> an integer of each tensor's bits (sum of its bytes weighted by position mod 251), computed on its
+    device: equal weights give equal fingerprints; a wrong, stale or shifted byte changes them."""
+    out = {}
+    for name, t in sorted(tensors.items()):
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+        out[name] = int((b * (torch.arange(len(b), device=b.device) % 251 + 1)).sum())
+    return out
+
+
+def gpu_loader(conn, run_id: str, device: str) -> None:
+    """The sampler's seat on the same GPU: for each (size, notice), copy the announced weights into this
+    process's own tensors (allocated at the first load of a size, as an engine's parameters) and reply with
+    the seconds it took; ("fingerprint", size) replies with those tensors' fingerprints, ("zero", size) zeroes
+    them; errors as text."""
+    torch.set_num_threads(1)
+    dest: dict[str, dict[str, torch.Tensor]] = {}
+    while (msg := conn.recv()) is not None:
+        size, arg = msg
+        try:
+            if size == "fingerprint":
+                conn.send(fingerprint(dest[arg]))
+                continue
+            if size == "zero":
+                for t in dest[arg].values():
+                    t.zero_()
+                conn.send(0.0)
+                continue
+            t0 = time.perf_counter()
+            if arg.format == cuda_ipc.FORMAT:
+                with cuda_ipc.reading(arg) as tensors:
+                    _copy_into(dest, size, tensors)
+            else:
+                _copy_into(dest, size, load_file(resolve(arg, run_id, timeout_s=60.0), device=device))
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize(device)
+            conn.send(time.perf_counter() - t0)
+        except Exception as e:  # reported to the parent, which records it
+            conn.send(f"{type(e).__name__}: {e}")
+
+
+def _copy_into(dest: dict, size: str, tensors: dict[str, torch.Tensor]) -> None:
+    if size not in dest:
+        dest[size] = {k: torch.empty_like(t) for k, t in tensors.items()}
+    for name, t in tensors.items():
+        dest[size][name].copy_(t)
+
+
+def gpu_mode(device: torch.device | None = None, quick: bool = False) -> dict:
+    """shm vs cuda_ipc on this GPU (``device``, default the current one), per size of ``GPU_SIZES`` (see the
+    module docstring); ``quick``: fewer rounds. Rounds stop early past ``GPU_BUDGET_S`` (noted in the JSON)."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    run_id = f"{RUN_ID}-gpu"
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=gpu_loader, args=(child_conn, run_id + "-recv", str(device)), daemon=True)
+    child.start()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    out: dict = {"device": name, "torch": torch.__version__, "sizes": {}}
+    t_start = time.perf_counter()
+
+    def ask(msg):
+        conn.send(msg)
+        if not conn.poll(GPU_REPLY_S):
+            raise TimeoutError(f"the loader process did not answer in {GPU_REPLY_S:g}s")
+        reply = conn.recv()
+        if isinstance(reply, str):
+            raise RuntimeError(f"in the loader process: {reply}")
+        return reply
+
+    try:
+        for size in GPU_SIZES:
+            rounds = (GPU_ROUNDS_QUICK if quick else GPU_ROUNDS)[size]
+            out["sizes"][size] = gpu_size(size, device, run_id, ask, rounds, t_start + GPU_BUDGET_S)
+            torch.cuda.empty_cache()
+    except Exception as e:  # a hung or failed loader: report what ran, and why the rest did not
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if child.is_alive():
+            conn.send(None)
+            child.join(30)
+        if child.is_alive():
+            child.kill()
+        for folder in shm_dir(run_id).parent.glob(f"{shm_dir(run_id).name}*"):
+            shutil.rmtree(folder, ignore_errors=True)
+    out["seconds"] = time.perf_counter() - t_start
+    return out
+
+
+def gpu_size(size: str, device: torch.device, run_id: str, ask, rounds: int, deadline: float) -> dict:
+    """One size: ``rounds`` timed rounds (after a warm-up) of publish (here) + load (the loader process) for
+    each transport that fits; no round starts after ``deadline`` (perf_counter)."""
+    weights = make_gpu_weights(size, device)
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    result: dict = {"params": sum(t.numel() for t in weights.values()), "bytes": nbytes, "rounds": 0,
+                    "skipped": {}, "errors": {}}
+    free = shutil.disk_usage(shm_dir(run_id).parent).free
+    transports = {"cuda_ipc": TRANSPORTS["cuda_ipc"](run_id=f"{run_id}-{size}-ipc")}
+    if free > 2.2 * nbytes:  # keep=1: the new file's tmp beside the previous version
+        transports["shm"] = TRANSPORTS["shm"](run_id=f"{run_id}-{size}-shm", keep=1)
+    else:
+        result["skipped"]["shm"] = f"{shm_dir(run_id).parent} has {free / 2**30:.1f} GiB free, needs {2.2 * nbytes / 2**30:.1f}"
+    version, times = 0, {name: [] for name in transports}
+
+    def side(name: str) -> dict:
+        nonlocal version
+        version += 1
+        t0 = time.perf_counter()
+        notice = transports[name].publish(weights, version)
+        t1 = time.perf_counter()
+        load_s = ask((size, notice))
+        return {"publish_s": t1 - t0, "load_s": load_s, "total_s": time.perf_counter() - t0}
+
+    try:
+        names = list(transports)
+        for r in range(rounds + 1):  # round 0 warms up: buffers, the loader's tensors, CUDA IPC mappings
+            if r > 1 and time.perf_counter() > deadline:
+                result["stopped_early"] = f"the GPU mode's {GPU_BUDGET_S:g} s budget was spent"
+                break
+            result["rounds"] = r
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                if name in result["errors"]:
+                    continue
+                try:
+                    figures = side(name)
+                except RuntimeError as e:  # this transport failed in the loader: the other still runs
+                    result["errors"][name] = str(e)
+                    continue
+                if r:
+                    times[name].append(figures)
+        result["bitwise_equal"] = {}
+        for name in transports:  # new values (negated: exact in bf16), the loader's tensors zeroed, one load
+            if name not in result["errors"]:
+                for t in weights.values():
+                    t.neg_()
+                ask(("zero", size))
+                side(name)
+                result["bitwise_equal"][name] = ask(("fingerprint", size)) == fingerprint(weights)
+    finally:
+        for t in transports.values():
+            t.close()
+    for name, rows in times.items():
+        if rows:
+            result[name] = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    if "shm" in result and "cuda_ipc" in result:
+        result["ratio_cuda_ipc_vs_shm"] = result["cuda_ipc"]["total_s"] / result["shm"]["total_s"]
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -147,6 +347,8 @@ def main(argv: list[str] | None = None) -> dict:
         for t in transports.values():
             t.close()
 
+    gpu = gpu_mode(quick=args.quick) if torch.cuda.is_available() else None
+
     # --- summary
     def ratios(name: str) -> list[float]:
         return [a["total_s"] / b["total_s"] for a, b in zip(results[name], results["memcpy"], strict=True)]
@@ -167,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio_range": {name: [min(ratios(name)), max(ratios(name))] for name in ("shm", "stream")},
         "rounds_raw": results,
         "machine": machine(),
+        "gpu": gpu,
     }
     for name in sides:
         extra = ""
@@ -175,10 +378,23 @@ def main(argv: list[str] | None = None) -> dict:
                      f"  x{statistics.median(ratios(name)):.2f} memcpy")
         print(f"{name:11s} {med(name) * 1e3:8.1f} ms  {gbps[name]:5.2f} GB/s{extra}")
     print(f"XXH3-128 of the same bytes (one thread): {hash_s * 1e3:.1f} ms")
+    gpu_ratios = None
+    if gpu is not None:
+        gpu_ratios = {size: r.get("ratio_cuda_ipc_vs_shm") for size, r in gpu["sizes"].items()}
+        for size, r in gpu["sizes"].items():
+            line = "  ".join(f"{name} {r[name]['total_s'] * 1e3:8.1f} ms (publish {r[name]['publish_s'] * 1e3:.1f}, "
+                             f"load {r[name]['load_s'] * 1e3:.1f})" for name in ("shm", "cuda_ipc") if name in r)
+            print(f"GPU {size} ({r['bytes'] / 1e9:.2f} GB bf16): {line}  cuda_ipc/shm "
+                  f"{r.get('ratio_cuda_ipc_vs_shm') or float('nan'):.4f}  bitwise {r.get('bitwise_equal')}"
+                  f"{'  errors ' + json.dumps(r['errors']) if r['errors'] else ''}"
+                  f"{'  skipped ' + json.dumps(r['skipped']) if r['skipped'] else ''}")
+        if "error" in gpu:
+            print(f"GPU mode stopped: {gpu['error']}")
     summary = {"name": "weight_transport", "metric": "shm publish+resolve time / memcpy time (median of rounds)",
                "value": med("shm"), "baseline": "memcpy (torch clone of every tensor)",
                "baseline_value": med("memcpy"), "ratio": shm_ratio, "target": TARGET, "pass": shm_ratio <= TARGET,
-               "machine": machine(), "stream_ratio": stream_ratio, "bytes": nbytes}
+               "machine": machine(), "stream_ratio": stream_ratio, "bytes": nbytes,
+               "cuda_ipc_vs_shm": gpu_ratios}  # GPU mode: publish+load time ratio per size (None without CUDA)
     results_dir = ROOT / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "weight_transport.json").write_text(json.dumps({"summary": summary, **full}, indent=2))

@@ -23,6 +23,13 @@ times both against a memory copy.
   given, else the bound address if it is not a wildcard, else this machine's
   hostname (if it resolves; 127.0.0.1 otherwise). Set ``host`` when samplers
   reach the trainer under another name or address.
+* ``cuda_ipc`` (a trainer and its samplers on ONE GPU): no file at all. The
+  trainer keeps ``keep`` (2) flat GPU byte buffers laid out like the file's data
+  section (``layout``) and copies version v into buffer ``v % keep`` device to
+  device; samplers map the buffer with CUDA IPC and copy from views of it. The
+  notice names a small JSON sidecar (the IPC handle and the tensor table) and
+  its checksum is the sidecar's; a seqlock file per buffer catches a sampler
+  still copying a version the trainer overwrites (protocol/cuda_ipc.py).
 """
 
 from __future__ import annotations
@@ -41,9 +48,11 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import torch
+import xxhash
 import zmq
 from safetensors.torch import _remove_duplicate_names  # save_model's rule for tied weights (safetensors pinned)
 
+from cascade_rl.protocol import cuda_ipc
 from cascade_rl.protocol.messages import WeightsReady
 from cascade_rl.protocol.registry import Registry
 from cascade_rl.protocol.weights import STREAM_PROTOCOL, Checksum, WeightsError, shm_dir
@@ -55,9 +64,7 @@ register_transport = TRANSPORTS.register
 
 Weights = torch.nn.Module | dict[str, torch.Tensor]
 
-DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+DTYPES = {dtype: name for name, dtype in cuda_ipc.DTYPES.items()}  # torch dtype -> its safetensors name
 
 
 @register_transport("shm")
@@ -248,6 +255,87 @@ def advertised_host(address: str) -> str:
         return "127.0.0.1"
 
 
+# --------------------------------------------------------------------------- cuda_ipc
+
+
+@dataclass
+class IpcBuffer:
+    """One of the cuda_ipc transport's GPU buffers: its bytes, its shared handle (taken once: each
+    ``_share_cuda_`` call wraps the storage in a new IPC context) and its seqlock file."""
+
+    data: torch.Tensor  # 1-D uint8 on the trainer's GPU
+    handle: dict  # protocol/cuda_ipc.py ``share_storage``
+    seq: Path
+
+
+@register_transport("cuda_ipc")
+class CudaIpcTransport:
+    def __init__(self, run_id: str, keep: int = 2, share=cuda_ipc.share_storage) -> None:
+        """``keep``: buffers (version v goes to buffer v % keep; 2 = double buffering: a sampler still copying
+        v is never overwritten by v + 1); ``share``: how a buffer's storage becomes a handle (CUDA IPC; tests on
+        the CPU pass their own)."""
+        if keep < 1:
+            raise ValueError(f"cuda_ipc: keep must be >= 1, got {keep}")
+        self.dir = shm_dir(run_id)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.keep, self._share = keep, share
+        self._buffers: list[IpcBuffer] = []
+        self._shape: tuple | None = None  # (bytes, tensor table) the buffers were laid out for
+        self._held: dict[int, int] = {}  # buffer -> the version its sidecar announces
+
+    def publish(self, weights: Weights, version: int) -> WeightsReady:
+        """``weights``: the policy, or its full state dict in HF names, on the GPU. Copies it into buffer
+        ``version % keep`` (device to device), waits for the copies, then writes the version's sidecar."""
+        lay = layout(weights)
+        table = {k: v for k, v in lay.entries.items() if k != "__metadata__"}
+        nbytes = lay.nbytes - len(lay.header)
+        buf = self._buffer(version % self.keep, lay, table, nbytes)
+        cuda_ipc.write_seq(buf.seq, cuda_ipc.writing(version))  # before the first byte changes: readers see "writing"
+        old = self._held.pop(version % self.keep, None)
+        if old is not None:
+            cuda_ipc.sidecar_path(self.dir, old).unlink(missing_ok=True)
+        start = len(lay.header)
+        for data, offset in lay.tensors:
+            buf.data[offset - start : offset - start + data.numel()].copy_(data)
+        if buf.data.is_cuda:
+            torch.cuda.synchronize(buf.data.device)  # the bytes are in place before anyone is told they are
+        cuda_ipc.write_seq(buf.seq, cuda_ipc.holding(version))
+        sidecar = {"protocol": cuda_ipc.PROTOCOL, "format": cuda_ipc.FORMAT, "version": version,
+                   "buffer": version % self.keep, "seq_file": buf.seq.name, "seq": cuda_ipc.holding(version),
+                   "nbytes": nbytes, "torch": torch.__version__, "handle": buf.handle, "tensors": table,
+                   "metadata": lay.entries.get("__metadata__", {})}
+        text = json.dumps(sidecar, separators=(",", ":")).encode()
+        path = cuda_ipc.sidecar_path(self.dir, version)
+        cuda_ipc.write_atomic(path, text)
+        self._held[version % self.keep] = version
+        return WeightsReady(version=version, uri=f"file://{path}", format=cuda_ipc.FORMAT, nbytes=nbytes,
+                            checksum=xxhash.xxh3_128_hexdigest(text))
+
+    def _buffer(self, index: int, lay: Layout, table: dict, nbytes: int) -> IpcBuffer:
+        """Buffer ``index``, allocating (and sharing) all of them at the first publish, and again only if the
+        weights' layout changes (the sidecars carry the new handles)."""
+        shape = (nbytes, json.dumps(table, sort_keys=True))
+        if shape != self._shape:
+            if nbytes == 0:
+                raise WeightsError("cuda_ipc: the weights are empty")
+            device = next((t.device for t, _ in lay.tensors if t.is_cuda), lay.tensors[0][0].device)
+            for old in self._held.values():  # their buffers go: so do the notices of what those held
+                cuda_ipc.sidecar_path(self.dir, old).unlink(missing_ok=True)
+            self._held.clear()
+            self._buffers = []  # the old ones are freed once no sampler maps them (torch's IPC reference counts)
+            for k in range(self.keep):
+                data = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                seq = cuda_ipc.seq_path(self.dir, k)
+                cuda_ipc.write_seq(seq, -1)
+                self._buffers.append(IpcBuffer(data, self._share(data.untyped_storage()), seq))
+            self._shape = shape
+        return self._buffers[index]
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._buffers = []
+
+
 # --------------------------------------------------------------------------- serialisation
 
 
@@ -259,6 +347,7 @@ class Layout:
     header: bytes
     tensors: list[tuple[torch.Tensor, int]]
     nbytes: int
+    entries: dict = field(default_factory=dict)  # the header's JSON: name -> dtype, shape, data_offsets; __metadata__
 
 
 def layout(weights: Weights) -> Layout:
@@ -282,7 +371,7 @@ def layout(weights: Weights) -> Layout:
     for name in names:
         data = state[name].detach().contiguous().reshape(-1).view(torch.uint8)
         tensors.append((data, start + entries[name]["data_offsets"][0]))
-    return Layout(header, tensors, start + offset)
+    return Layout(header, tensors, start + offset, entries)
 
 
 def snapshot(weights: Weights, reuse: np.ndarray | None = None) -> Snapshot:

@@ -47,6 +47,10 @@ class Engine(Protocol):
     def load_weights(self, path: str, version: int) -> None:
         """Apply the weights file at ``path`` as policy ``version``."""
 
+    # Engines whose model lives in the sampler process (torch, vllm) also take weights as tensors, for the
+    # cuda_ipc transport: ``load_tensors(tensors: dict[str, Tensor], version)``, tensors in the names of the
+    # safetensors file (tied weights once), copied before it returns (samplers/worker.py ``WEIGHT_LOADERS``).
+
 
 # name -> an Engine class with ``from_config(cfg, device, url)`` and a ``gpu_memory`` attribute:
 #   "torch":  the model runs in the sampler process; gpus.memory.sampler caps its torch allocator

@@ -175,6 +175,12 @@ class TorchEngine:
         self.model.load_hf_state_dict(load_file(path, device=str(self.device)))
         self.version = version
 
+    def load_tensors(self, tensors: dict[str, Tensor], version: int) -> None:
+        """Apply weights given as tensors in HF names (``cuda_ipc``: views of the trainer's GPU buffer, which it
+        reuses later): copied into this model's parameters, nothing kept of them."""
+        self.model.load_hf_state_dict(tensors)
+        self.version = version
+
     streams_groups = True  # generate(..., on_done=) reports each request as soon as its rows are done
 
     @torch.inference_mode()

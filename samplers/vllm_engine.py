@@ -18,7 +18,8 @@ Contract, as in samplers/torch_engine.py, and how vLLM meets it:
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, forced): no spawned
 process, no ``if __name__ == "__main__"`` requirement, and ``load_weights`` can run a function
-inside the worker. On CPU we default ``VLLM_CPU_OMP_THREADS_BIND=nobind``: in-process, vLLM's
+inside the worker (``load_tensors`` hands it the tensors the same way, never pickled). On CPU
+we default ``VLLM_CPU_OMP_THREADS_BIND=nobind``: in-process, vLLM's
 thread binding pins the caller's own threads (decode measured ~25x slower on 2 cores), and
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB) to ``kv_cache_gib``; set either variable to override. The CPU
 worker also lowers ``torch.get_num_threads()`` for the whole process.
@@ -38,31 +39,46 @@ GREEDY_EPS = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING
 
 
 def reload_from_file(worker, path: str, tied: bool) -> None:
-    """Runs inside the vLLM worker: load the ``save_model`` file at ``path`` in place.
+    """Runs inside the vLLM worker: load the ``save_model`` file at ``path`` in place."""
+
+    def weights():
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+            yield from hf_names(((name, f.get_tensor(name)) for name in names), set(names), tied)
+
+    worker.reload_weights(weights_iterator=weights())
+    repair_cpu_kernels(worker)
+
+
+def reload_from_tensors(worker, tensors: dict, tied: bool) -> None:
+    """Runs inside the vLLM worker (in this process: no pickling of ``tensors``): load tensors named as the
+    ``save_model`` file names them (``cuda_ipc``: views of the trainer's GPU buffer) in place."""
+    worker.reload_weights(weights_iterator=hf_names(iter(tensors.items()), set(tensors), tied))
+    repair_cpu_kernels(worker)
+
+
+def hf_names(items, names: set[str], tied: bool):
+    """(name, tensor) pairs under the names vLLM's loader takes.
 
     ``safetensors.torch.save_model`` keeps one name per shared tensor, the first in sorted
     order: ``lm_head.weight`` for tied embeddings, which vLLM's loader skips when tied. So it
     goes back under the embedding's name. (Its fused MoE names, ``experts.gate_up_proj``
     [E, 2I, H], vLLM's Qwen3-MoE loader reads as they are.)
-
-    vLLM 0.32's ``reload_weights`` leaves two CPU kernels on stale weights, repaired here:
-    the tied lm_head keeps a packed copy of the old embedding (it loads no weights of its
-    own, so it is not reprocessed), and ``_setup_kernel`` skips the CPU MoE prepack on a
-    weight update, so the experts kernel would read raw [E, 2I, H] weights as packed ones.
     """
+    for name, tensor in items:
+        if tied and name == "lm_head.weight" and "model.embed_tokens.weight" not in names:
+            name = "model.embed_tokens.weight"
+        yield name, tensor
+
+
+def repair_cpu_kernels(worker) -> None:
+    """After ``reload_weights`` on the CPU: vLLM 0.32 leaves two CPU kernels on stale weights, repaired here:
+    the tied lm_head keeps a packed copy of the old embedding (it loads no weights of its own, so it is
+    not reprocessed), and ``_setup_kernel`` skips the CPU MoE prepack on a weight update, so the experts
+    kernel would read raw [E, 2I, H] weights as packed ones."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.platforms import current_platform
 
-    def weights():
-        with safe_open(path, framework="pt") as f:
-            names = set(f.keys())
-            for name in f.keys():
-                out = name
-                if tied and name == "lm_head.weight" and "model.embed_tokens.weight" not in names:
-                    out = "model.embed_tokens.weight"
-                yield out, f.get_tensor(name)
-
-    worker.reload_weights(weights_iterator=weights())
     if not current_platform.is_cpu():
         return
     for module in worker.get_model().modules():
@@ -124,6 +140,13 @@ class VLLMEngine:
     def load_weights(self, path: str, version: int) -> None:
         self.llm.collective_rpc(reload_from_file, args=(str(path), self.tied))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.version = version
+
+    def load_tensors(self, tensors: dict, version: int) -> None:
+        """Apply tensors named as the weights file names them (``cuda_ipc``: views of the trainer's GPU buffer),
+        copied by vLLM's weight loaders before this returns."""
+        self.llm.collective_rpc(reload_from_tensors, args=(tensors, self.tied))
+        self.llm.reset_prefix_cache()
         self.version = version
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:

@@ -4,11 +4,13 @@
 
 Started by the supervisor. It builds its engine from the run config on its
 device (samplers/engine.py ``build_engine``: cuda when ``gpus.samplers`` names
-GPUs, else cpu), loads version 0 from ``model.path``, tells the orchestrator it is ready, and loops: collect the requests that have arrived,
-apply the newest announced weights at this safe point (between batches), and
-generate every request whose ``min_version`` the engine satisfies. A request
-the engine cannot serve gets ``Rollout(finish_reason="error")`` with the
-reason; the worker lives on.
+GPUs, else cpu), loads version 0 from ``model.path``, tells the orchestrator it
+is ready, and loops: collect the requests that have arrived, apply the newest
+announced weights at this safe point (between batches; by the notice's format,
+``WEIGHT_LOADERS``: a safetensors file by path, or ``cuda_ipc`` views of the
+trainer's GPU buffer), and generate every request whose ``min_version`` the
+engine satisfies. A request the engine cannot serve gets
+``Rollout(finish_reason="error")`` with the reason; the worker lives on.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import zlib
 import numpy as np
 import torch
 
+from cascade_rl.protocol import cuda_ipc
 from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, WeightsReady
 from cascade_rl.protocol.sockets import WorkerLink
 from cascade_rl.protocol.weights import WeightsError, resolve
@@ -48,6 +51,25 @@ def to_generation(req: PromptRequest) -> GenerationRequest:
     )
 
 
+def load_safetensors(engine, notice: WeightsReady, run_id: str) -> None:
+    """``shm`` and ``stream``: a verified local safetensors file (protocol/weights.py), loaded by path."""
+    engine.load_weights(resolve(notice, run_id), notice.version)
+
+
+def load_cuda_ipc(engine, notice: WeightsReady, run_id: str) -> None:
+    """``cuda_ipc``: the engine copies from views of the trainer's GPU buffer; ``TornRead`` if the trainer
+    rewrote the buffer during the copy (protocol/cuda_ipc.py)."""
+    load = getattr(engine, "load_tensors", None)
+    if load is None:
+        raise WeightsError(f"the {type(engine).__name__} loads weights from files only: use weights_transport=shm")
+    with cuda_ipc.reading(notice) as tensors:
+        load(tensors, notice.version)
+
+
+# WeightsReady.format -> fn(engine, notice, run_id): how a sampler applies a notice
+WEIGHT_LOADERS = {"safetensors": load_safetensors, cuda_ipc.FORMAT: load_cuda_ipc}
+
+
 def error_rollout(req: PromptRequest, worker_id: str, version: int, reason: str) -> Rollout:
     empty_i, empty_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
     return Rollout(req.group_id, -1, req.domain, req.prompt_ids, empty_i, empty_f, "error", version,
@@ -63,6 +85,7 @@ class Sampler:
                          "device": engine_device(self.engine, cfg)}
         self.state = "idle"
         self.latest: WeightsReady | None = None
+        self.torn = False  # a load was torn (cuda_ipc): the engine's weights are a mix until the next good load
         self.pending: list[PromptRequest] = []
         ep = cfg.endpoints
         self.link = WorkerLink(worker_id, "sampler", ep.orchestrator, ep.get("heartbeat"), ep.get("weights"),
@@ -74,7 +97,12 @@ class Sampler:
         self.run_id = cfg.run_id  # names the folder that streamed weights land in
 
     def status(self) -> dict:
-        return {"state": self.state, "version": self.engine.version, "counters": dict(self.counters)}
+        return {"state": self.state, "version": self.version(), "counters": dict(self.counters)}
+
+    def version(self) -> int:
+        """The policy version the engine can sample: its own, or -1 (none) after a torn load, so that no request
+        is served until the next notice's weights are in."""
+        return -1 if self.torn else self.engine.version
 
     def run(self) -> None:
         """Serve until drained: SIGTERM (``ctl scale`` removing this sampler) stops new work; what it holds is
@@ -94,14 +122,15 @@ class Sampler:
                 return
             # block while nothing can be generated (no requests, or all wait for newer weights)
             n_before = len(self.pending)
-            self._collect(block=not any(r.min_version <= self.engine.version for r in self.pending))
+            self._collect(block=not any(r.min_version <= self.version() for r in self.pending))
             if quiet_since is not None and len(self.pending) > n_before:
                 quiet_since = time.monotonic()  # requests sent before our notice was read: serve them too
             self._maybe_load_weights()
-            ready = [r for r in self.pending if r.min_version <= self.engine.version]
+            version = self.version()
+            ready = [r for r in self.pending if r.min_version <= version]
             if not ready:
                 continue
-            self.pending = [r for r in self.pending if r.min_version > self.engine.version]
+            self.pending = [r for r in self.pending if r.min_version > version]
             self._generate(ready)
 
     def _collect(self, block: bool) -> None:
@@ -121,15 +150,26 @@ class Sampler:
             timeout = self.BATCH_WINDOW_S
 
     def _maybe_load_weights(self) -> None:
+        """Apply the newest notice by its format (``WEIGHT_LOADERS``). A notice that cannot be honoured is
+        logged and skipped: the worker waits for the next one, on its old weights (or, after a torn
+        cuda_ipc load, on none: ``version`` is -1 until a load succeeds)."""
         if self.latest is None or self.latest.version <= self.engine.version:
             return
         self.state = "loading"
+        notice, self.latest = self.latest, None
         try:
-            self.engine.load_weights(resolve(self.latest, self.run_id), self.latest.version)
+            loader = WEIGHT_LOADERS.get(notice.format)
+            if loader is None:
+                raise WeightsError(f"weights format {notice.format!r} not supported; known: {sorted(WEIGHT_LOADERS)}")
+            loader(self.engine, notice, self.run_id)
             self.counters["weight_loads"] += 1
+            self.torn = False
+        except cuda_ipc.TornRead as e:
+            self.torn = True
+            self.counters["torn_loads"] = self.counters.get("torn_loads", 0) + 1
+            log.warning("%s", e)
         except (WeightsError, OSError, RuntimeError) as e:
-            log.error("cannot load weights v%d: %s", self.latest.version, e)  # wait for the next notice
-        self.latest = None
+            log.error("cannot load weights v%d: %s", notice.version, e)  # wait for the next notice
         self.state = "idle"
 
     def _generate(self, requests: list[PromptRequest]) -> None:

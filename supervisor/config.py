@@ -321,9 +321,10 @@ class LaunchConfig:
     run_id: str = ""
     """Filled by the supervisor: a short unique id (names the shm weights folder and socket dir)."""
     weights_transport: str = "shm"
-    """shm (a file under /dev/shm: one machine) | stream (the file in chunks over ZeroMQ: no shared file system)."""
+    """shm (a file under /dev/shm: one machine) | stream (the file in chunks over ZeroMQ: no shared file system) |
+    cuda_ipc (samplers read the trainer's GPU buffers in place: trainer and samplers on one GPU, engine torch or vllm)."""
     weights_options: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the transport. Both: keep (versions kept, 2). stream: endpoint (ROUTER bind,
+    """Keyword arguments of the transport. All: keep (versions kept, 2; cuda_ipc: GPU buffers). stream: endpoint (ROUTER bind,
     "tcp://0.0.0.0:0" = a free port), host (the name samplers connect to; default ``host`` of this config,
     else the bound address or this machine's hostname), chunk_mb (frame size, 16)."""
     endpoints: dict[str, str] = field(default_factory=dict)

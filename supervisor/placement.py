@@ -17,7 +17,10 @@ Refused before any process starts, each with what to change:
 - a GPU the machine does not have (or any GPU on a machine without CUDA);
 - fewer GPUs than processes: trainer ranks, samplers, distinct teacher checkpoints;
 - a GPU shared by several processes where a role on it has no ``gpus.memory`` share,
-  or where the shares sum to more than 1.
+  or where the shares sum to more than 1;
+- ``weights_transport=cuda_ipc`` (the samplers read the trainer's GPU buffers in place)
+  with a trainer of more than one rank or without a GPU, a sampler not on the trainer's
+  GPU, or an engine whose model is not in the sampler process (sglang).
 """
 
 from __future__ import annotations
@@ -85,9 +88,38 @@ def check(cfg, teachers: int, visible: int) -> list[str]:
     elif missing := [x for x in named if not 0 <= x < visible]:
         problems.append(f"gpus.* names GPUs {missing} but this machine has {visible} (ids 0..{visible - 1}"
                         f"{', as CUDA_VISIBLE_DEVICES numbers them' if os.environ.get('CUDA_VISIBLE_DEVICES') else ''})")
+    problems += _cuda_ipc(cfg)
     if problems:
         return problems
     return _sharing(cfg, processes(cfg, teachers))
+
+
+IPC_ENGINES = ("torch", "vllm")  # engines whose model lives in the sampler process: they can read the trainer's buffer
+
+
+def _cuda_ipc(cfg) -> list[str]:
+    """``weights_transport=cuda_ipc`` maps the trainer's GPU buffers into each sampler: that needs one trainer
+    process on one GPU, and every sampler process on that same GPU (each process sees only its own GPUs, so a
+    sampler on another GPU could not open the handle) with an engine that loads in its own process."""
+    if cfg.get("weights_transport") != "cuda_ipc":
+        return []
+    g, problems = cfg.gpus, []
+    fix = "or use weights_transport=shm"
+    if cfg.trainer.world_size != 1 or len(g.trainer) != 1:
+        problems.append(f"weights_transport=cuda_ipc needs the trainer on one GPU (trainer.world_size=1 and "
+                        f"gpus.trainer=[G]), got world_size={cfg.trainer.world_size}, gpus.trainer={list(g.trainer)}: "
+                        f"{'set gpus.trainer=[0]' if not g.trainer else 'train on one GPU'}, {fix}")
+    elif not g.samplers or any(int(x) != int(g.trainer[0]) for x in g.samplers):
+        gpu = int(g.trainer[0])
+        problems.append(f"weights_transport=cuda_ipc needs every sampler on the trainer's GPU {gpu} (a process sees "
+                        f"only its own GPU, so the trainer's buffer cannot be opened elsewhere), got gpus.samplers="
+                        f"{list(g.samplers)}: set gpus.samplers=[{', '.join([str(gpu)] * max(1, cfg.workers.samplers))}]"
+                        f" with a gpus.memory split, {fix}")
+    if cfg.workers.sampler_engine not in IPC_ENGINES:
+        problems.append(f"weights_transport=cuda_ipc needs a sampler engine that loads weights in its own process "
+                        f"({' or '.join(IPC_ENGINES)}), got workers.sampler_engine={cfg.workers.sampler_engine}: "
+                        f"choose one of those, {fix}")
+    return problems
 
 
 def _sharing(cfg, procs: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:

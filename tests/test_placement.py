@@ -83,6 +83,40 @@ def test_unlisted_teachers_and_spare_sampler_entries():
         gpus_of(cfg_of("gpus.samplers=[1,1]"), "sampler", 2)
 
 
+IPC_ONE_GPU = ("weights_transport=cuda_ipc", "gpus.trainer=[0]", "gpus.samplers=[0]",
+               "gpus.memory={trainer: 0.5, sampler: 0.4}")
+
+
+def test_cuda_ipc_wants_trainer_and_samplers_on_one_gpu():
+    assert check(cfg_of(*IPC_ONE_GPU), teachers=0, visible=1) == []
+    assert check(cfg_of(*IPC_ONE_GPU, "workers.sampler_engine=vllm"), teachers=0, visible=1) == []
+    two = cfg_of(*IPC_ONE_GPU, "workers.samplers=2", "gpus.samplers=[0,0]", "gpus.memory={trainer: 0.5, sampler: 0.2}")
+    assert check(two, teachers=0, visible=1) == []
+    # the same layouts with the file transports are not this rule's business
+    assert check(cfg_of("gpus.trainer=[0]", "gpus.samplers=[1]"), teachers=0, visible=2) == []
+
+
+@pytest.mark.parametrize("overrides, visible, wanted", [
+    # on the CPU: no GPU buffer to share
+    (["weights_transport=cuda_ipc"], 0, "needs the trainer on one GPU (trainer.world_size=1 and gpus.trainer=[G]), "
+                                       "got world_size=1, gpus.trainer=[]: set gpus.trainer=[0], or use weights_transport=shm"),
+    # two ranks (FSDP2): the gathered weights are on rank 0 only, and samplers could be on neither GPU
+    (["weights_transport=cuda_ipc", "trainer.world_size=2", "trainer.prompts_per_step=2", "gpus.trainer=[0,1]",
+      "gpus.samplers=[0]", "gpus.memory={trainer: 0.5, sampler: 0.4}"], 2, "train on one GPU, or use weights_transport=shm"),
+    # a sampler on another GPU cannot open the trainer's handle
+    (["weights_transport=cuda_ipc", "gpus.trainer=[0]", "gpus.samplers=[1]"], 2,
+     "needs every sampler on the trainer's GPU 0 (a process sees only its own GPU"),
+    (["weights_transport=cuda_ipc", "gpus.trainer=[0]", "workers.samplers=2", "gpus.samplers=[0,1]",
+      "gpus.memory={trainer: 0.5, sampler: 0.4}"], 2, "set gpus.samplers=[0, 0] with a gpus.memory split"),
+    (["weights_transport=cuda_ipc", "gpus.trainer=[0]"], 1, "got gpus.samplers=[]"),
+    # an engine whose model is in a server process
+    ([*IPC_ONE_GPU, "workers.sampler_engine=sglang"], 1, "got workers.sampler_engine=sglang: choose one of those"),
+])
+def test_cuda_ipc_layouts_refused_before_launch(overrides, visible, wanted):
+    problems = check(cfg_of(*overrides), teachers=0, visible=visible)
+    assert any(wanted in p for p in problems), problems
+
+
 def test_launch_refuses_gpus_the_machine_lacks(tmp_path, tiny_model, math_data):
     """Through the command line, before any process starts: exit 2 and the layout's problem, no traceback."""
     import torch

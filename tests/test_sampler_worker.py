@@ -1,6 +1,7 @@
 """A real sampler worker process, driven over a real ROUTER socket by the test (in the orchestrator's seat):
 bad requests get error rollouts, malformed frames are dropped, weights announced over the wire are
-applied before the requests that need them, and the worker lives on through all of it."""
+applied before the requests that need them, and the worker lives on through all of it. Weights are applied by
+the notice's format; a torn ``cuda_ipc`` load serves nothing until the next notice's weights are in."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cascade_rl.protocol.cuda_ipc import TornRead
 from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, SamplingParams, WeightsReady
 from cascade_rl.protocol.sockets import bind_router, recv_routed, send
-from cascade_rl.protocol.weights import file_checksum
+from cascade_rl.protocol.weights import WeightsError, file_checksum
+from cascade_rl.samplers.worker import WEIGHT_LOADERS, Sampler, load_cuda_ipc
 from cascade_rl.supervisor.config import compose
 
 EXPECT = (Ready, Rollout)
@@ -100,3 +103,53 @@ def test_worker_survives_bad_input_and_applies_weights(worker, tiny_model, tmp_p
     assert receive(router)[1].policy_version == 1
     time.sleep(0.2)
     assert proc.poll() is None, "the sampler worker died"
+
+
+class _Engine:
+    """An engine of the interface's weight methods only: records what it was given."""
+
+    def __init__(self) -> None:
+        self.version, self.loaded = 0, []
+
+    def load_weights(self, path: str, version: int) -> None:
+        self.loaded.append(("file", path))
+        self.version = version
+
+    def load_tensors(self, tensors: dict, version: int) -> None:
+        self.loaded.append(("tensors", sorted(tensors)))
+        self.version = version
+
+
+def _bare_sampler(engine) -> Sampler:
+    """A Sampler without sockets: only what ``_maybe_load_weights`` and ``version`` use."""
+    s = Sampler.__new__(Sampler)
+    s.engine, s.latest, s.torn, s.state, s.run_id = engine, None, False, "idle", "t"
+    s.counters = {"weight_loads": 0}
+    return s
+
+
+def test_weights_load_by_format_and_a_torn_load_serves_nothing_until_the_next(monkeypatch):
+    calls = []
+
+    def torn_then_fine(engine, notice, run_id):
+        calls.append(notice.version)
+        engine.load_tensors({"w": None}, notice.version)  # the engine copied (a mix of two versions)...
+        if len(calls) == 1:
+            raise TornRead("rewritten during the copy")  # ...and the seqlock says so afterwards
+
+    monkeypatch.setitem(WEIGHT_LOADERS, "cuda_ipc", torn_then_fine)
+    s = _bare_sampler(_Engine())
+    s.latest = WeightsReady(3, "file:///x.json", format="cuda_ipc")
+    s._maybe_load_weights()
+    assert s.torn and s.version() == -1 and s.engine.version == 3  # no request is served on the mix
+    assert s.counters["torn_loads"] == 1 and s.latest is None
+    s.latest = WeightsReady(4, "file:///y.json", format="cuda_ipc")
+    s._maybe_load_weights()
+    assert not s.torn and s.version() == 4 and s.counters["weight_loads"] == 1
+    # an unknown format is refused (logged); the engine keeps its weights
+    s.latest = WeightsReady(5, "file:///z", format="pickle")
+    s._maybe_load_weights()
+    assert s.version() == 4 and s.latest is None
+    # cuda_ipc to an engine that loads files only: refused with what to change
+    with pytest.raises(WeightsError, match="weights_transport=shm"):
+        load_cuda_ipc(object(), WeightsReady(1, "file:///x.json", format="cuda_ipc"), "t")

@@ -197,6 +197,27 @@ def test_weight_reload_takes_effect(tiny_model, tmp_path):
     assert not torch.allclose(old_trainer[old_mask], old_inf, atol=1e-3)
 
 
+def test_weight_reload_from_tensors_equals_the_file_one(tiny_model, tmp_path):
+    """``load_tensors`` (the cuda_ipc transport): the file's tensors (tied ones once) as tensors, copied, so the
+    trainer may reuse its buffer afterwards; the parameters end up as the file would leave them."""
+    from cascade_rl.learner.weights import named_tensors
+
+    engine = TorchEngine(tiny_model)
+    other = hf_model(tiny_model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    tensors = {k: t.clone() for k, t in named_tensors(other)[0].items()}
+    engine.load_tensors(tensors, version=3)
+    for t in tensors.values():
+        t.zero_()
+    via_tensors = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    save_model(other, str(tmp_path / "w.safetensors"))
+    engine.load_weights(str(tmp_path / "w.safetensors"), version=4)
+    assert engine.version == 4
+    assert all(torch.equal(via_tensors[k], v) for k, v in engine.model.state_dict().items())
+
+
 def test_weights_with_a_wrong_name_are_refused(tiny_model, tmp_path):
     engine = TorchEngine(tiny_model)
     other = hf_model(tiny_model)

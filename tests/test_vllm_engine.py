@@ -153,3 +153,26 @@ def test_weight_reload_takes_effect(setup, tmp_path):
     save_model(hf, str(tmp_path / "old.safetensors"))  # back to the start, for the other tests
     engine.load_weights(str(tmp_path / "old.safetensors"), version=8)
     assert max_logprob_error(hf, reqs, engine.generate(reqs), 0.7) <= TOL
+
+
+def test_weight_reload_from_tensors_takes_effect(setup, tmp_path):
+    """``load_tensors`` (the cuda_ipc transport's path): the tensors the file holds (tied ones once, under
+    ``lm_head.weight``), copied by the engine, so the source may change afterwards."""
+    from cascade_rl.learner.weights import named_tensors
+
+    engine, hf, tok = setup
+    reqs = [request(tok, q, n=2, max_tokens=12, temperature=0.7) for q in QUESTIONS]
+    other = AutoModelForCausalLM.from_pretrained(hf.name_or_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    tensors = {k: t.clone() for k, t in named_tensors(other)[0].items()}  # a buffer of the trainer's
+    if hf.config.tie_word_embeddings:
+        assert "lm_head.weight" in tensors and "model.embed_tokens.weight" not in tensors
+    engine.load_tensors(tensors, version=9)
+    for t in tensors.values():
+        t.zero_()  # the trainer reuses its buffer
+    assert engine.version == 9
+    assert max_logprob_error(other, reqs, engine.generate(reqs), 0.7) <= TOL
+    save_model(hf, str(tmp_path / "old.safetensors"))  # back to the start, for the other tests
+    engine.load_weights(str(tmp_path / "old.safetensors"), version=10)

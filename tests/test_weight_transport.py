@@ -1,23 +1,31 @@
 """Weight transports end to end: a real tiny model published by ``shm`` and ``stream`` (ROUTER on
 127.0.0.1), resolved and loaded in other processes (spawned, as samplers are), two at once; evicted
 versions, bad checksums, dead publishers and malformed requests end in a ``WeightsError`` or a
-refusal, and the stream server keeps serving through all of it."""
+refusal, and the stream server keeps serving through all of it. ``cuda_ipc``: its tensor table,
+double buffering, seqlock and refusals on the CPU; the handle opened in another process (bitwise),
+a torn read across processes and the torch engine loading from the buffer on a GPU."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import shutil
 import socket
+import struct
 import time
 import uuid
+from pathlib import Path
 
 import msgpack
 import pytest
 import torch
+import xxhash
 import zmq
 from safetensors.torch import load_file, save_model
+from transformers import AutoModelForCausalLM
 
-from cascade_rl.learner.weights import TRANSPORTS
+from cascade_rl.learner.weights import TRANSPORTS, named_tensors
+from cascade_rl.protocol import cuda_ipc
 from cascade_rl.protocol.messages import WeightsReady
 from cascade_rl.protocol.weights import (
     STREAM_PROTOCOL,
@@ -45,8 +53,6 @@ def fetch(notice: WeightsReady, run_id: str, start_at: float = 0.0, timeout_s: f
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM.from_pretrained(tiny_model)
 
 
@@ -203,3 +209,302 @@ def test_stream_receiver_keeps_two_files_and_the_one_it_returns(model):
         assert again == paths[0] and torch.equal(load_file(again)["w"], torch.full((4,), 1.0))
     finally:
         stream.close()
+
+
+# --------------------------------------------------------------------------- cuda_ipc
+# On the CPU, the transport and the receiver run for real except the two CUDA IPC calls (share a buffer's
+# storage, open it in another process), replaced by a registry of this process's storages: the layout, the
+# sidecar, the tensor table, double buffering and the seqlock are the code a GPU runs. The tests that need a
+# GPU (the handle opened in another process, bitwise; a torn read across processes; the torch engine loading
+# from the buffer) skip without one.
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="cuda_ipc shares GPU memory between processes: needs a CUDA device")
+_SHARED: dict[str, torch.UntypedStorage] = {}
+
+
+def share_here(storage: torch.UntypedStorage) -> dict:
+    """The CPU stand-in for ``share_storage``: the handle is a key into this process's registry."""
+    key = uuid.uuid4().hex
+    _SHARED[key] = storage
+    return {"key": key}
+
+
+def open_here(sidecar: dict) -> torch.Tensor:
+    """The CPU stand-in for ``open_buffer``."""
+    storage = _SHARED[sidecar["handle"]["key"]]
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def ipc_transport(**kwargs):
+    return TRANSPORTS["cuda_ipc"](run_id=f"{RUN}-ipc-{uuid.uuid4().hex[:8]}", **kwargs)
+
+
+def bitwise(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def versioned(v: int) -> dict[str, torch.Tensor]:
+    """A state dict whose every value says which version it is (several dtypes, a scalar, an empty tensor)."""
+    return {"w": torch.full((3, 4), float(v)), "b": torch.full((5,), v, dtype=torch.int64),
+            "h": torch.full((7,), v, dtype=torch.bfloat16), "s": torch.tensor(float(v)), "e": torch.zeros(0, 2)}
+
+
+def test_cuda_ipc_tensor_table_is_the_safetensors_layout(model):
+    """The buffer holds the bytes of the file's data section: the sidecar's table is the file's header, and the
+    views read back every tensor the file holds (tied weights once), bitwise."""
+    ipc, shm = ipc_transport(share=share_here), make("shm")
+    try:
+        notice, file_notice = ipc.publish(model, 1), shm.publish(model, 1)
+        path = file_notice.uri[len("file://"):]
+        with open(path, "rb") as f:
+            header_len = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(header_len))
+        sidecar_bytes = open(notice.uri[len("file://"):], "rb").read()
+        sidecar = json.loads(sidecar_bytes)
+        assert notice.format == "cuda_ipc" and notice.checksum == xxhash.xxh3_128_hexdigest(sidecar_bytes)
+        assert sidecar["tensors"] == {k: v for k, v in header.items() if k != "__metadata__"}
+        assert sidecar["metadata"] == header.get("__metadata__", {})
+        assert notice.nbytes == file_notice.nbytes - 8 - header_len  # the file less its header
+        loaded = load_file(path)
+        with cuda_ipc.reading(notice, open_here) as tensors:
+            assert set(tensors) == set(loaded)
+            for name, t in tensors.items():
+                assert t.dtype == loaded[name].dtype and t.shape == loaded[name].shape
+                assert bitwise(t) == bitwise(loaded[name]), name
+    finally:
+        ipc.close()
+        shm.close()
+
+
+def test_cuda_ipc_double_buffers_and_retires_replaced_versions():
+    ipc = ipc_transport(share=share_here)
+    try:
+        notices = [ipc.publish(versioned(v), v) for v in (1, 2, 3)]  # v1 -> buffer 1, v2 -> 0, v3 -> 1 again
+        assert [json.loads(open(n.uri[7:]).read())["buffer"] for n in notices[1:]] == [0, 1]
+        with pytest.raises(WeightsError, match="gone"):
+            cuda_ipc.open_weights(notices[0], open_here)  # its buffer now holds v3
+        for n, v in zip(notices[1:], (2, 3), strict=True):
+            tensors = cuda_ipc.open_weights(n, open_here)
+            assert all(bitwise(tensors[k]) == bitwise(x) for k, x in versioned(v).items())
+        assert cuda_ipc.read_seq(cuda_ipc.seq_path(ipc.dir, 1)) == cuda_ipc.holding(3)
+        assert cuda_ipc.read_seq(cuda_ipc.seq_path(ipc.dir, 0)) == cuda_ipc.holding(2)
+        assert sorted(p.name for p in ipc.dir.glob("*.json")) == [
+            "policy-v000002.cuda_ipc.json", "policy-v000003.cuda_ipc.json"]
+        # other weights (another layout): new buffers, new handles; what the old ones held is withdrawn
+        old_handle = json.loads(open(notices[2].uri[7:]).read())["handle"]
+        v4 = ipc.publish({"x": torch.arange(6.0)}, 4)
+        assert json.loads(open(v4.uri[7:]).read())["handle"] != old_handle
+        assert [p.name for p in ipc.dir.glob("*.json")] == ["policy-v000004.cuda_ipc.json"]
+        with pytest.raises(WeightsError):
+            cuda_ipc.open_weights(notices[2], open_here)
+        assert bitwise(cuda_ipc.open_weights(v4, open_here)["x"]) == bitwise(torch.arange(6.0))
+    finally:
+        ipc.close()
+    assert not ipc.dir.exists()
+
+
+def test_cuda_ipc_torn_read_is_refused_and_the_other_buffer_is_not():
+    ipc = ipc_transport(share=share_here)
+    try:
+        v1, v2 = ipc.publish(versioned(1), 1), ipc.publish(versioned(2), 2)
+        with pytest.raises(cuda_ipc.TornRead, match="rewritten during the copy"):
+            with cuda_ipc.reading(v1, open_here) as tensors:
+                copy = {k: t.clone() for k, t in tensors.items()}
+                v3 = ipc.publish(versioned(3), 3)  # the trainer reuses buffer 1 while a sampler copies v1
+        assert bitwise(copy["w"]) == bitwise(versioned(1)["w"])  # (here the copy came first; on a GPU it may not)
+        with cuda_ipc.reading(v2, open_here) as tensors:  # double buffering: v3 went to the other buffer
+            ipc.publish(versioned(3), 3)
+            assert bitwise(tensors["h"]) == bitwise(versioned(2)["h"])
+        with cuda_ipc.reading(v3, open_here) as tensors:
+            assert bitwise(tensors["b"]) == bitwise(versioned(3)["b"])
+    finally:
+        ipc.close()
+
+
+def test_cuda_ipc_seqlock_is_checked_before_the_copy():
+    """A buffer marked "writing" (odd), or holding another version, refuses before anything is copied: a plain
+    WeightsError (the engine was not touched), not a TornRead."""
+    ipc = ipc_transport(share=share_here)
+    try:
+        notice = ipc.publish(versioned(1), 1)
+        seq = cuda_ipc.seq_path(ipc.dir, 1)
+        cuda_ipc.write_seq(seq, cuda_ipc.writing(3))
+        with pytest.raises(WeightsError, match="version 3 being written") as e:
+            cuda_ipc.open_weights(notice, open_here)
+        assert not isinstance(e.value, cuda_ipc.TornRead)
+        cuda_ipc.write_seq(seq, cuda_ipc.holding(3))
+        with pytest.raises(WeightsError, match="now holds version 3"):
+            cuda_ipc.open_weights(notice, open_here)
+        seq.unlink()
+        with pytest.raises(WeightsError, match="holds nothing"):
+            cuda_ipc.open_weights(notice, open_here)
+    finally:
+        ipc.close()
+
+
+def test_cuda_ipc_refuses_bad_notices_and_sidecars():
+    ipc = ipc_transport(share=share_here)
+    try:
+        notice = ipc.publish(versioned(1), 1)
+        path = Path(notice.uri[len("file://"):])
+        for bad, match in [
+            (WeightsReady(1, notice.uri, "cuda_ipc", notice.nbytes, "0" * 32), "checksum"),
+            (WeightsReady(2, notice.uri, "cuda_ipc", notice.nbytes), "notice says v2"),
+            (WeightsReady(1, notice.uri, "cuda_ipc", notice.nbytes + 1), "bytes"),
+            (WeightsReady(1, notice.uri, "safetensors", notice.nbytes), "not a cuda_ipc notice"),
+        ]:
+            with pytest.raises(WeightsError, match=match):
+                cuda_ipc.open_weights(bad, open_here)
+        sidecar = json.loads(path.read_text())
+        for change, match in [({"protocol": 99}, "protocol 99"), ({"seq_file": "../x.seq"}, "bad seq_file"),
+                              ({"tensors": {"w": {"dtype": "F32", "shape": [100], "data_offsets": [0, 400]}}},
+                               "does not fit"),
+                              ({"tensors": {"w": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 1]}}}, "bad entry")]:
+            path.write_text(json.dumps(sidecar | change))
+            with pytest.raises(WeightsError, match=match):
+                cuda_ipc.open_weights(WeightsReady(1, notice.uri, "cuda_ipc"), open_here)
+        # the default share refuses CPU memory with what to change
+        default = ipc_transport()
+        with pytest.raises(WeightsError, match="gpus.trainer"):
+            default.publish(versioned(1), 1)
+        default.close()
+    finally:
+        ipc.close()
+
+
+def test_cuda_ipc_handle_encoding_round_trips_and_refuses_other_shapes():
+    # the 8 values of UntypedStorage._share_cuda_(), typed as torch 2.11-2.13 return them
+    values = (0, b"\x02c" + bytes(range(64)), 1 << 30, 512, b"/torch_123_456_0", 3, bytes(64), True)
+    encoded = cuda_ipc.encode_handle(values)
+    assert json.loads(json.dumps(encoded)) == encoded  # primitives only
+    assert cuda_ipc.decode_handle(encoded) == values
+    for bad in [values[:7], (*values[:2], "1024", *values[3:]), (*values[:7], 1), (True, *values[1:]),
+                (*values[:6], None, True)]:
+        with pytest.raises(WeightsError, match=r"expected \('int', 'bytes', 'int', 'int', 'bytes', 'int', 'bytes'"):
+            cuda_ipc.encode_handle(bad)
+    for broken in [{k: v for k, v in encoded.items() if k != "ref_counter"}, encoded | {"handle": "zz"},
+                   encoded | {"size": 1.5}]:
+        with pytest.raises(WeightsError):
+            cuda_ipc.decode_handle(broken)
+    assert cuda_ipc.same_torch("2.11.0+cu130", "2.11.1") and not cuda_ipc.same_torch("2.11.0", "2.13.0+cpu")
+    with pytest.raises(WeightsError, match="gpus.trainer"):
+        cuda_ipc.share_storage(torch.UntypedStorage(8))
+
+
+def test_cuda_ipc_views_match_the_table_byte_for_byte():
+    buf = torch.arange(64, dtype=torch.uint8)
+    table = {"a": {"dtype": "I32", "shape": [2, 2], "data_offsets": [0, 16]},
+             "b": {"dtype": "BF16", "shape": [], "data_offsets": [16, 18]},
+             "c": {"dtype": "U8", "shape": [0], "data_offsets": [18, 18]}}
+    out = cuda_ipc.views(buf, table, 18)
+    assert out["a"].shape == (2, 2) and bitwise(out["a"]) == bytes(range(16))
+    assert out["b"].shape == () and bitwise(out["b"]) == bytes([16, 17])
+    assert out["a"].data_ptr() == buf.data_ptr()  # views, not copies
+    with pytest.raises(WeightsError, match="buffer has 64 bytes"):
+        cuda_ipc.views(buf, table, 65)
+    with pytest.raises(WeightsError, match="does not fit"):  # misaligned for its dtype
+        cuda_ipc.views(buf, {"a": {"dtype": "I32", "shape": [1], "data_offsets": [2, 6]}}, 64)
+
+
+# --- on a GPU: the trainer in this process, the sampler in another (spawned, as samplers are)
+
+
+def ipc_sampler(conn, model_path: str) -> None:
+    """In a sampler's seat on the same GPU. Commands over ``conn``: ("load", notice) -> name -> bytes;
+    ("hold", notice) -> copy inside ``reading``, reply "copied", wait for "release", reply "ok" or the
+    error; ("engine", notice, path) -> the torch engine loads the notice, then the file at ``path``: are its
+    parameters bitwise the same both ways?"""
+    from cascade_rl.samplers.worker import load_cuda_ipc
+
+    torch.set_num_threads(1)
+    engine = None
+    while (cmd := conn.recv()) is not None:
+        try:
+            if cmd[0] == "load":
+                with cuda_ipc.reading(cmd[1]) as tensors:
+                    conn.send({k: bitwise(t) for k, t in tensors.items()})
+            elif cmd[0] == "hold":
+                with cuda_ipc.reading(cmd[1]) as tensors:
+                    copy = {k: t.clone() for k, t in tensors.items()}
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()  # the copy is done before the trainer is let go
+                    conn.send("copied")
+                    assert conn.recv() == ("release",)
+                del copy
+                conn.send("ok")
+            elif cmd[0] == "engine":
+                from cascade_rl.samplers.torch_engine import TorchEngine
+
+                engine = engine or TorchEngine(model_path, dtype="bfloat16", device="cuda")
+                load_cuda_ipc(engine, cmd[1], "")
+                via_ipc = {n: bitwise(p) for n, p in engine.model.named_parameters()}
+                engine.load_weights(cmd[2], cmd[1].version)
+                conn.send(engine.version == cmd[1].version and via_ipc == {
+                    n: bitwise(p) for n, p in engine.model.named_parameters()})
+        except Exception as e:
+            conn.send(f"{type(e).__name__}: {e}")
+
+
+@pytest.fixture
+def gpu_sampler(tiny_model):
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=ipc_sampler, args=(child_conn, tiny_model), daemon=True)
+    proc.start()
+
+    def ask(*cmd, timeout_s: float = 120.0):
+        conn.send(cmd)
+        assert conn.poll(timeout_s), f"the sampler process did not answer {cmd[0]}"
+        return conn.recv()
+
+    yield ask
+    conn.send(None)
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+
+
+@needs_cuda
+def test_cuda_ipc_loads_bitwise_in_another_process(tiny_model, gpu_sampler):
+    gpu_model = AutoModelForCausalLM.from_pretrained(tiny_model).to("cuda", torch.bfloat16)
+    ipc, shm = ipc_transport(), make("shm")
+    try:
+        for v in (1, 2, 3):  # both buffers, then the first one again (opened once, reused)
+            with torch.no_grad():
+                for p in gpu_model.parameters():
+                    p.add_(torch.randn_like(p) * 0.01)
+            notice = ipc.publish(gpu_model, v)
+            got = gpu_sampler("load", notice)
+            assert isinstance(got, dict), got
+            expected, _ = named_tensors(gpu_model)
+            assert got == {k: bitwise(t) for k, t in expected.items()}, f"v{v} differs"
+        # a state dict of several dtypes on the GPU
+        state = {k: t.cuda() for k, t in versioned(7).items()}
+        got = gpu_sampler("load", ipc.publish(state, 4))
+        assert got == {k: bitwise(t) for k, t in state.items()}
+        # the torch engine applies it as it applies the same weights from a file
+        ok = gpu_sampler("engine", ipc.publish(gpu_model, 5), shm.publish(gpu_model, 5).uri[len("file://"):])
+        assert ok is True, ok
+    finally:
+        ipc.close()
+        shm.close()
+
+
+@needs_cuda
+def test_cuda_ipc_torn_read_across_processes(gpu_sampler):
+    ipc = ipc_transport()
+    try:
+        v1 = ipc.publish({k: t.cuda() for k, t in versioned(1).items()}, 1)
+        v2 = ipc.publish({k: t.cuda() for k, t in versioned(2).items()}, 2)
+        assert gpu_sampler("hold", v1) == "copied"
+        v3 = ipc.publish({k: t.cuda() for k, t in versioned(3).items()}, 3)  # buffer 1 again, mid-copy
+        reply = gpu_sampler("release")
+        assert isinstance(reply, str) and reply.startswith("TornRead"), reply
+        assert gpu_sampler("hold", v2) == "copied"
+        assert gpu_sampler("release") == "ok"  # v3 went to the other buffer
+        assert "gone" in gpu_sampler("load", v1)
+        got = gpu_sampler("load", v3)
+        assert got == {k: bitwise(t) for k, t in versioned(3).items()}
+    finally:
+        ipc.close()
