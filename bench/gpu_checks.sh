@@ -7,6 +7,7 @@
 #   install         the carried wheels (.whl/, made here by bench/gpu_wheels.sh) and this project into /tmp/site
 #   tests           the kernel tests and tests/test_gpu.py on real CUDA (TRITON_INTERPRET unset)
 #   launch_tiny     bench/gpu_launch.py: a full MOPD launch, trainer + sampler + teacher sharing GPU 0 (tiny model)
+#   weight_transport bench/weight_transport.py: shm vs cuda_ipc publish + load in another process (tiny, 1B bf16)
 #   moe_kernels     bench/moe_kernels.py: Triton vs torch._grouped_mm vs the per-expert loop (vs the torch reference)
 #   logprob_kernel  bench/logprob_kernel.py: the fused Triton LM-head log-prob kernel vs chunked torch vs full logits
 #   launch_50m      the same launch with the 50m model
@@ -113,11 +114,17 @@ gpu_part() { if [ -n "$NO_GPU" ]; then skip "$1" "$NO_GPU"; else part "$@"; fi; 
 
 # --- (b) kernel tests and the GPU tests --------------------------------------------------------------------------
 gpu_part tests 180 "$PY" -m pytest -q -rfEs -p no:cacheprovider --junitxml="$LOGS/tests.xml" \
-  tests/test_moe_kernels.py tests/test_logprob_kernel.py tests/test_experts.py tests/test_gpu.py
+  tests/test_moe_kernels.py tests/test_logprob_kernel.py tests/test_experts.py tests/test_gpu.py \
+  tests/test_weight_transport.py::test_cuda_ipc_loads_bitwise_in_another_process \
+  tests/test_weight_transport.py::test_cuda_ipc_torn_read_across_processes
 
 # --- (d) launch, tiny: the first end-to-end run on a GPU matters more than the kernel figures, so it goes first
 rm -f bench/results/gpu_launch_*.json bench/results/moe_kernels.json bench/results/logprob_kernel.json
 gpu_part launch_tiny 150 "$PY" bench/gpu_launch.py --size tiny
+
+# --- weights between processes on one GPU: shm vs cuda_ipc ---------------------------------------------------------
+rm -f bench/results/weight_transport.json
+gpu_part weight_transport 100 "$PY" bench/weight_transport.py --quick
 
 # --- (c) kernel benchmarks (full shapes, fewer rounds than their default to fit the budget) -----------------------
 gpu_part moe_kernels 100 "$PY" bench/moe_kernels.py --rounds 5
@@ -145,9 +152,11 @@ from pathlib import Path
 
 logs, budget = Path(sys.argv[1]), int(sys.argv[2])
 results = logs.parent
-PARTS = ["install", "tests", "launch_tiny", "moe_kernels", "logprob_kernel", "launch_50m", "launch_vllm"]
+PARTS = ["install", "tests", "launch_tiny", "weight_transport", "moe_kernels", "logprob_kernel", "launch_50m",
+         "launch_vllm"]
 # each script's own result JSON (a launch's name ends in the device it ran on: cuda, or cpu in a rehearsal)
 FIGURES = {"moe_kernels": ["moe_kernels.json"], "logprob_kernel": ["logprob_kernel.json"],
+           "weight_transport": ["weight_transport.json"],
            **{name: [f"gpu_launch_{run}_{dev}.json" for dev in ("cuda", "cpu")]
               for name, run in (("launch_tiny", "tiny_torch"), ("launch_50m", "50m_torch"),
                                 ("launch_vllm", "tiny_vllm"))}}
@@ -181,7 +190,8 @@ def figures(name: str) -> dict | None:
     for path in FIGURES.get(name, []):
         text = read(results / path)
         if text:
-            return json.loads(text)
+            data = json.loads(text)
+            return data.get("summary", data) if name == "weight_transport" else data
     return None
 
 
