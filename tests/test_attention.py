@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_policy import rows  # the ragged batch the layouts are compared on
 from torch.nn.attention import varlen as torch_varlen
 from transformers import AutoModelForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
@@ -79,18 +80,6 @@ def kernel(monkeypatch):
 
 
 # --- the model through it ------------------------------------------------------------------------------
-
-
-def rows(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    n, width = 5, 14
-    lengths = torch.tensor([14, 9, 3, 11, 6])
-    ids = torch.randint(3, 300, (n, width), generator=g)
-    target = torch.zeros(n, width, dtype=torch.bool)
-    for i, (length, prompt) in enumerate(zip(lengths.tolist(), [5, 4, 2, 6, 3])):
-        ids[i, length:] = 0
-        target[i, prompt:length] = True
-    return ids, lengths, target
 
 
 def load(path: str, attn: str):
