@@ -165,6 +165,7 @@ class Orchestrator:
         self.version = 0
         self.weights: WeightsReady | None = None
         self.step_done: StepDone | None = None
+        self.steps_done: dict[int, StepDone] = {}
         self.books = Books()
         self.malformed = 0
         self.next_beat = 0.0
@@ -196,27 +197,25 @@ class Orchestrator:
         before = self.evaluate()
         per_question_before = dict(self.per_question)
         self._log({"step": 0, **before})
-        # With max_staleness = 0 each step samples on the newest weights, then waits for the trainer. With
-        # k > 0 the next batch is sampled while the trainer steps (one batch ahead: its rollouts are at most
-        # one version old when trained; truncated importance weights correct them).
-        in_training = None  # (step, groups, t0, t_sample) sent to the trainer, its StepDone not yet handled
+        # max_staleness = k: the batch of step s is sampled once the trainer has finished every step before
+        # s - k (its weights are then version >= s - k), so when it is trained, at version s, no rollout is more
+        # than k versions old. k = 0: sample, train, repeat (the paper); k >= 1: up to k batches are sampled
+        # while the trainer steps (truncated importance weights correct them). docs/ARCHITECTURE.md §5.
+        k = self.cfg.orchestrator.max_staleness
+        in_training: deque = deque()  # (step, groups, t0, t_sample) sent to the trainer, StepDone not yet handled
         t_loop = time.perf_counter()
         for step in range(self.start_step, steps):
+            while in_training and in_training[0][0] < step - k:
+                self._finish_step(*in_training.popleft())
             self.status.update(state="sampling", step=step)
             t0 = time.perf_counter()
             groups = self.sample_batch(step)
             t_sample = time.perf_counter() - t0
-            if in_training is not None:
-                self._finish_step(*in_training)
-            self.step_done = None
             self._to_trainer(self.build_batch(step, groups))
             self.trainer_window[0] = self.trainer_window[0] or time.perf_counter()
-            in_training = (step, groups, t0, t_sample)
-            if self.cfg.orchestrator.max_staleness == 0:
-                self._finish_step(*in_training)
-                in_training = None
-        if in_training is not None:
-            self._finish_step(*in_training)
+            in_training.append((step, groups, t0, t_sample))
+        while in_training:
+            self._finish_step(*in_training.popleft())
         loop_s = time.perf_counter() - t_loop
         self.status.update(state="eval", step=steps)
         after = self.evaluate()
@@ -251,10 +250,11 @@ class Orchestrator:
     def _finish_step(self, step: int, groups: list[Group], t0: float, t_sample: float) -> None:
         """Wait for the trainer's StepDone of ``step``; log its metrics (and evaluate when due)."""
         self.status["state"] = "training"
-        self.pump(lambda: self.step_done is not None)
+        self.pump(lambda: step in self.steps_done)
+        done = self.steps_done.pop(step)
         self.trainer_window[1] = time.perf_counter()
-        self.trainer_busy_s += float(self.step_done.metrics.get("train_s", 0.0))
-        metrics = self.step_metrics(step, groups, t_sample, time.perf_counter() - t0)
+        self.trainer_busy_s += float(done.metrics.get("train_s", 0.0))
+        metrics = self.step_metrics(step, groups, t_sample, time.perf_counter() - t0, done)
         steps = self.cfg.trainer.steps
         if self.cfg.orchestrator.eval_every and (step + 1) % self.cfg.orchestrator.eval_every == 0 and step + 1 < steps:
             self.status["state"] = "eval"
@@ -365,11 +365,11 @@ class Orchestrator:
             cursor={"examples_drawn": self.prompts.drawn},
         )
 
-    def step_metrics(self, step: int, groups: list[Group], t_sample: float, t_step: float) -> dict:
+    def step_metrics(self, step: int, groups: list[Group], t_sample: float, t_step: float, done: StepDone) -> dict:
         rollouts = [g.rollouts[i] for g in groups for i in range(g.n)]
         rewards = np.concatenate([self.rewards(g) for g in groups])
         tokens = sum(len(r.response_ids) for r in rollouts)
-        trainer = self.step_done.metrics
+        trainer = done.metrics
         self.mismatch.append({k.removeprefix("mismatch/"): v for k, v in trainer.items() if k.startswith("mismatch/")})
         return {
             "step": step + 1,
@@ -380,6 +380,7 @@ class Orchestrator:
             "response_len_mean": tokens / len(rollouts),
             "truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts])),
             "staleness_mean": float(np.mean([step - r.policy_version for r in rollouts])),
+            "staleness_max": max(step - r.policy_version for r in rollouts),  # <= orchestrator.max_staleness
             "gen_tokens_per_s": tokens / max(t_sample, 1e-9),
             "sample_s": t_sample,
             "step_s": t_step,
@@ -475,7 +476,8 @@ class Orchestrator:
             self.weights = msg
         elif isinstance(msg, StepDone):
             self.version = max(self.version, msg.version)
-            self.step_done = msg
+            self.step_done = msg  # the newest (its checkpoint ends the summary)
+            self.steps_done[msg.step] = msg  # until _finish_step logs it (several in flight with max_staleness > 1)
 
     def _on_ready(self, ident: bytes, msg: Ready) -> None:
         old = self.workers.get(ident)

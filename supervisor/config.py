@@ -149,7 +149,9 @@ class TrainerConfig:
 @dataclass
 class OrchestratorConfig:
     max_staleness: int = 0
-    """0 = strictly on-policy (the paper): only rollouts of the newest weights are trained on."""
+    """0 = strictly on-policy (the paper): each batch is sampled on the newest weights. k >= 1: up to k batches
+    are sampled while the trainer steps, so a rollout is at most k versions old when trained (needs
+    trainer.importance_weights=true for GRPO)."""
     max_inflight_groups: int = 256
     """Credit limit: groups dispatched but not complete, over all samplers."""
     sampler_timeout_s: float = 300.0
@@ -389,6 +391,8 @@ def validate(cfg: DictConfig) -> None:
         problems.append("trainer.kl_coef and trainer.entropy_coef must be >= 0")
     if t.world_size < 1 or t.prompts_per_step % t.world_size:
         problems.append("trainer.prompts_per_step must be a multiple of trainer.world_size (>= 1)")
+    if o.max_staleness < 0:
+        problems.append("orchestrator.max_staleness must be >= 0 (0: strictly on-policy)")
     if o.max_staleness > 0 and t.algorithm == "grpo" and not t.importance_weights:
         problems.append("orchestrator.max_staleness > 0 trains on rollouts of older weights: set "
                         "trainer.importance_weights=true (the truncated weights correct them)")
