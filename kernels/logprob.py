@@ -74,7 +74,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from cascade_rl.learner.logprobs import check_args
+from cascade_rl.kernels.logprob_args import check_args
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernels

@@ -36,21 +36,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from cascade_rl.kernels.logprob_args import check_args  # shared with kernels/logprob.py
+
 
 def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     """float32 for bf16/fp16/fp32 inputs; float64 when either input is float64."""
     return torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
-
-
-def check_args(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int) -> None:
-    """The shapes every ``linear_logprobs`` implementation takes (this one, kernels/logprob.py's)."""
-    if hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"want hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
-                         f"{tuple(weight.shape)}, {tuple(targets.shape)}")
-    if hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden size {hidden.shape[1]} != weight's {weight.shape[1]}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
 
 
 def allocator_peak(fn) -> int:

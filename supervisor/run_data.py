@@ -7,7 +7,8 @@ memory-mapped (data/promptset.py). It imports the user's reward modules
 (``workers.verifier_plugins``) so their domains are known, reads every row
 (data/prepare.py), and settles the rules that need the data: which domains the
 verifier workers serve (``workers.verifier_domains``, filled with the data's
-domains when empty) and, for MOPD, that every trained domain has a teacher.
+domains when empty), that judge-scored domains have a judge model
+(``workers.judge.model``) and, for MOPD, that every trained domain has a teacher.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def prepare_run_data(cfg: DictConfig) -> Report:
     elif unserved := sorted(set(used) - set(w.verifier_domains)):
         raise ConfigError(f"workers.verifier_domains={list(w.verifier_domains)} does not serve {unserved}, "
                           f"domains of the data (leave it empty to serve every domain of the data)")
+    from cascade_rl.verifiers.registry import JUDGED_DOMAINS
+
+    if (judged := sorted(set(w.verifier_domains) & JUDGED_DOMAINS)) and not w.judge.model:
+        raise ConfigError(f"domains {judged} are scored by a judge model: set workers.judge.model (and "
+                          f"workers.judge.base_url, its OpenAI-compatible endpoint, e.g. a vLLM server)")
     if cfg.trainer.algorithm == "mopd":
         trained = set(report.domains["train"])
         if untaught := sorted(trained - set(cfg.teachers)):

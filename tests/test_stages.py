@@ -17,9 +17,8 @@ STAGES = {
              "trainer.warmup_start_lr": 2e-7, "trainer.eps_low": 0.5, "trainer.eps_high": 2.0},
     "rlhf": {"trainer.kl_coef": 0.03, "sampling.max_tokens": 16384, "orchestrator.overlong_penalty": False,
              "trainer.steps": 30},
-    "long_context": {"trainer.steps": 30},
+    "long_context": {"trainer.steps": 30, "data.max_prompt_tokens": 32768},
     "code_rl": {"sampling.top_p": 0.95, "sampling.max_tokens": 118000, "trainer.steps": 22},
-    "swe_agentless": {"orchestrator.mask_threshold": 0.5, "sampling.max_tokens": 98304},
 }
 
 

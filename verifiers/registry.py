@@ -189,6 +189,12 @@ def is_group_domain(name: str) -> bool:
     return name in GROUP_VERIFIERS
 
 
+# Domains scored by the judge model of ``workers.judge`` (``judge_endpoint``): a launch whose data holds one needs
+# ``workers.judge.model`` (supervisor/run_data.py refuses it before any process starts). A plugin whose verifier
+# calls ``judge_endpoint`` adds its domain here.
+JUDGED_DOMAINS: set[str] = {"genrm", "llm_judge"}
+
+
 # --- built-in domains: each check reuses its verifier's own validation (imported lazily, as the verifier is)
 
 
