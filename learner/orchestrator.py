@@ -37,6 +37,7 @@ from transformers import AutoTokenizer
 from cascade_rl.data.promptset import PromptSet, PromptStream
 from cascade_rl.data.render import PromptRenderer
 from cascade_rl.data.rows import Row
+from cascade_rl.protocol import auth
 from cascade_rl.protocol.codec import ProtocolError
 from cascade_rl.protocol.messages import (
     GroupScoreRequest,
@@ -154,7 +155,7 @@ class Orchestrator:
             self.beat = self.ctx.socket(zmq.PUSH)
             self.beat.setsockopt(zmq.LINGER, 0)
             self.beat.setsockopt(zmq.SNDHWM, 10)
-            self.beat.connect(cfg.endpoints.heartbeat)
+            auth.connect(self.beat, cfg.endpoints.heartbeat)  # CURVE client on tcp (protocol/auth.py)
         self.workers: dict[bytes, Worker] = {}
         self.groups: dict[str, Group] = {}
         self.prompt_queue: deque[str] = deque()

@@ -32,6 +32,7 @@ import torch
 import zmq
 from transformers import AutoTokenizer
 
+from cascade_rl.protocol import auth
 from cascade_rl.protocol.devices import role_device
 from cascade_rl.protocol.messages import Ready, StepDone, TrainBatch
 from cascade_rl.protocol.sockets import WorkerLink, send
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         transport = TRANSPORTS[cfg.weights_transport](run_id=cfg.run_id, **options)
         pub = zmq.Context.instance().socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
-        pub.bind(cfg.endpoints.weights)
+        auth.bind(pub, cfg.endpoints.weights)  # CURVE server on tcp (protocol/auth.py)
         link = WorkerLink(args.worker_id, "trainer", cfg.endpoints.orchestrator, cfg.endpoints.get("heartbeat"), None,
                           expect=(TrainBatch,), status=lambda: status, heartbeat_s=cfg.supervisor.heartbeat_s).start()
         link.send(Ready(args.worker_id, "trainer", slots=1, version=version))

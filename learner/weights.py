@@ -52,7 +52,7 @@ import xxhash
 import zmq
 from safetensors.torch import _remove_duplicate_names  # save_model's rule for tied weights (safetensors pinned)
 
-from cascade_rl.protocol import cuda_ipc
+from cascade_rl.protocol import auth, cuda_ipc
 from cascade_rl.protocol.messages import WeightsReady
 from cascade_rl.protocol.registry import Registry
 from cascade_rl.protocol.weights import STREAM_PROTOCOL, Checksum, WeightsError, shm_dir
@@ -70,8 +70,7 @@ DTYPES = {dtype: name for name, dtype in cuda_ipc.DTYPES.items()}  # torch dtype
 @register_transport("shm")
 class ShmTransport:
     def __init__(self, run_id: str, keep: int = 2) -> None:
-        self.dir = shm_dir(run_id)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = auth.private_dir(shm_dir(run_id))  # the run's weights: this user's only (0700)
         self.keep = keep
         self._published: list[Path] = []
 
@@ -136,6 +135,7 @@ class StreamTransport:
         self._thread.start()
         self.endpoint = bound.get(timeout=30)
         if isinstance(self.endpoint, Exception):
+            auth.release(self._ctx)
             self._ctx.term()
             raise self.endpoint
         address, port = self.endpoint.split("://", 1)[1].rsplit(":", 1)
@@ -158,6 +158,7 @@ class StreamTransport:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+        auth.release(self._ctx)  # its ZAP handler, if any, would hold up term()
         self._ctx.term()
         self._snapshots.clear()
 
@@ -168,7 +169,7 @@ class StreamTransport:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises instead of vanishing
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.bind(endpoint)
+            auth.bind(sock, endpoint)  # CURVE server when the run has keys (protocol/auth.py)
         except Exception as e:
             sock.close()
             bound.put(WeightsError(f"stream weights transport cannot bind {endpoint}: {e}"))
@@ -276,8 +277,7 @@ class CudaIpcTransport:
         the CPU pass their own)."""
         if keep < 1:
             raise ValueError(f"cuda_ipc: keep must be >= 1, got {keep}")
-        self.dir = shm_dir(run_id)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = auth.private_dir(shm_dir(run_id))  # the run's weights: this user's only (0700)
         self.keep, self._share = keep, share
         self._buffers: list[IpcBuffer] = []
         self._shape: tuple | None = None  # (bytes, tensor table) the buffers were laid out for

@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from . import auth
 from .codec import ProtocolError, decode, encode
 from .messages import Heartbeat, WeightsReady
 
@@ -65,7 +66,7 @@ def bind_router(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker with the same id takes over its route
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(endpoint)
+    auth.bind(sock, endpoint)  # CURVE server on tcp (protocol/auth.py)
     return sock
 
 
@@ -129,7 +130,7 @@ class WorkerLink:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, self.worker_id.encode())
         dealer.setsockopt(zmq.LINGER, 1000)
-        dealer.connect(orchestrator)
+        auth.connect(dealer, orchestrator)  # every link: CURVE client on tcp (protocol/auth.py)
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
@@ -138,13 +139,13 @@ class WorkerLink:
             sub = self._ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.setsockopt(zmq.LINGER, 0)
-            sub.connect(weights)
+            auth.connect(sub, weights)
             poller.register(sub, zmq.POLLIN)
         if supervisor:
             beat = self._ctx.socket(zmq.PUSH)
             beat.setsockopt(zmq.LINGER, 0)
             beat.setsockopt(zmq.SNDHWM, 10)  # a missing supervisor must not queue beats forever
-            beat.connect(supervisor)
+            auth.connect(beat, supervisor)
         next_beat = 0.0
         try:
             while True:

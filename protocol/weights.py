@@ -45,6 +45,7 @@ import msgpack
 import xxhash
 import zmq
 
+from . import auth
 from .messages import WeightsReady
 from .registry import Registry
 
@@ -66,7 +67,8 @@ def receive_dir(run_id: str) -> Path:
     another is loading. Removed at exit."""
     path = shm_dir(run_id or "local") / f"stream-{os.getpid()}"
     if not path.is_dir():
-        path.mkdir(parents=True, exist_ok=True)
+        auth.private_dir(path.parent)  # the run's weights: this user's only (0700)
+        auth.private_dir(path)
         atexit.register(_remove_receive_dir, path)
     return path
 
@@ -176,7 +178,7 @@ def resolve_stream(notice: WeightsReady, run_id: str, timeout_s: float, window: 
     tmp = path.with_suffix(".tmp")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{m['addr']}")
+    auth.connect(sock, f"tcp://{m['addr']}")  # CURVE client when the run has keys (protocol/auth.py)
     try:
         with open(tmp, "wb") as f:
             nbytes, checksum, head = _receive(sock, notice, f, timeout_s, window)

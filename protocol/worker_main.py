@@ -7,17 +7,21 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
+from . import auth
 from .sockets import exit_on_sigterm
 
 
 def worker_start(description: str, argv: list[str] | None = None,
                  default_id: str | None = None) -> tuple[argparse.Namespace, DictConfig]:
     """Parse ``--config RUN_DIR/config.yaml --worker-id ID``, make SIGTERM a clean exit, set up logging,
-    and load the run's resolved config (written once by the supervisor; workers never re-derive defaults)."""
+    load the run's resolved config (written once by the supervisor; workers never re-derive defaults) and install
+    the run's keys (protocol/auth.py: every tcp socket this process makes is then CURVE)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", required=True)
     p.add_argument("--worker-id", required=default_id is None, default=default_id)
     args = p.parse_args(argv)
     exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s")
-    return args, OmegaConf.load(args.config)
+    cfg = OmegaConf.load(args.config)
+    auth.install_from_config(cfg)
+    return args, cfg

@@ -91,7 +91,8 @@ def cmd_cascade(args: argparse.Namespace) -> int:
     return Cascade(cfg).run()
 
 
-def _control_endpoint(run_dir: str | None) -> str:
+def _control_endpoint(run_dir: str | None) -> tuple[str, str]:
+    """The run's control endpoint and its key file ("" when the run has none), from its supervisor.json."""
     from .launch import state_dir
 
     if run_dir is None:
@@ -102,16 +103,23 @@ def _control_endpoint(run_dir: str | None) -> str:
     info = Path(run_dir) / "supervisor.json"
     if not info.is_file():
         raise SystemExit(f"{run_dir} has no supervisor.json: not a launch directory")
-    return json.loads(info.read_text())["control"]
+    info = json.loads(info.read_text())
+    return info["control"], info.get("auth_keys", "")
 
 
 def cmd_ctl(args: argparse.Namespace) -> int:
+    from cascade_rl.protocol import auth
     from cascade_rl.protocol.messages import Control, ControlReply
     from cascade_rl.protocol.sockets import recv, send
 
+    endpoint, keys = _control_endpoint(args.run_dir)
+    try:  # the run's key file (0600, this user's): without it a tcp control socket never answers
+        auth.install(auth.RunKeys.load(keys) if keys else None)
+    except auth.AuthError as e:
+        raise SystemExit(f"ctl: {e}") from None
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(_control_endpoint(args.run_dir))
+    auth.connect(sock, endpoint)
     request = {}
     if args.op == "swap":
         request = {"role": args.role, "domain": args.domain, "impl": args.impl}

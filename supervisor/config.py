@@ -335,6 +335,15 @@ class LaunchConfig:
     other hosts (or network namespaces) can connect; pair with weights_transport=stream without a shared
     file system."""
     """Filled by the supervisor at launch: ipc:// under a short temp dir, or tcp:// on ``host``."""
+    auth: bool = True
+    """ZeroMQ CURVE (encryption + authentication) on every tcp socket of the run (``host`` set, the stream
+    transport): only processes holding the run's keys connect; anyone else who reaches a port gets no work, no
+    weights and no control. false only on a trusted network. ipc endpoints need no keys: their folder, like the
+    /dev/shm weights folder, is the run user's only (0700). A launch with ``host`` on a libzmq without CURVE is
+    refused."""
+    auth_keys: str = ""
+    """Filled by the supervisor when ``auth``: the run's key file (run_dir/auth.keys, made anew at each launch,
+    mode 0600). config.yaml holds this path, never a key (protocol/auth.py)."""
     teachers: dict[str, str] = field(default_factory=dict)
     """MOPD: domain -> the HF checkpoint that teaches it (one teacher server per distinct checkpoint; the
     cascade runner fills this with each domain's best checkpoint)."""

@@ -4,7 +4,9 @@
 
 ``launch`` resolves the config, prepares the data (supervisor/run_data.py: every row
 validated before any process starts), gives the run its endpoints (``ipc://`` under
-a short temp dir), writes ``<run_dir>/config.yaml`` and starts, each as its
+a short temp dir, mode 0700, or ``tcp://`` on ``host``) and its CURVE keys (protocol/auth.py: every
+tcp socket of the run admits only holders of ``<run_dir>/auth.keys``, mode 0600), writes
+``<run_dir>/config.yaml`` (the key file's path, no key) and starts, each as its
 own OS process: the orchestrator, the trainer, the samplers, the
 verifiers and, for MOPD, one teacher server per distinct teacher checkpoint
 (``teachers``: domain -> checkpoint); with ``workers.sampler_engine=sglang``, one
@@ -34,6 +36,7 @@ from pathlib import Path
 import zmq
 from omegaconf import DictConfig, OmegaConf
 
+from cascade_rl.protocol import auth
 from cascade_rl.protocol.codec import ProtocolError
 from cascade_rl.protocol.messages import Control, ControlReply, Heartbeat
 from cascade_rl.protocol.sockets import recv, send
@@ -161,11 +164,23 @@ class Supervisor:
                 raise ConfigError(f"workers.sampler_engine=sglang: {reason}")
             if not cfg.gpus.samplers:
                 raise ConfigError("workers.sampler_engine=sglang: the SGLang servers need GPUs: set gpus.samplers")
+        if cfg.host and cfg.get("auth", True) and not auth.curve_available():
+            raise ConfigError(f"host={cfg.host}: this libzmq ({zmq.zmq_version()}) has no CURVE security, so its tcp "
+                              f"endpoints would admit anyone who reaches them: install a pyzmq wheel (it bundles "
+                              f"libsodium), or set auth=false on a trusted network")
         run_id = uuid.uuid4().hex[:10]
-        # ipc paths must stay under ~100 bytes, so they live in a short temp dir, not in run_dir
+        # ipc paths must stay under ~100 bytes, so they live in a short temp dir, not in run_dir; this user's only
         self.sock_dir = Path(tempfile.gettempdir()) / f"crl-{run_id}"
-        self.sock_dir.mkdir(parents=True)
+        self.sock_dir.mkdir(mode=0o700, parents=True)
+        os.chmod(self.sock_dir, 0o700)  # whatever the umask
         cfg.run_id = run_id
+        # the run's CURVE keys (protocol/auth.py): every tcp socket of the run, this process's first; the file
+        # is 0600 and config.yaml holds its path only. Without CURVE in libzmq (and no host) there are no tcp
+        # endpoints but the stream transport's, which then stays plain, as with auth=false.
+        cfg.auth_keys = ""
+        if cfg.get("auth", True) and auth.curve_available():
+            cfg.auth_keys = str(auth.RunKeys.generate().write(self.run_dir / auth.KEY_FILE))
+        auth.install_from_config(cfg)
         names = ("orchestrator", "weights", "heartbeat", "control")
         if cfg.host:  # tcp: reachable from other hosts / network namespaces
             cfg.endpoints = {name: f"tcp://{cfg.host}:{port}" for name, port in zip(names, free_ports(len(names)))}
@@ -177,15 +192,16 @@ class Supervisor:
         self.config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
         self.ctx = zmq.Context.instance()
         self.beats = self.ctx.socket(zmq.PULL)
-        self.beats.bind(cfg.endpoints.heartbeat)
+        auth.bind(self.beats, cfg.endpoints.heartbeat)
         self.control = self.ctx.socket(zmq.REP)
-        self.control.bind(cfg.endpoints.control)
+        auth.bind(self.control, cfg.endpoints.control)
         self.procs: dict[str, Proc] = {}
         self.retired: list[dict] = []  # workers a swap replaced, as they last reported
         self.verifier_impls: dict[str, str] = {}  # domain -> verifier name, as swaps set them
         self.started = time.monotonic()
         self.stop_requested = False
-        info = {"pid": os.getpid(), "control": cfg.endpoints.control, "run_dir": str(self.run_dir)}
+        info = {"pid": os.getpid(), "control": cfg.endpoints.control, "run_dir": str(self.run_dir),
+                "auth_keys": cfg.auth_keys}  # ctl reads the key file (same user) to reach the control socket
         (self.run_dir / "supervisor.json").write_text(json.dumps(info))
         state_dir().mkdir(parents=True, exist_ok=True)
         (state_dir() / "latest_run").write_text(str(self.run_dir))
