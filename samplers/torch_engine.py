@@ -172,8 +172,7 @@ class TorchEngine:
         return check_request(request, self.vocab_size, self.max_context)
 
     def load_weights(self, path: str, version: int) -> None:
-        self.model.load_hf_state_dict(load_file(path, device=str(self.device)))
-        self.version = version
+        self.load_tensors(load_file(path, device=str(self.device)), version)
 
     def load_tensors(self, tensors: dict[str, Tensor], version: int) -> None:
         """Apply weights given as tensors in HF names (``cuda_ipc``: views of the trainer's GPU buffer, which it

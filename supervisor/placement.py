@@ -57,9 +57,9 @@ def processes(cfg, teachers: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for rank, gpu in enumerate(cfg.gpus.trainer):
         out[f"trainer-0/rank{rank}"] = ("trainer", (int(gpu),))
-    for i in range(max(len(cfg.gpus.samplers), 0)):
+    for i in range(len(cfg.gpus.samplers)):
         out[f"sampler-{i}"] = ("sampler", gpus_of(cfg, "sampler", i))
-    for i in range(min(len(cfg.gpus.teachers), teachers) if cfg.gpus.teachers else 0):
+    for i in range(min(len(cfg.gpus.teachers), teachers)):
         out[f"teacher-{i}"] = ("teacher", gpus_of(cfg, "teacher", i))
     return out
 

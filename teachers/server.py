@@ -138,6 +138,7 @@ class Server:
 
     def __init__(self, teacher: Teacher, worker_id: str, cfg, slots: int, max_batch_tokens: int) -> None:
         self.teacher, self.worker_id = teacher, worker_id
+        self.where = describe(teacher.model)  # for heartbeats: where the model runs (it never moves)
         self.slots, self.max_batch_tokens = slots, max_batch_tokens
         self.counters = {"requests": 0, "sequences": 0, "tokens": 0, "errors": 0, "expired": 0, "batches": 0,
                          "forwards": 0, "busy_s": 0.0}
@@ -148,7 +149,7 @@ class Server:
                                expect=(TeacherRequest,), status=self.status, heartbeat_s=cfg.supervisor.heartbeat_s)
 
     def status(self) -> dict:
-        return {"state": self.state, "counters": {**self.counters, "device": describe(self.teacher.model)}}
+        return {"state": self.state, "counters": {**self.counters, "device": self.where}}
 
     def run(self) -> None:
         """Serve until drained (see the module docstring)."""
