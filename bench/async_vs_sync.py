@@ -4,7 +4,7 @@
 
 Each setting is one real `cascade-rl launch` of the tiny demo model (SFT'd if models/tiny-sft exists, else
 the random tiny model) on the same task, hardware and seed; the settings run alternately, the order
-rotating per round. ``--delays`` adds an artificial per-call sampler delay (``workers.sampler_delay_s``):
+rotating per round. ``--delays`` adds an artificial per-call sampler delay (``sampler.delay_s``):
 with a slow sampler the overlap of sampling and training is what async buys; on 2 shared CPU cores the
 sampler and the trainer also compete for the same cores, which caps the gain without a delay.
 
@@ -49,7 +49,7 @@ def launch(k: int, delay: float, steps: int, model: str, work: Path) -> dict:
     args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}",
             f"orchestrator.max_staleness={k}", "trainer.importance_weights=true", "trainer.prompts_per_step=8",
             "trainer.group_size=8", "sampling.max_tokens=32", "trainer.lr=2e-5", *math_data(8),
-            f"workers.sampler_delay_s={delay}", "supervisor.progress=none"]
+            f"sampler.delay_s={delay}", "supervisor.progress=none"]
     r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=1800,
                        env=dict(os.environ, XDG_STATE_HOME=str(work / "state")))
     if r.returncode != 0:

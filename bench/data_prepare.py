@@ -47,7 +47,7 @@ PREPARE = PROLOGUE + """
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 from cascade_rl.data.prepare import prepare
-from cascade_rl.supervisor.config import DataConfig
+from cascade_rl.supervisor.schema import DataConfig
 from cascade_rl.supervisor.run_data import registered_domains
 domains, tok = registered_domains([]), AutoTokenizer.from_pretrained(sys.argv[2])
 base = rss_mib(); t0 = time.perf_counter()

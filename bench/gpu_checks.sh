@@ -11,7 +11,7 @@
 #   moe_kernels     bench/moe_kernels.py: Triton vs torch._grouped_mm vs the per-expert loop (vs the torch reference)
 #   logprob_kernel  bench/logprob_kernel.py: the fused Triton LM-head log-prob kernel vs chunked torch vs full logits
 #   launch_50m      the same launch with the 50m model
-#   launch_vllm     the tiny launch with workers.sampler_engine=vllm (skipped where `import vllm` fails)
+#   launch_vllm     the tiny launch with sampler.engine=vllm (skipped where `import vllm` fails)
 # Ends with ONE JSON, bench/results/gpu_checks.json (copied to $OUT with the logs when $OUT is set): the GPU,
 # torch/triton versions, and per part its status (ok | failed, with the tail of its log | skipped, with why) and
 # figures. The whole run stays inside GPU_CHECKS_BUDGET_S (default 540 s, under the device tool's 10 minutes a

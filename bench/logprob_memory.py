@@ -77,7 +77,7 @@ def inputs(n: int, h: int, v: int):
 def child(side: str, n: int, chunk: int, rounds: int, out_dir: Path) -> None:
     import torch
 
-    from cascade_rl.learner.logprobs import allocator_peak, linear_logprobs, linear_logprobs_reference
+    from cascade_rl.modeling.logprobs import allocator_peak, linear_logprobs, linear_logprobs_reference
 
     fn = {"naive": linear_logprobs_reference, "lean": linear_logprobs}[side]
 

@@ -77,7 +77,7 @@ def curve(method: str, seed: int, start: str, teacher: str, out: Path, steps: in
             "supervisor.progress=none"]
     if method == "mopd":
         mopd = next(s for s in cfg["stages"] if s.get("stage") == "mopd")
-        args += ["stage=mopd", f"+teachers.math={teacher}",
+        args += ["stage=mopd", f"+teacher.checkpoints.math={teacher}",
                  *[o for o in mopd.get("overrides", []) if not o.startswith(("data.files", "trainer.steps"))]]
     run([*CLI, *args], out / "launch.log")
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

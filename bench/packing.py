@@ -49,8 +49,8 @@ import numpy as np
 import torch
 from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
 
-from cascade_rl.learner.losses import token_logprobs
-from cascade_rl.learner.packing import pack, pack_values, packed_forward, packed_token_logprobs, unpack
+from cascade_rl.modeling.logprobs import token_logprobs
+from cascade_rl.modeling.packing import pack, pack_values, packed_forward, packed_token_logprobs, unpack
 
 ROOT = Path(__file__).resolve().parent
 GROUPS, GROUP_SIZE, MAX_LEN, TIMING_SCALE, TARGET = 128, 8, 2048, 4, 1.0

@@ -53,7 +53,7 @@ SIDES = ("generate", "torch", "vllm")
 def prompts(model_dir: str, n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from cascade_rl.learner.tasks import load_task
+    from cascade_rl.data.tasks import load_task
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     questions = [ex.prompt for ex in load_task("arithmetic", {"heldout": n})["heldout"]]
@@ -177,7 +177,7 @@ def trainer_mismatch(model_dir: str, ids: list[list[int]], rows: list) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cascade_rl.learner.losses import token_logprobs
+    from cascade_rl.modeling.logprobs import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     diffs = []

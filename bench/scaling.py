@@ -63,8 +63,8 @@ def launch(model: Path, samplers: int, steps: int, work: Path) -> dict:
     args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}",
             "trainer.prompts_per_step=8", "trainer.group_size=8", "sampling.max_tokens=64", "trainer.lr=3e-6",
             *math_data(), "orchestrator.eval_n=0",
-            "orchestrator.eval_greedy=false", "orchestrator.sampler_timeout_s=600", f"workers.samplers={samplers}",
-            f"workers.sampler_threads={0 if samplers == 1 else 1}", "supervisor.progress=none"]
+            "orchestrator.eval_greedy=false", "orchestrator.sampler_timeout_s=600", f"sampler.count={samplers}",
+            f"sampler.threads={0 if samplers == 1 else 1}", "supervisor.progress=none"]
     r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=3600,
                        env=dict(os.environ, XDG_STATE_HOME=str(work / "state")))
     if r.returncode != 0:

@@ -173,7 +173,7 @@ def run_ours(staleness: int, model: Path, steps: int, work: Path) -> dict:
             f"trainer.importance_weights={str(staleness > 0).lower()}",
             # strictly on-policy, sampler and trainer take turns: each gets both cores; async they run at once,
             # one thread each (two each oversubscribe 2 cores: measured slower)
-            *(["workers.sampler_threads=1", "trainer.threads=1"] if staleness else ["workers.sampler_threads=0"])]
+            *(["sampler.threads=1", "trainer.threads=1"] if staleness else ["sampler.threads=0"])]
     t0 = time.perf_counter()
     _, mem = run_tree([*CLI, *args], env=dict(os.environ, XDG_STATE_HOME=str(work / "state")))
     wall = time.perf_counter() - t0

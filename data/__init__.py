@@ -8,5 +8,5 @@
 - ``render``: prompts in the model's own chat template (thinking mode on or off).
 - ``prepare``: validation of every row, held-out split, Arrow files for the run.
 - ``promptset``: the prepared sets, memory-mapped; the seeded, resumable draw order (``order``).
-- ``builtin``: the miniature tasks of learner/tasks.py written as such files (``cascade-rl make-data``).
+- ``builtin``: the miniature tasks of data/tasks.py written as such files (``cascade-rl make-data``).
 """

@@ -1,14 +1,14 @@
-"""The built-in miniature tasks (learner/tasks.py) written as data files, so the demo trains from files exactly
+"""The built-in miniature tasks (data/tasks.py) written as data files, so the demo trains from files exactly
 as a user's data is trained from.
 
     cascade-rl make-data cascade --out runs/data/cascade [--heldout 64 --rl 2000 --sft 1000 --seed 0]
     # -> runs/data/cascade/{heldout,rl,sft}/<task>.jsonl, one file per member task, and manifest.json
 
-Each member task of NAME (a task or a mixture of learner/tasks.py) gets one
+Each member task of NAME (a task or a mixture of data/tasks.py) gets one
 JSONL file per split, in the row schema of data/rows.py plus ``response``
 (the worked solution, for SFT). Splits are question-disjoint within a task,
 and no RL or SFT row of any task asks a question that any task holds out
-(learner/tasks.py ``held_out_questions``), so a held-out file measures
+(data/tasks.py ``held_out_questions``), so a held-out file measures
 generalisation whichever files a stage trains on.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cascade_rl.learner.tasks import SPLITS, Example, held_out_questions, load_task, mixture
+from cascade_rl.data.tasks import SPLITS, Example, held_out_questions, load_task, mixture
 
 
 def example_row(ex: Example, row_id: str) -> dict:

@@ -164,7 +164,7 @@ def _rows(spec: FileSpec, setting: str, fields: Fields, default_domain: str, dom
             if domains is not None and row.domain not in domains:
                 raise BadRow("unknown domain", f"domain {row.domain!r} has no registered verifier (registered: "
                                                f"{', '.join(sorted(domains))}; a module of yours can add one: "
-                                               f"workers.verifier_plugins)")
+                                               f"verifier.plugins)")
             try:
                 json.dumps(row.metadata, ensure_ascii=False)
             except (TypeError, ValueError) as e:

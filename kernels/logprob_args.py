@@ -1,4 +1,4 @@
-"""The arguments every ``linear_logprobs`` implementation takes: learner/logprobs.py's chunked torch path and
+"""The arguments every ``linear_logprobs`` implementation takes: modeling/logprobs.py's chunked torch path and
 kernels/logprob.py's Triton kernel check them the same way. Here, in kernels/, because the dependency arrow runs
 learner → kernels only (docs/ARCHITECTURE.md §1); plain torch, so importing it loads no Triton."""
 

@@ -28,7 +28,7 @@ from cascade_rl.data.render import PromptRenderer
 from cascade_rl.data.rows import BadRow, Fields, parse_messages, parse_response
 from cascade_rl.data.sources import DataError, read_records
 
-from .losses import token_logprobs
+from cascade_rl.modeling.logprobs import token_logprobs
 
 
 @dataclasses.dataclass

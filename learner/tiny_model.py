@@ -4,7 +4,7 @@
                                [--size tiny|10m|50m] [--task cascade]
 
 The tokenizer is a byte-level BPE trained here (``tokenizers``) on the task's
-own text (a task or mixture of learner/tasks.py; ``cascade`` covers every
+own text (a task or mixture of data/tasks.py; ``cascade`` covers every
 domain), with digits split one per token (as Qwen does; it makes arithmetic
 learnable). The chat template follows the paper: a generation prompt in
 thinking mode ends with ``<think>\\n``; non-thinking mode (``enable_thinking
@@ -12,7 +12,7 @@ thinking mode ends with ``<think>\\n``; non-thinking mode (``enable_thinking
 plain HF directory that ``transformers`` and vLLM load. Embeddings are tied by
 default (as in the small Qwen3 models); ``--untied`` gives the LM head its own
 matrix. The built-in torch sampling engine serves qwen3 and qwen3_moe only;
-sample qwen2 and llama with ``workers.sampler_engine=vllm``.
+sample qwen2 and llama with ``sampler.engine=vllm``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from .tasks import load_task
+from cascade_rl.data.tasks import load_task
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 THINK, END_THINK = "<think>", "</think>"

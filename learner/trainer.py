@@ -6,7 +6,7 @@
 The model is an HF causal LM loaded from ``model.path`` (policy version 0), or
 from a checkpoint with ``trainer.resume_from``. Each ``TrainBatch`` is one
 optimizer step (version + 1): per-token log-probs of the response tokens at
-the sampling temperature (learner/policy.py: packed rows, LM head in chunks,
+the sampling temperature (modeling/policy.py: packed rows, LM head in chunks,
 no [tokens x vocab] logits), the stage's objective (learner/objectives.py:
 GRPO with its options, or MOPD), AdamW with a linear warm-up and grad-norm
 clipping. After the step the new weights are published through the weight
@@ -40,10 +40,10 @@ from cascade_rl.protocol.worker_main import worker_start
 
 from . import checkpoint, parallel
 from .losses import group_advantages, group_token_mean, mismatch_stats
-from .models import describe, load_model
+from cascade_rl.modeling.models import describe, load_model
 from .objectives import OBJECTIVES, Terms
 from .optim import MasterAdamW
-from .policy import Policy
+from cascade_rl.modeling.policy import Policy
 from .weights import TRANSPORTS
 
 log = logging.getLogger("trainer")

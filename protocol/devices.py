@@ -14,11 +14,13 @@ code that picks ``cuda`` on a GPU machine (docs/ARCHITECTURE.md §10).
 from __future__ import annotations
 
 import os
+from enum import StrEnum
 
 # the config's ``gpus`` key of each role that runs a model
 GPU_KEYS = {"trainer": "trainer", "sampler": "samplers", "teacher": "teachers"}
 
 _DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+Dtype = StrEnum("Dtype", {name: name for name in _DTYPE_NAMES})  # model.dtype: the schema's type (its aliases)
 
 
 class DeviceError(RuntimeError):

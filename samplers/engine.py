@@ -60,12 +60,19 @@ ENGINES: Registry = Registry("engine")
 register_engine = ENGINES.register
 
 
+def register_builtin_engines() -> None:
+    """Import the built-in engines' modules (each registers itself; none imports its engine's package until
+    an engine is built)."""
+    from . import sglang_engine, torch_engine, vllm_engine  # noqa: F401
+
+
 def build_engine(cfg, url: str = ""):
     """The sampler's engine, from the run config, on the sampler's device (protocol/devices.py: cuda when
     ``gpus.samplers`` names GPUs, else cpu). ``url``: the server the supervisor started for this sampler."""
     from cascade_rl.protocol.devices import role_device
 
-    engine = ENGINES[cfg.workers.sampler_engine]
+    register_builtin_engines()
+    engine = ENGINES[cfg.sampler.engine]
     if engine.gpu_memory == "server":
         import torch
 

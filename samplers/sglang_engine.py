@@ -1,11 +1,11 @@
 """The SGLang engine: the engine interface over an SGLang server's native HTTP API.
 
-    workers.sampler_engine=sglang gpus.samplers=[1]     (GPU machines with `pip install sglang`)
+    sampler.engine=sglang gpus.samplers=[1]     (GPU machines with `pip install sglang`)
 
 Each sampler talks to one SGLang server, a process of its own that the supervisor
 starts on the sampler's GPU (``server_command``: ``python -m sglang.launch_server
---model-path DIR --port P ...`` with the options of ``workers.sglang``), watches and
-stops with the run; its log is ``logs/sglang-i.log``. ``workers.sglang.url`` points
+--model-path DIR --port P ...`` with the options of ``sampler.sglang``), watches and
+stops with the run; its log is ``logs/sglang-i.log``. ``sampler.sglang.url`` points
 every sampler at a server you run yourself instead. The sampler process itself holds
 no model and no GPU memory. SGLang needs CUDA, so on CPU-only machines the supervisor
 refuses this engine before launch and its tests skip with that reason. Endpoints used
@@ -68,8 +68,8 @@ def _post(url: str, payload: dict, timeout: float) -> dict | list:
 
 def server_command(cfg, port: int) -> list[str]:
     """The command line of the SGLang server the supervisor starts for one sampler (its GPU is the sampler's,
-    given as CUDA_VISIBLE_DEVICES): the run's model and dtype, the sampler's memory share, ``workers.sglang.args``."""
-    s = cfg.workers.sglang
+    given as CUDA_VISIBLE_DEVICES): the run's model and dtype, the sampler's memory share, ``sampler.sglang.args``."""
+    s = cfg.sampler.sglang
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(cfg.model.path), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype_name(cfg.model.dtype), "--skip-tokenizer-init",
            "--random-seed", str(int(cfg.trainer.seed))]
@@ -86,12 +86,12 @@ class SGLangEngine:
     @classmethod
     def from_config(cls, cfg, device, url: str = "") -> SGLangEngine:
         """The engine over ``url`` (the server the supervisor started for this sampler) or
-        ``workers.sglang.url`` (a server of your own)."""
-        s = cfg.workers.sglang
+        ``sampler.sglang.url`` (a server of your own)."""
+        s = cfg.sampler.sglang
         url = url or s.url
         if not url:
             raise RuntimeError("sglang engine: no server URL (the supervisor passes --engine-url; or set "
-                               "workers.sglang.url)")
+                               "sampler.sglang.url)")
         return cls(cfg.model.path, url, startup_s=float(s.startup_s), request_timeout_s=float(s.request_timeout_s))
 
     def __init__(self, model_path: str, url: str, startup_s: float = 600.0, request_timeout_s: float = 600.0) -> None:
@@ -117,7 +117,7 @@ class SGLangEngine:
                 pass
             time.sleep(1.0)
         raise TimeoutError(f"sglang server at {self.url} not healthy after {limit_s:.0f} s (its log: logs/sglang-*.log; "
-                           f"raise workers.sglang.startup_s?)")
+                           f"raise sampler.sglang.startup_s?)")
 
     def check(self, request: GenerationRequest) -> str:
         reason = check_request(request, self.vocab_size, self.max_context)

@@ -7,7 +7,7 @@
 The model is samplers/torch_model.py (Qwen3 / Qwen3-MoE, its ``SERVED_MODEL_TYPES``;
 logits equal to transformers' to ~1e-6 in fp32). Another ``model_type`` (llama,
 qwen2, ...) is refused at construction, before any weight is read, with an
-``UnservedModelError`` that says to sample with ``workers.sampler_engine=vllm``.
+``UnservedModelError`` that says to sample with ``sampler.engine=vllm``.
 ``generate`` repeats one step until every row (n per request) is done:
 
 - admit: waiting rows (FIFO) take the free slots of the ``max_batch`` decode

@@ -67,7 +67,7 @@ class UnservedModelError(ValueError):
 
     def __init__(self, model_type: str) -> None:
         super().__init__(f"model_type {model_type!r} is not served by the torch engine (it serves "
-                         f"{', '.join(SERVED_MODEL_TYPES)}): sample with workers.sampler_engine=vllm")
+                         f"{', '.join(SERVED_MODEL_TYPES)}): sample with sampler.engine=vllm")
         self.model_type = model_type
 
 

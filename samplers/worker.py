@@ -91,9 +91,9 @@ class Sampler:
         self.link = WorkerLink(worker_id, "sampler", ep.orchestrator, ep.get("heartbeat"), ep.get("weights"),
                                expect=(PromptRequest, WeightsReady), status=self.status,
                                heartbeat_s=cfg.supervisor.heartbeat_s)
-        self.slots = cfg.workers.sampler_slots
-        self.delay_s = cfg.workers.sampler_delay_s
-        self.stream_groups = cfg.workers.sampler_stream_groups
+        self.slots = cfg.sampler.slots
+        self.delay_s = cfg.sampler.delay_s
+        self.stream_groups = cfg.sampler.stream_groups
         self.run_id = cfg.run_id  # names the folder that streamed weights land in
 
     def status(self) -> dict:
@@ -210,7 +210,7 @@ class Sampler:
             self.state = "idle"
             return
         if self.delay_s:
-            time.sleep(self.delay_s)  # benchmarks: a slower sampler (workers.sampler_delay_s)
+            time.sleep(self.delay_s)  # benchmarks: a slower sampler (sampler.delay_s)
         self.counters["gen_s"] += time.perf_counter() - t0
         for i, samples in enumerate(groups):
             if i not in sent:
@@ -225,7 +225,7 @@ def engine_device(engine, cfg) -> str:
         p = next(model.parameters())
         return f"{p.device} {str(p.dtype).removeprefix('torch.')}"
     url = getattr(engine, "url", "")
-    return f"{cfg.workers.sampler_engine}{' ' + url if url else ''} {cfg.model.dtype}" + (
+    return f"{cfg.sampler.engine}{' ' + url if url else ''} {cfg.model.dtype}" + (
         f" gpus={list(cfg.gpus.samplers)}" if cfg.gpus.samplers else "")
 
 
@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     extra.add_argument("--engine-url", default="", help="the engine server the supervisor started for this sampler")
     known, rest = extra.parse_known_args(argv)
     args, cfg = worker_start(__doc__.splitlines()[0], rest)
-    if cfg.workers.sampler_threads:
-        torch.set_num_threads(cfg.workers.sampler_threads)
+    if cfg.sampler.threads:
+        torch.set_num_threads(cfg.sampler.threads)
     torch.manual_seed(zlib.crc32(f"{cfg.trainer.seed}:{args.worker_id}".encode()))
     Sampler(cfg, args.worker_id, known.engine_url).run()
 

@@ -38,7 +38,8 @@ from cascade_rl.data.prepare import prepare
 from cascade_rl.data.promptset import PromptSet
 from cascade_rl.learner import checkpoint
 
-from .config import CONFIG_DIR, DataConfig, compose, validate
+from .config import CONFIG_DIR, compose, validate
+from .schema import DataConfig
 from .config_errors import ConfigError, explain
 from .run_data import BadData, registered_domains
 
@@ -136,7 +137,7 @@ class Cascade:
         data = OmegaConf.structured(DataConfig(eval_files=list(e.files), eval_per_domain=e.per_domain,
                                                thinking=self.thinking))
         out = self.run_dir / "eval_data"
-        plugins = list(common.workers.verifier_plugins)
+        plugins = list(common.verifier.plugins)
         report = prepare(data, AutoTokenizer.from_pretrained(self.cfg.model), out, registered_domains(plugins))
         if report.bad:
             raise BadData(report)
@@ -172,7 +173,7 @@ class Cascade:
         launch = self.stage_config(stage, model, stage_dir)
         entry = {"status": "running", "run_dir": str(stage_dir), "model": model, "stage": stage.stage,
                  "files": list(launch.data.files), "algorithm": launch.trainer.algorithm, "steps": launch.trainer.steps,
-                 "teachers": dict(launch.teachers)}
+                 "teachers": dict(launch.teacher.checkpoints)}
         self.record["stages"][stage.name] = entry
         self.save()
         print(f"cascade: stage {stage.name} ({launch.trainer.algorithm} on {len(launch.data.files)} files, "
@@ -198,7 +199,7 @@ class Cascade:
         launch = compose(stage.run or self.cfg.run or None, overrides, check=False)
         launch.data.eval_files, launch.data.eval_per_domain = list(e.files), e.per_domain
         if stage.teachers is not None:  # every evaluated domain gets one; the stage's data decides which teach
-            launch.teachers = self.teachers(stage.teachers, sorted(self.record["initial"]["domains"]))
+            launch.teacher.checkpoints = self.teachers(stage.teachers, sorted(self.record["initial"]["domains"]))
         validate(launch)
         return launch
 

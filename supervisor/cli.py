@@ -190,16 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("make-tiny-model", help="build a small random HF model + tokenizer offline")
     m.add_argument("--out", required=True)
     m.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3", "qwen2", "llama"],
-                   help="qwen2 and llama are sampled with workers.sampler_engine=vllm (the torch engine serves qwen3*)")
+                   help="qwen2 and llama are sampled with sampler.engine=vllm (the torch engine serves qwen3*)")
     m.add_argument("--untied", action="store_true", help="an LM head of its own instead of the tied embedding")
     m.add_argument("--size", default="tiny", choices=["tiny", "10m", "50m"])
     m.add_argument("--task", default="arithmetic",
-                   help="task or mixture of learner/tasks.py whose text trains the tokenizer (e.g. cascade)")
+                   help="task or mixture of data/tasks.py whose text trains the tokenizer (e.g. cascade)")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=cmd_make_tiny_model)
 
     md = sub.add_parser("make-data", help="write the built-in miniature tasks as data files (JSONL)")
-    md.add_argument("name", help="a task or mixture of learner/tasks.py (e.g. cascade, arithmetic)")
+    md.add_argument("name", help="a task or mixture of data/tasks.py (e.g. cascade, arithmetic)")
     md.add_argument("--out", required=True, help="directory: OUT/{heldout,rl,sft}/TASK.jsonl")
     md.add_argument("--heldout", type=int, default=64, help="held-out rows per task")
     md.add_argument("--rl", type=int, default=2000, help="RL prompts per task (fewer where questions are held out)")
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     dsub = d.add_subparsers(dest="data_cmd", required=True)
     dc = dsub.add_parser("check", help="validate files as a launch would; exit 1 if any row is bad")
     dc.add_argument("files", nargs="+", help="data files (PATH or PATH:WEIGHT), then any key=value launch overrides "
-                                             "(data.fields.prompt=question, workers.verifier_plugins=[my.py], ...)")
+                                             "(data.fields.prompt=question, verifier.plugins=[my.py], ...)")
     dc.add_argument("--model", default=None, help="HF model directory: prompt lengths in its tokens, overlong check")
     dc.set_defaults(fn=cmd_data_check)
 

@@ -34,8 +34,26 @@ def _section(schema: type, name: str) -> type | None:
     return type(value) if dataclasses.is_dataclass(value) else None
 
 
+# keys of earlier versions -> where they live now (the per-role sections of supervisor/schema.py)
+RENAMED = {
+    "workers.samplers": "sampler.count", "workers.sampler_engine": "sampler.engine",
+    "workers.sampler_slots": "sampler.slots", "workers.sampler_stream_groups": "sampler.stream_groups",
+    "workers.sampler_delay_s": "sampler.delay_s", "workers.sampler_launcher": "sampler.launcher",
+    "workers.sampler_threads": "sampler.threads", "workers.vllm": "sampler.vllm", "workers.sglang": "sampler.sglang",
+    "workers.verifiers": "verifier.count", "workers.verifier_procs": "verifier.procs",
+    "workers.verifier_domains": "verifier.domains", "workers.verifier_plugins": "verifier.plugins",
+    "workers.judge": "verifier.judge", "teachers": "teacher.checkpoints",
+}
+
+
 def _suggest(full_key: str, schema: type) -> str:
-    """" (did you mean trainer.steps?)" for a misspelt key of the schema, else ""."""
+    """" (did you mean trainer.steps?)" for a misspelt key of the schema, " (renamed: sampler.engine)" for a key
+    of an earlier version, else ""."""
+    for old, new in RENAMED.items():
+        if full_key == old or full_key.startswith(old + "."):
+            return f" (renamed: {new}{full_key[len(old):]})"
+    if full_key == "workers":
+        return " (its settings moved to the sections sampler, verifier and teacher)"
     *parents, leaf = full_key.split(".")
     node: type | None = schema
     for part in parents:
@@ -44,6 +62,17 @@ def _suggest(full_key: str, schema: type) -> str:
             return ""
     close = difflib.get_close_matches(leaf, [f.name for f in dataclasses.fields(node)], n=1)
     return f" (did you mean {'.'.join([*parents, close[0]])}?)" if close else ""
+
+
+def renamed_overrides(overrides: list[str]) -> list[str]:
+    """One line per override that sets a key of an earlier version, naming where it lives now."""
+    out = []
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        for old, new in RENAMED.items():
+            if key == old or key.startswith(old + "."):
+                out.append(f"{key}: renamed to {new}{key[len(old):]}")
+    return out
 
 
 def explain(e: BaseException, schema: type) -> str:

@@ -2,7 +2,7 @@
 
     cascade-rl data check prompts.jsonl more.parquet:2 --model models/tiny-sft
     cascade-rl data check raw.jsonl data.fields.prompt=question data.default_domain=math \\
-        workers.verifier_plugins=[my_rewards.py]
+        verifier.plugins=[my_rewards.py]
 
 Prints one line per bad row, ``FILE:LINE: reason`` (as they are found, so a
 huge file streams), then rows per domain, prompt-length percentiles (in the
@@ -30,7 +30,7 @@ def check(files: list[str], model: str | None, overrides: list[str]) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model)
-    domains = registered_domains(list(cfg.workers.verifier_plugins))
+    domains = registered_domains(list(cfg.verifier.plugins))
 
     def show(line: BadLine) -> None:
         print(line, flush=True)

@@ -1,6 +1,6 @@
 """Supervisor: start a run's process groups, watch them, restart crashes, show progress.
 
-    cascade-rl launch tiny run_dir=/tmp/r workers.samplers=2
+    cascade-rl launch tiny run_dir=/tmp/r sampler.count=2
 
 ``launch`` resolves the config, prepares the data (supervisor/run_data.py: every row
 validated before any process starts), gives the run its endpoints (``ipc://`` under
@@ -9,7 +9,7 @@ tcp socket of the run admits only holders of ``<run_dir>/auth.keys``, mode 0600)
 ``<run_dir>/config.yaml`` (the key file's path, no key) and starts, each as its
 own OS process: the orchestrator, the trainer, the samplers, the
 verifiers and, for MOPD, one teacher server per distinct teacher checkpoint
-(``teachers``: domain -> checkpoint); with ``workers.sampler_engine=sglang``, one
+(``teachers``: domain -> checkpoint); with ``sampler.engine=sglang``, one
 SGLang server per sampler too. Each process sees exactly the GPUs the config's
 ``gpus`` section gives its role (supervisor/placement.py; ``CUDA_VISIBLE_DEVICES``,
 empty for CPU processes); a layout the machine cannot hold is refused before any
@@ -133,11 +133,11 @@ class Proc:
 
 def sampler_procs(cfg, worker_id: str, slot: int, port: int | None = None) -> list[Proc]:
     """The processes of one sampler on entry ``slot`` of gpus.samplers: the sampler on that GPU; with the
-    sglang engine (and no workers.sglang.url), first an SGLang server on that GPU, and the sampler, which then
+    sglang engine (and no sampler.sglang.url), first an SGLang server on that GPU, and the sampler, which then
     holds no model, on none, told the server's URL."""
     gpus = placement.gpus_of(cfg, "sampler", slot)
-    sg = cfg.workers.sglang
-    if cfg.workers.sampler_engine != "sglang" or sg.url:
+    sg = cfg.sampler.sglang
+    if cfg.sampler.engine != "sglang" or sg.url:
         return [Proc("sampler", worker_id, gpus=gpus, slot=slot)]
     from cascade_rl.samplers.sglang_engine import server_command
 
@@ -155,15 +155,15 @@ class Supervisor:
         # before any socket or process: bad rows (BadData) or a config the data contradicts (ConfigError)
         # refuse the launch here, and the orchestrator opens what this wrote to run_dir/data
         self.data = prepare_run_data(cfg)
-        if problems := placement.check(cfg, len(teacher_groups(cfg.teachers)), placement.visible_gpus()):
+        if problems := placement.check(cfg, len(teacher_groups(cfg.teacher.checkpoints)), placement.visible_gpus()):
             raise ConfigError("GPU layout:\n  " + "\n  ".join(problems))
-        if cfg.workers.sampler_engine == "sglang" and not cfg.workers.sglang.url:
+        if cfg.sampler.engine == "sglang" and not cfg.sampler.sglang.url:
             from cascade_rl.samplers.sglang_engine import sglang_unavailable
 
             if reason := sglang_unavailable():
-                raise ConfigError(f"workers.sampler_engine=sglang: {reason}")
+                raise ConfigError(f"sampler.engine=sglang: {reason}")
             if not cfg.gpus.samplers:
-                raise ConfigError("workers.sampler_engine=sglang: the SGLang servers need GPUs: set gpus.samplers")
+                raise ConfigError("sampler.engine=sglang: the SGLang servers need GPUs: set gpus.samplers")
         if cfg.host and cfg.get("auth", True) and not auth.curve_available():
             raise ConfigError(f"host={cfg.host}: this libzmq ({zmq.zmq_version()}) has no CURVE security, so its tcp "
                               f"endpoints would admit anyone who reaches them: install a pyzmq wheel (it bundles "
@@ -183,9 +183,10 @@ class Supervisor:
         auth.install_from_config(cfg)
         names = ("orchestrator", "weights", "heartbeat", "control")
         if cfg.host:  # tcp: reachable from other hosts / network namespaces
-            cfg.endpoints = {name: f"tcp://{cfg.host}:{port}" for name, port in zip(names, free_ports(len(names)))}
+            endpoints = {name: f"tcp://{cfg.host}:{port}" for name, port in zip(names, free_ports(len(names)))}
         else:
-            cfg.endpoints = {name: f"ipc://{self.sock_dir}/{name}" for name in names}
+            endpoints = {name: f"ipc://{self.sock_dir}/{name}" for name in names}
+        cfg.endpoints.update(endpoints)
         cfg.model.path = str(Path(cfg.model.path).resolve())
         self.cfg = cfg
         self.config_path = self.run_dir / "config.yaml"
@@ -216,8 +217,8 @@ class Supervisor:
                    **placement.cuda_env(proc.gpus))
         log = open(self.run_dir / "logs" / f"{proc.worker_id}.log", "ab")
         launcher = [sys.executable, "-P", "-m"]
-        if proc.role == "sampler" and self.cfg.workers.sampler_launcher:  # elsewhere: a netns, another host
-            launcher = [*self.cfg.workers.sampler_launcher, *launcher]
+        if proc.role == "sampler" and self.cfg.sampler.launcher:  # elsewhere: a netns, another host
+            launcher = [*self.cfg.sampler.launcher, *launcher]
         if proc.role == "trainer" and self.cfg.trainer.world_size > 1:  # one process per rank, torchrun's
             launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={self.cfg.trainer.world_size}",
                          "-m"]
@@ -229,14 +230,13 @@ class Supervisor:
         proc.state, proc.last_beat = "starting", time.monotonic()
 
     def start(self) -> None:
-        w = self.cfg.workers
         self.add(Proc("orchestrator", "orchestrator"))
         self.add(Proc("trainer", "trainer-0", gpus=placement.gpus_of(self.cfg, "trainer")))
-        for i in range(w.samplers):
+        for i in range(self.cfg.sampler.count):
             self.add_sampler(f"sampler-{i}", i)
-        for i in range(w.verifiers):
+        for i in range(self.cfg.verifier.count):
             self.add(Proc("verifier", f"verifier-{i}"))
-        for i, (path, domains) in enumerate(teacher_groups(self.cfg.teachers).items()):
+        for i, (path, domains) in enumerate(teacher_groups(self.cfg.teacher.checkpoints).items()):
             self.add(Proc("teacher", f"teacher-{i}", args=["--model", path, "--domains", ",".join(domains)],
                           gpus=placement.gpus_of(self.cfg, "teacher", i)))
 
@@ -342,8 +342,8 @@ class Supervisor:
         """Replace the workers of ``role`` serving ``domain`` by as many new ones that score it with ``impl``."""
         if role != "verifier":
             raise ValueError(f"swap supports verifiers, not {role!r}")
-        if domain not in self.cfg.workers.verifier_domains:
-            raise ValueError(f"no verifier serves domain {domain!r} (served: {list(self.cfg.workers.verifier_domains)})")
+        if domain not in self.cfg.verifier.domains:
+            raise ValueError(f"no verifier serves domain {domain!r} (served: {list(self.cfg.verifier.domains)})")
         from cascade_rl.verifiers.registry import GROUP_VERIFIERS, VERIFIERS
 
         if impl not in VERIFIERS and impl not in GROUP_VERIFIERS:
@@ -406,7 +406,7 @@ class Supervisor:
 
     def _on_beat(self, hb: Heartbeat) -> None:
         p = self.procs.get(hb.worker_id)
-        remote = p is not None and p.role == "sampler" and bool(self.cfg.workers.sampler_launcher)
+        remote = p is not None and p.role == "sampler" and bool(self.cfg.sampler.launcher)
         if p is None or p.popen is None or (p.popen.pid != hb.pid and not remote):
             return  # a beat from a process we already replaced (a launcher prefix, e.g. ssh, changes pids)
         p.last_beat, p.state, p.version, p.counters = time.monotonic(), hb.state, hb.version, hb.counters

@@ -67,14 +67,14 @@ def processes(cfg, teachers: int) -> dict[str, tuple[str, tuple[int, ...]]]:
 def check(cfg, teachers: int, visible: int) -> list[str]:
     """What is wrong with the config's GPU layout on a machine with ``visible`` GPUs ([] if nothing)."""
     g, problems = cfg.gpus, []
-    world, samplers = cfg.trainer.world_size, cfg.workers.samplers
+    world, samplers = cfg.trainer.world_size, cfg.sampler.count
     if g.trainer and len(g.trainer) != world:
         problems.append(f"gpus.trainer={list(g.trainer)} names {len(g.trainer)} GPUs for trainer.world_size={world}: "
                         f"one GPU per rank")
     if len(set(g.trainer)) != len(g.trainer):
         problems.append(f"gpus.trainer={list(g.trainer)} names a GPU twice: one GPU per rank")
     if g.samplers and len(g.samplers) < samplers:
-        problems.append(f"gpus.samplers={list(g.samplers)} names {len(g.samplers)} GPUs for workers.samplers={samplers}"
+        problems.append(f"gpus.samplers={list(g.samplers)} names {len(g.samplers)} GPUs for sampler.count={samplers}"
                         f": one entry per sampler (an id may repeat, with gpus.memory.sampler)")
     if g.teachers and len(g.teachers) < teachers:
         problems.append(f"gpus.teachers={list(g.teachers)} names {len(g.teachers)} GPUs for {teachers} teacher "
@@ -113,11 +113,11 @@ def _cuda_ipc(cfg) -> list[str]:
         gpu = int(g.trainer[0])
         problems.append(f"weights_transport=cuda_ipc needs every sampler on the trainer's GPU {gpu} (a process sees "
                         f"only its own GPU, so the trainer's buffer cannot be opened elsewhere), got gpus.samplers="
-                        f"{list(g.samplers)}: set gpus.samplers=[{', '.join([str(gpu)] * max(1, cfg.workers.samplers))}]"
+                        f"{list(g.samplers)}: set gpus.samplers=[{', '.join([str(gpu)] * max(1, cfg.sampler.count))}]"
                         f" with a gpus.memory split, {fix}")
-    if cfg.workers.sampler_engine not in IPC_ENGINES:
+    if cfg.sampler.engine not in IPC_ENGINES:
         problems.append(f"weights_transport=cuda_ipc needs a sampler engine that loads weights in its own process "
-                        f"({' or '.join(IPC_ENGINES)}), got workers.sampler_engine={cfg.workers.sampler_engine}: "
+                        f"({' or '.join(IPC_ENGINES)}), got sampler.engine={cfg.sampler.engine}: "
                         f"choose one of those, {fix}")
     return problems
 

@@ -4,11 +4,11 @@
 
 The supervisor calls it first; the orchestrator then opens ``run_dir/data``
 memory-mapped (data/promptset.py). It imports the user's reward modules
-(``workers.verifier_plugins``) so their domains are known, reads every row
+(``verifier.plugins``) so their domains are known, reads every row
 (data/prepare.py), and settles the rules that need the data: which domains the
-verifier workers serve (``workers.verifier_domains``, filled with the data's
+verifier workers serve (``verifier.domains``, filled with the data's
 domains when empty), that judge-scored domains have a judge model
-(``workers.judge.model``) and, for MOPD, that every trained domain has a teacher.
+(``verifier.judge.model``) and, for MOPD, that every trained domain has a teacher.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ def registered_domains(plugins: list[str]) -> set[str]:
 def prepare_run_data(cfg: DictConfig) -> Report:
     from transformers import AutoTokenizer
 
-    w = cfg.workers
+    v = cfg.verifier
     # workers run with their own working directory in mind: give them absolute paths to the user's modules
-    w.verifier_plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in w.verifier_plugins]
-    domains = registered_domains(list(w.verifier_plugins))
+    v.plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in v.plugins]
+    domains = registered_domains(list(v.plugins))
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     except (OSError, ValueError) as e:
@@ -67,23 +67,23 @@ def prepare_run_data(cfg: DictConfig) -> Report:
     if report.bad and cfg.data.on_bad_row == "error":
         raise BadData(report)
     used = sorted(set(report.domains["train"]) | set(report.domains["eval"]))
-    if not w.verifier_domains:
-        w.verifier_domains = used
-    elif unserved := sorted(set(used) - set(w.verifier_domains)):
-        raise ConfigError(f"workers.verifier_domains={list(w.verifier_domains)} does not serve {unserved}, "
+    if not v.domains:
+        v.domains = used
+    elif unserved := sorted(set(used) - set(v.domains)):
+        raise ConfigError(f"verifier.domains={list(v.domains)} does not serve {unserved}, "
                           f"domains of the data (leave it empty to serve every domain of the data)")
     from cascade_rl.verifiers.registry import JUDGED_DOMAINS
 
-    if (judged := sorted(set(w.verifier_domains) & JUDGED_DOMAINS)) and not w.judge.model:
-        raise ConfigError(f"domains {judged} are scored by a judge model: set workers.judge.model (and "
-                          f"workers.judge.base_url, its OpenAI-compatible endpoint, e.g. a vLLM server)")
+    if (judged := sorted(set(v.domains) & JUDGED_DOMAINS)) and not v.judge.model:
+        raise ConfigError(f"domains {judged} are scored by a judge model: set verifier.judge.model (and "
+                          f"verifier.judge.base_url, its OpenAI-compatible endpoint, e.g. a vLLM server)")
     if cfg.trainer.algorithm == "mopd":
         trained = set(report.domains["train"])
-        if untaught := sorted(trained - set(cfg.teachers)):
-            raise ConfigError(f"trainer.algorithm=mopd: no teacher for {untaught}; set +teachers.DOMAIN=CHECKPOINT_DIR "
+        if untaught := sorted(trained - set(cfg.teacher.checkpoints)):
+            raise ConfigError(f"trainer.algorithm=mopd: no teacher for {untaught}; set +teacher.checkpoints.DOMAIN=CHECKPOINT_DIR "
                               f"(the cascade runner picks each domain's best checkpoint)")
         # a teacher of a domain the data does not hold would be a process with nothing to do
-        cfg.teachers = {d: p for d, p in cfg.teachers.items() if d in trained}
+        cfg.teacher.checkpoints = {d: p for d, p in cfg.teacher.checkpoints.items() if d in trained}
     if cfg.supervisor.progress != "none":
         print(describe(report), flush=True)
     return report

@@ -4,7 +4,7 @@
         --model PATH --domains math,mcqa [--slots 32] [--max-batch-tokens 16384] [--threads 0]
 
 Started by the supervisor, one process per teacher checkpoint. It loads the HF
-checkpoint at ``--model`` as the trainer does (learner/models.py: ``model.dtype``,
+checkpoint at ``--model`` as the trainer does (modeling/models.py: ``model.dtype``,
 ``model.attn_impl``, ``model.moe_impl``; frozen, eval mode) on its device (``gpus.teachers``:
 the i-th teacher server on the i-th GPU listed; none: the CPU), connects to the orchestrator like
 every worker (``Ready`` with role "teacher", its ``slots`` and ``domains``;
@@ -41,8 +41,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cascade_rl.learner.models import describe, load_model
-from cascade_rl.learner.policy import Policy
+from cascade_rl.modeling.models import describe, load_model
+from cascade_rl.modeling.policy import Policy
 from cascade_rl.protocol.devices import role_device
 from cascade_rl.protocol.messages import Ready, TeacherLogprobs, TeacherRequest
 from cascade_rl.protocol.sockets import WorkerLink
@@ -88,7 +88,7 @@ class Teacher:
 
     @classmethod
     def load(cls, path: str, domains: list[str], cfg, device: torch.device | str = "cpu") -> Teacher:
-        """The checkpoint at ``path`` as the trainer would load it (learner/models.py), on ``device``."""
+        """The checkpoint at ``path`` as the trainer would load it (modeling/models.py), on ``device``."""
         return cls(load_model(path, cfg, device), domains, cfg.trainer)
 
     @property

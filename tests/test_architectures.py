@@ -24,10 +24,10 @@ from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cascade_rl.learner import parallel
-from cascade_rl.learner.experts import use_moe_impl
-from cascade_rl.learner.losses import token_logprobs
-from cascade_rl.learner.packing import share_prefixes
-from cascade_rl.learner.policy import Policy
+from cascade_rl.modeling.experts import use_moe_impl
+from cascade_rl.modeling.logprobs import token_logprobs
+from cascade_rl.modeling.packing import share_prefixes
+from cascade_rl.modeling.policy import Policy
 from cascade_rl.learner.trainer import Batch, build, train_step
 from cascade_rl.protocol.messages import TeacherRequest, TrainBatch
 from cascade_rl.samplers.engine import GenerationRequest
@@ -38,7 +38,7 @@ from cascade_rl.teachers.server import Teacher
 
 # fixture name -> (make_tiny_model arch, tied embeddings): tied and untied covered between the two
 ARCHS = {"tiny_llama": ("llama", False), "tiny_qwen2": ("qwen2", True)}
-LAYOUTS = {  # Policy's three ways of running a batch (learner/policy.py)
+LAYOUTS = {  # Policy's three ways of running a batch (modeling/policy.py)
     "shared_prefix": dict(pack=True, share_prefix=True),  # prompt once, then the responses with its past K/V
     "lanes": dict(pack=True, share_prefix=False),
     "padded": dict(pack=False),
@@ -219,7 +219,7 @@ def test_torch_engine_refuses_them_and_names_the_vllm_engine(model_path):
         TorchEngine(model_path)
     message = str(e.value)
     assert f"model_type {model_type!r}" in message and "qwen3, qwen3_moe" in message
-    assert "workers.sampler_engine=vllm" in message and isinstance(e.value, ValueError)
+    assert "sampler.engine=vllm" in message and isinstance(e.value, ValueError)
     for served in TorchEngine.served_model_types:  # the constant lists only what from_hf accepts
         assert ModelArgs.from_hf(AutoConfig.for_model(served)).n_layers > 0
 
@@ -298,8 +298,8 @@ def test_a_llama_trains_through_every_process_with_the_vllm_sampler(tiny_llama, 
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     refused = subprocess.run([*cli, f"run_dir={tmp_path / 'torch'}"], capture_output=True, text=True, env=env,
                              timeout=120)
-    assert refused.returncode == 2 and "workers.sampler_engine=vllm" in refused.stderr, refused.stderr
-    r = subprocess.run([*cli, f"run_dir={tmp_path / 'run'}", "workers.sampler_engine=vllm"], capture_output=True,
+    assert refused.returncode == 2 and "sampler.engine=vllm" in refused.stderr, refused.stderr
+    r = subprocess.run([*cli, f"run_dir={tmp_path / 'run'}", "sampler.engine=vllm"], capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -1,4 +1,4 @@
-"""learner/attention.py: the "varlen" attention (torch's FlashAttention varlen kernel) and the attention choice.
+"""modeling/attention.py: the "varlen" attention (torch's FlashAttention varlen kernel) and the attention choice.
 
 varlen_attn does not run on the CPU, so these tests put plain-torch references of its contract in its place
 (``torch.nn.attention.varlen.varlen_attn``, which the module looks up on every call), one per signature torch
@@ -18,9 +18,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_atten
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cascade_rl.learner import attention
-from cascade_rl.learner.attention import resolve_attn_impl, varlen_attention_forward
-from cascade_rl.learner.packing import VARLEN_KWARGS, pack, packed_forward
-from cascade_rl.learner.policy import Policy
+from cascade_rl.modeling.attention import resolve_attn_impl, varlen_attention_forward
+from cascade_rl.modeling.packing import VARLEN_KWARGS, pack, packed_forward
+from cascade_rl.modeling.policy import Policy
 
 # --- references of varlen_attn's contract: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens int32 ------------------
 
@@ -69,7 +69,7 @@ SIGNATURES = {"window_gqa": window_gqa, "window": window, "is_causal": is_causal
 
 @pytest.fixture
 def kernel(monkeypatch):
-    """kernel(name): put that reference where learner/attention.py finds varlen_attn."""
+    """kernel(name): put that reference where modeling/attention.py finds varlen_attn."""
     CALLS.clear()
 
     def use(name: str):

@@ -21,7 +21,7 @@ from cascade_rl.data.promptset import PromptSet, PromptStream
 from cascade_rl.data.render import PromptRenderer
 from cascade_rl.data.rows import BadRow, Fields, parse_row
 from cascade_rl.data.sources import DataError, parse_spec
-from cascade_rl.supervisor.config import DataConfig
+from cascade_rl.supervisor.schema import DataConfig
 from cascade_rl.supervisor.run_data import registered_domains
 
 DOMAINS = registered_domains([])

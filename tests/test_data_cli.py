@@ -79,7 +79,7 @@ def test_skipped_bad_rows_are_counted_per_reason(bad_file, tiny_model, tmp_path,
     recorded = json.loads((Path(cfg.run_dir) / "data" / "data.json").read_text())  # what summary.json carries
     assert recorded["bad_rows"] == {"invalid JSON": 1, "missing field": 1, "unknown domain": 1, "empty prompt": 1,
                                     "metadata rejected": 1, "ill-typed field": 1, "not an object": 1, "bad message": 1}
-    assert recorded["rows"]["train"] == 2 and list(cfg.workers.verifier_domains) == ["math"]
+    assert recorded["rows"]["train"] == 2 and list(cfg.verifier.domains) == ["math"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -87,7 +87,7 @@ def test_skipped_bad_rows_are_counted_per_reason(bad_file, tiny_model, tmp_path,
     (["+trainer.stepz=3"], "trainer.stepz: no such setting (did you mean trainer.steps?)"),
     (["trainer.steps=many"], "trainer.steps: Value 'many' of type 'str' could not be converted to Integer"),
     (["model.path=/no/such/model"], "model.path=/no/such/model is not a directory"),
-    (["workers.samplers=0"], "workers.samplers and workers.verifiers must be >= 1"),
+    (["sampler.count=0"], "sampler.count and verifier.count must be >= 1"),
     (["data.files=prompts.jsonl"], "data.files: Invalid value assigned"),
     (["run=nope"], "no preset 'nope'"),
 ])

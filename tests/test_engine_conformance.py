@@ -15,7 +15,7 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade_rl.kernels import cpu_decode
-from cascade_rl.learner.losses import token_logprobs
+from cascade_rl.modeling.logprobs import token_logprobs
 from cascade_rl.samplers.engine import ENGINES, GenerationRequest
 from cascade_rl.samplers.sglang_engine import sglang_unavailable
 

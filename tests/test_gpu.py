@@ -58,7 +58,7 @@ def check_mopd_launch(tiny_model: str, teacher_model: str, math_data: list[str],
     run_dir = tmp_path / "run"
     steps, prompts, group = 2, 8, 4
     cmd = [*CLI, "launch", "tiny", "stage=mopd", "trainer.algorithm=mopd", f"run_dir={run_dir}",
-           f"model.path={tiny_model}", f"+teachers.math={teacher_model}", *math_data, "data.eval_per_domain=8",
+           f"model.path={tiny_model}", f"+teacher.checkpoints.math={teacher_model}", *math_data, "data.eval_per_domain=8",
            f"trainer.steps={steps}", f"trainer.prompts_per_step={prompts}", f"trainer.group_size={group}",
            "sampling.max_tokens=32", "supervisor.progress=plain", *placement]  # fmt: skip
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
@@ -119,8 +119,8 @@ def compare_policy_paths(tiny_model: str, device: str, dtype: str, reference: tu
     """Policy log-probs, entropies and gradients of one batch under two (attn_impl, moe_impl, logprob_impl)."""
     from transformers import AutoConfig
 
-    from cascade_rl.learner.models import load_model
-    from cascade_rl.learner.policy import Policy
+    from cascade_rl.modeling.models import load_model
+    from cascade_rl.modeling.policy import Policy
     from cascade_rl.supervisor.config import compose
 
     vocab = AutoConfig.from_pretrained(tiny_model).vocab_size

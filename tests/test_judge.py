@@ -454,7 +454,7 @@ def test_client_error_is_not_retried(judge_server):
 @pytest.mark.slow
 def test_registered_judges_score_through_the_verifier_worker_pool(judge_server, monkeypatch):
     """The registry entries the worker runs: genrm as a group verifier, llm_judge per response, with
-    ``workers.judge`` settings, in a real scoring process of the worker's pool."""
+    ``verifier.judge`` settings, in a real scoring process of the worker's pool."""
     from cascade_rl.protocol.messages import GroupScoreRequest, ScoreRequest
     from cascade_rl.verifiers.worker import Pool
 

@@ -300,7 +300,7 @@ def test_async_mode_samples_up_to_k_batches_while_the_trainer_steps(k, tiny_mode
         assert bad.returncode != 0 and "importance_weights" in bad.stderr
     r = cli("launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
             f"orchestrator.max_staleness={k}", "trainer.importance_weights=true", "trainer.steps=6",
-            "supervisor.progress=none", "workers.sampler_delay_s=0.5", timeout=240)
+            "supervisor.progress=none", "sampler.delay_s=0.5", timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["books"]["lost"] == 0 and summary["books"]["trained"] == 6 * 8 * 4

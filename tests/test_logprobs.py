@@ -1,9 +1,9 @@
-"""learner/logprobs.py against its naive reference: values, gradients, edge cases, peak memory."""
+"""modeling/logprobs.py against its naive reference: values, gradients, edge cases, peak memory."""
 
 import pytest
 import torch
 
-from cascade_rl.learner.logprobs import allocator_peak, linear_logprobs, linear_logprobs_reference
+from cascade_rl.modeling.logprobs import allocator_peak, linear_logprobs, linear_logprobs_reference
 
 H, V = 16, 101
 

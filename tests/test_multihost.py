@@ -45,7 +45,7 @@ def test_a_sampler_in_another_network_namespace_over_tcp(netns, tiny_model, math
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
-                             f"host={host}", f"workers.sampler_launcher=[ip,netns,exec,{ns}]",
+                             f"host={host}", f"sampler.launcher=[ip,netns,exec,{ns}]",
                              "weights_transport=stream",
                              "supervisor.progress=none"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -139,7 +139,7 @@ def mopd(tiny_model, math_data, prepared, tmp_path):
     from cascade_rl.protocol.sockets import send
 
     o = Orchestrator(prepared(compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path}", "stage=mopd", *math_data,
-                                               f"+teachers.math={tiny_model}",
+                                               f"+teacher.checkpoints.math={tiny_model}",
                                                f"+endpoints.orchestrator=ipc://{tmp_path}/orch-mopd"])))
     teacher = zmq.Context.instance().socket(zmq.DEALER)
     teacher.setsockopt(zmq.IDENTITY, b"teacher-9")

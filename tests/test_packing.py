@@ -1,4 +1,4 @@
-"""learner/packing.py: pack/unpack bookkeeping, and packed forwards equal to per-row forwards."""
+"""modeling/packing.py: pack/unpack bookkeeping, and packed forwards equal to per-row forwards."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cascade_rl.learner.losses import token_logprobs
-from cascade_rl.learner.packing import pack, pack_values, packed_forward, packed_token_logprobs, unpack
+from cascade_rl.modeling.logprobs import token_logprobs
+from cascade_rl.modeling.packing import pack, pack_values, packed_forward, packed_token_logprobs, unpack
 
 WIDTH = 24
 LENGTHS = [7, 1, 24, 12, 1, 3, 18, 9]  # a full-width row, length-1 rows, a mix

@@ -19,7 +19,7 @@ def cfg_of(*overrides: str):
 
 
 def test_each_process_sees_its_roles_gpus():
-    cfg = cfg_of("trainer.world_size=2", "gpus.trainer=[0,1]", "workers.samplers=2", "gpus.samplers=[2,3]",
+    cfg = cfg_of("trainer.world_size=2", "gpus.trainer=[0,1]", "sampler.count=2", "gpus.samplers=[2,3]",
                  "gpus.teachers=[3]", "gpus.memory={sampler: 0.6, teacher: 0.3}")
     assert check(cfg, teachers=1, visible=4) == []
     assert cuda_env(gpus_of(cfg, "trainer"), visible="") == {"CUDA_VISIBLE_DEVICES": "0,1"}  # torchrun: one per rank
@@ -51,14 +51,14 @@ def test_one_gpu_for_every_role_with_a_memory_split():
     (["gpus.trainer=[0]", "gpus.samplers=[2]"], 0, 2, "names GPUs [2] but this machine has 2"),
     (["trainer.world_size=2", "gpus.trainer=[0]"], 0, 4, "one GPU per rank"),
     (["trainer.world_size=2", "gpus.trainer=[1,1]"], 0, 4, "names a GPU twice"),
-    (["workers.samplers=3", "gpus.samplers=[1,2]"], 0, 4, "2 GPUs for workers.samplers=3"),
+    (["sampler.count=3", "gpus.samplers=[1,2]"], 0, 4, "2 GPUs for sampler.count=3"),
     (["gpus.teachers=[1]"], 2, 4, "1 GPUs for 2 teacher checkpoints"),
     (["gpus.memory={trainer: 1.5}"], 0, 1, "must lie in [0, 1]"),
     # two roles on one GPU without a memory split
     (["gpus.trainer=[0]", "gpus.samplers=[0]"], 0, 1, "GPU 0 is shared by trainer-0/rank0, sampler-0 without a memory split"),
     (["gpus.trainer=[0]", "gpus.samplers=[0]", "gpus.memory={trainer: 0.5}"], 0, 1, "set gpus.memory.sampler=SHARE"),
     # two samplers on one GPU: each takes the sampler share
-    (["workers.samplers=2", "gpus.samplers=[0,0]", "gpus.memory={sampler: 0.6}"], 0, 1, "sum to 1.20 > 1"),
+    (["sampler.count=2", "gpus.samplers=[0,0]", "gpus.memory={sampler: 0.6}"], 0, 1, "sum to 1.20 > 1"),
     (["gpus.trainer=[0]", "gpus.samplers=[0]", "gpus.teachers=[0]", "gpus.memory={trainer: 0.5, sampler: 0.4, "
       "teacher: 0.2}"], 1, 1, "sum to 1.10 > 1"),
 ])
@@ -89,8 +89,8 @@ IPC_ONE_GPU = ("weights_transport=cuda_ipc", "gpus.trainer=[0]", "gpus.samplers=
 
 def test_cuda_ipc_wants_trainer_and_samplers_on_one_gpu():
     assert check(cfg_of(*IPC_ONE_GPU), teachers=0, visible=1) == []
-    assert check(cfg_of(*IPC_ONE_GPU, "workers.sampler_engine=vllm"), teachers=0, visible=1) == []
-    two = cfg_of(*IPC_ONE_GPU, "workers.samplers=2", "gpus.samplers=[0,0]", "gpus.memory={trainer: 0.5, sampler: 0.2}")
+    assert check(cfg_of(*IPC_ONE_GPU, "sampler.engine=vllm"), teachers=0, visible=1) == []
+    two = cfg_of(*IPC_ONE_GPU, "sampler.count=2", "gpus.samplers=[0,0]", "gpus.memory={trainer: 0.5, sampler: 0.2}")
     assert check(two, teachers=0, visible=1) == []
     # the same layouts with the file transports are not this rule's business
     assert check(cfg_of("gpus.trainer=[0]", "gpus.samplers=[1]"), teachers=0, visible=2) == []
@@ -106,11 +106,11 @@ def test_cuda_ipc_wants_trainer_and_samplers_on_one_gpu():
     # a sampler on another GPU cannot open the trainer's handle
     (["weights_transport=cuda_ipc", "gpus.trainer=[0]", "gpus.samplers=[1]"], 2,
      "needs every sampler on the trainer's GPU 0 (a process sees only its own GPU"),
-    (["weights_transport=cuda_ipc", "gpus.trainer=[0]", "workers.samplers=2", "gpus.samplers=[0,1]",
+    (["weights_transport=cuda_ipc", "gpus.trainer=[0]", "sampler.count=2", "gpus.samplers=[0,1]",
       "gpus.memory={trainer: 0.5, sampler: 0.4}"], 2, "set gpus.samplers=[0, 0] with a gpus.memory split"),
     (["weights_transport=cuda_ipc", "gpus.trainer=[0]"], 1, "got gpus.samplers=[]"),
     # an engine whose model is in a server process
-    ([*IPC_ONE_GPU, "workers.sampler_engine=sglang"], 1, "got workers.sampler_engine=sglang: choose one of those"),
+    ([*IPC_ONE_GPU, "sampler.engine=sglang"], 1, "got sampler.engine=sglang: choose one of those"),
 ])
 def test_cuda_ipc_layouts_refused_before_launch(overrides, visible, wanted):
     problems = check(cfg_of(*overrides), teachers=0, visible=visible)
@@ -135,14 +135,14 @@ def test_launch_refuses_gpus_the_machine_lacks(tmp_path, tiny_model, math_data):
 def test_an_sglang_sampler_is_its_server_on_the_gpu_and_a_worker_on_none(tiny_model):
     from cascade_rl.supervisor.launch import sampler_procs
 
-    cfg = cfg_of(f"model.path={tiny_model}", "workers.sampler_engine=sglang", "workers.samplers=2",
-                 "gpus.samplers=[2,3]", "workers.sglang.port=31000")
+    cfg = cfg_of(f"model.path={tiny_model}", "sampler.engine=sglang", "sampler.count=2",
+                 "gpus.samplers=[2,3]", "sampler.sglang.port=31000")
     server, sampler = sampler_procs(cfg, "sampler-1", 1)
     assert (server.role, server.worker_id, server.gpus, server.serves) == ("sglang", "sglang-1", (3,), "sampler-1")
     assert server.cmd[server.cmd.index("--port") + 1] == "31001"
     assert (sampler.gpus, sampler.args) == ((), ["--engine-url", "http://127.0.0.1:31001"])
     # a server of your own: the samplers use it, nothing more starts
-    own = cfg_of(f"model.path={tiny_model}", "workers.sampler_engine=sglang", "workers.sglang.url=http://h:30000")
+    own = cfg_of(f"model.path={tiny_model}", "sampler.engine=sglang", "sampler.sglang.url=http://h:30000")
     assert [p.role for p in sampler_procs(own, "sampler-0", 0)] == ["sampler"]
 
 
@@ -152,6 +152,6 @@ def test_launch_refuses_sglang_where_it_cannot_run(tmp_path, tiny_model, math_da
     if not (reason := sglang_unavailable()):
         pytest.skip("SGLang runs here")
     out = subprocess.run([sys.executable, "-m", "cascade_rl.supervisor.cli", "launch", "tiny", f"run_dir={tmp_path}",
-                          f"model.path={tiny_model}", *math_data, "workers.sampler_engine=sglang"],
+                          f"model.path={tiny_model}", *math_data, "sampler.engine=sglang"],
                          capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and f"workers.sampler_engine=sglang: {reason}" in out.stderr, out.stderr
+    assert out.returncode == 2 and f"sampler.engine=sglang: {reason}" in out.stderr, out.stderr

@@ -1,4 +1,4 @@
-"""The trainer's log-prob path (learner/policy.py): packed and padded rows, chunked LM head, all equal
+"""The trainer's log-prob path (modeling/policy.py): packed and padded rows, chunked LM head, all equal
 to transformers' full-logits forward."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cascade_rl.learner.losses import token_logprobs
-from cascade_rl.learner.policy import Policy
+from cascade_rl.modeling.logprobs import token_logprobs
+from cascade_rl.modeling.policy import Policy
 
 
 def rows(seed: int = 0):
@@ -76,7 +76,7 @@ def test_policy_refuses_a_target_at_position_zero(tiny_dense_model):
 
 
 def test_lanes_hold_whole_rows_and_fewer_tokens_than_padding():
-    from cascade_rl.learner.packing import pack_lanes
+    from cascade_rl.modeling.packing import pack_lanes
 
     ids, lengths, _ = rows()
     lanes = pack_lanes(ids, lengths)
@@ -127,7 +127,7 @@ def grouped_rows():
 def test_shared_prefix_layout_matches_full_logits_values_and_gradients(model_fixture, attn, request):
     """Each prompt run once, its responses on its keys/values: the numbers (and gradients, through the shared
     keys/values) of running every row in full."""
-    from cascade_rl.learner.packing import share_prefixes
+    from cascade_rl.modeling.packing import share_prefixes
 
     path = request.getfixturevalue(model_fixture)
     ids, lengths, target = grouped_rows()
@@ -150,7 +150,7 @@ def test_shared_prefix_layout_matches_full_logits_values_and_gradients(model_fix
 
 
 def test_rows_without_a_shared_prompt_keep_the_one_pass_layout():
-    from cascade_rl.learner.packing import share_prefixes
+    from cascade_rl.modeling.packing import share_prefixes
 
     ids, lengths, target = rows()  # five different prompts
     assert share_prefixes(ids, lengths, target) is None

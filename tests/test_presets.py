@@ -99,12 +99,12 @@ def test_a_stage_preset_launches_with_prompts_of_its_domains(stage, layout, tiny
     overrides = [f"stage={stage}", f"model.path={tiny_model}", f"data.files=[{','.join(files)}]",
                  f"run_dir={tmp_path / 'run'}"]
     if JUDGED_DOMAINS & set(domains):
-        overrides.append("workers.judge.model=judge")
+        overrides.append("verifier.judge.model=judge")
     if compose(None, overrides, check=False).trainer.algorithm == "mopd":
-        overrides += [f"+teachers.{d}={tiny_model}" for d in domains]
+        overrides += [f"+teacher.checkpoints.{d}={tiny_model}" for d in domains]
     report, cfg = dry_run(None, overrides)
     assert sorted(report.domains["train"]) == domains
-    assert sorted(cfg.workers.verifier_domains) == domains
+    assert sorted(cfg.verifier.domains) == domains
     assert (tmp_path / "run" / "data" / "train.arrow").is_file()
 
 
@@ -137,6 +137,6 @@ def test_every_stage_of_a_cascade_launches(name, layout, tmp_path, monkeypatch):
 def test_judged_prompts_need_a_judge_model(domain, layout, tiny_model, tmp_path):
     overrides = [f"model.path={tiny_model}", f"data.files=[{layout / 'written' / f'{domain}.jsonl'}]",
                  f"run_dir={tmp_path}"]
-    with pytest.raises(ConfigError, match=rf"\['{domain}'\] are scored by a judge model: set workers.judge.model"):
+    with pytest.raises(ConfigError, match=rf"\['{domain}'\] are scored by a judge model: set verifier.judge.model"):
         dry_run("tiny", overrides)
-    dry_run("tiny", [*overrides, "workers.judge.model=judge"])
+    dry_run("tiny", [*overrides, "verifier.judge.model=judge"])

@@ -30,8 +30,8 @@ EXPECT = (Ready, Rollout)
 @pytest.fixture(params=[False, True], ids=["whole-batch", "streamed-groups"])
 def worker(tiny_model, tmp_path, request):
     cfg = compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path}",
-                           f"workers.sampler_stream_groups={str(request.param).lower()}"], check=False)
-    cfg.endpoints = {"orchestrator": f"ipc://{tmp_path}/orch"}
+                           f"sampler.stream_groups={str(request.param).lower()}"], check=False)
+    cfg.endpoints.update({"orchestrator": f"ipc://{tmp_path}/orch"})
     config = tmp_path / "config.yaml"
     config.write_text(OmegaConf.to_yaml(cfg))
     router = bind_router(zmq.Context.instance(), cfg.endpoints.orchestrator)

@@ -46,17 +46,17 @@ def test_validation_names_missing_verifiers_and_teachers(tiny_model, math_data, 
     from cascade_rl.supervisor.config_errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"no verifier for \['swe'\]"):
-        compose("tiny", ["stage=mopd", f"model.path={tiny_model}", *math_data, "workers.verifier_domains=[math,swe]"])
-    with pytest.raises(ConfigError, match="teachers are used by trainer.algorithm=mopd only"):
-        compose("tiny", [f"model.path={tiny_model}", *math_data, f"+teachers.math={tiny_model}"])
+        compose("tiny", ["stage=mopd", f"model.path={tiny_model}", *math_data, "verifier.domains=[math,swe]"])
+    with pytest.raises(ConfigError, match="teacher.checkpoints are used by trainer.algorithm=mopd only"):
+        compose("tiny", [f"model.path={tiny_model}", *math_data, f"+teacher.checkpoints.math={tiny_model}"])
     # the rules that need the data's domains: checked when the data is prepared, before any process starts
     mopd = compose("tiny", ["stage=mopd", f"model.path={tiny_model}", *math_data, f"run_dir={tmp_path / 'a'}"])
     with pytest.raises(ConfigError, match=r"no teacher for \['math'\]"):
         prepared(mopd)
-    narrow = compose("tiny", [f"model.path={tiny_model}", *math_data, "workers.verifier_domains=[mcqa]",
+    narrow = compose("tiny", [f"model.path={tiny_model}", *math_data, "verifier.domains=[mcqa]",
                               f"run_dir={tmp_path / 'b'}"])
     with pytest.raises(ConfigError, match=r"does not serve \['math'\]"):
         prepared(narrow)
     served = prepared(compose("tiny", ["stage=rlhf", f"model.path={tiny_model}", *math_data,
                                        f"run_dir={tmp_path / 'c'}"]))
-    assert list(served.workers.verifier_domains) == ["math"]  # empty: every domain of the data
+    assert list(served.verifier.domains) == ["math"]  # empty: every domain of the data

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from cascade_rl.learner.tasks import (
+from cascade_rl.data.tasks import (
     IF_INSTRUCTIONS,
     MCQA_LETTERS,
     MIXES,
@@ -245,7 +245,7 @@ def test_sft_trains_on_the_files_of_every_domain(tiny_model, tiny_data, tmp_path
 
 
 def test_inline_mixture_weights_set_the_proportions():
-    from cascade_rl.learner.tasks import domains, load_task
+    from cascade_rl.data.tasks import domains, load_task
 
     split = load_task("arithmetic:3+arithmetic_if", {"heldout": 4, "rl": 40}, seed=0)
     assert [ex.domain for ex in split["rl"]].count("math") == 30

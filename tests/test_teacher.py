@@ -19,7 +19,7 @@ import zmq
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from cascade_rl.learner.policy import Policy
+from cascade_rl.modeling.policy import Policy
 from cascade_rl.learner.trainer import Batch
 from cascade_rl.protocol.codec import decode, encode
 from cascade_rl.protocol.messages import Heartbeat, Ready, Score, TeacherLogprobs, TeacherRequest, TrainBatch
@@ -37,7 +37,7 @@ VOCAB = 319  # the tiny model's (learner/tiny_model.py)
 def run_config(model: str, run_dir: Path):
     # check=False: the launch rules are the supervisor's; a teacher reads model, trainer and endpoints only
     cfg = compose("tiny", [f"model.path={model}", f"run_dir={run_dir}", "supervisor.heartbeat_s=0.2"], check=False)
-    cfg.endpoints = {"orchestrator": f"ipc://{run_dir}/orch", "heartbeat": f"ipc://{run_dir}/beat"}
+    cfg.endpoints.update({"orchestrator": f"ipc://{run_dir}/orch", "heartbeat": f"ipc://{run_dir}/beat"})
     return cfg
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file, save_model
 from transformers import AutoModelForCausalLM
 
-from cascade_rl.learner.losses import token_logprobs
+from cascade_rl.modeling.logprobs import token_logprobs
 from cascade_rl.learner.trainer import Batch
 from cascade_rl.protocol.messages import TrainBatch
 from cascade_rl.samplers.engine import GenerationRequest

@@ -17,7 +17,7 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (CPU: pip insta
 from safetensors.torch import save_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from cascade_rl.learner.losses import token_logprobs  # noqa: E402
+from cascade_rl.modeling.logprobs import token_logprobs  # noqa: E402
 from cascade_rl.samplers.engine import ENGINES, GenerationRequest  # noqa: E402
 from cascade_rl.samplers.vllm_engine import VLLMEngine, to_sample  # noqa: E402
 

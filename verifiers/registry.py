@@ -2,7 +2,7 @@
 
 A row's ``domain`` names the verifier that scores its rollouts. Built in: math, mcqa,
 instruction_following, structured_output, code, tool_call, llm_judge, genrm (group).
-Add your own in a module listed in ``workers.verifier_plugins``, by module name
+Add your own in a module listed in ``verifier.plugins``, by module name
 (``mypkg.rewards``: importable by the verifier workers, which do not have the cwd on
 ``sys.path``) or by path to a ``.py`` file (``/data/rewards.py``, or relative to the
 directory you launch from). Verifier workers and each of their scoring processes import
@@ -33,7 +33,7 @@ reported as ``FILE:LINE: reason`` instead of failing rollouts later. A check is 
 and local: no network, no subprocess; a domain need not have one. Register it with its
 verifier (``register_verifier(name, check=check)``), or alone (``@register_check(name)``).
 
-Example plugin, ``rewards.py`` (``workers.verifier_plugins=[rewards.py]``; rows of domain
+Example plugin, ``rewards.py`` (``verifier.plugins=[rewards.py]``; rows of domain
 ``word_count`` in the data are then scored by it)::
 
     from cascade_rl.verifiers.registry import register_verifier
@@ -134,7 +134,7 @@ def check_row(domain: str, answer: str, metadata: dict[str, Any]) -> str:
 
 
 class PluginError(RuntimeError):
-    """A ``workers.verifier_plugins`` entry could not be loaded; the message names the entry and the cause."""
+    """A ``verifier.plugins`` entry could not be loaded; the message names the entry and the cause."""
 
 
 def _plugin_module_name(path: Path) -> str:
@@ -143,7 +143,7 @@ def _plugin_module_name(path: Path) -> str:
     return f"cascade_rl_plugin_{stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
 
 
-def load_plugin(entry: str, setting: str = "workers.verifier_plugins") -> ModuleType:
+def load_plugin(entry: str, setting: str = "verifier.plugins") -> ModuleType:
     """Import one plugin: a dotted module name, or a path to a ``.py`` file (absolute or relative to the cwd;
     imported as ``_plugin_module_name(path)`` and put in ``sys.modules``, so pickled references to it resolve and
     a second load is a no-op). Raises PluginError naming the entry and the cause."""
@@ -176,12 +176,12 @@ def load_plugin(entry: str, setting: str = "workers.verifier_plugins") -> Module
     return module
 
 
-def load_plugins(entries: Iterable[str], setting: str = "workers.verifier_plugins") -> list[ModuleType]:
+def load_plugins(entries: Iterable[str], setting: str = "verifier.plugins") -> list[ModuleType]:
     """Import each entry with ``load_plugin`` (their ``@register_verifier``s run): every process that scores,
     or checks rows, calls this with the same list. Loading again is harmless."""
     return [load_plugin(entry, setting) for entry in entries]
 
-# Settings the worker hands its scoring processes (``workers.judge``: endpoint, model, key variable ...).
+# Settings the worker hands its scoring processes (``verifier.judge``: endpoint, model, key variable ...).
 SETTINGS: dict[str, Any] = {}
 
 
@@ -189,8 +189,8 @@ def is_group_domain(name: str) -> bool:
     return name in GROUP_VERIFIERS
 
 
-# Domains scored by the judge model of ``workers.judge`` (``judge_endpoint``): a launch whose data holds one needs
-# ``workers.judge.model`` (supervisor/run_data.py refuses it before any process starts). A plugin whose verifier
+# Domains scored by the judge model of ``verifier.judge`` (``judge_endpoint``): a launch whose data holds one needs
+# ``verifier.judge.model`` (supervisor/run_data.py refuses it before any process starts). A plugin whose verifier
 # calls ``judge_endpoint`` adds its domain here.
 JUDGED_DOMAINS: set[str] = {"genrm", "llm_judge"}
 
@@ -288,12 +288,12 @@ def _tool_call(response: str, reference: str, metadata: dict[str, Any]) -> float
 
 
 def judge_endpoint():
-    """The judge endpoint of ``workers.judge`` (handed to scoring processes in ``SETTINGS``)."""
+    """The judge endpoint of ``verifier.judge`` (handed to scoring processes in ``SETTINGS``)."""
     from .llm_judge import JudgeEndpoint
 
     cfg = SETTINGS.get("judge") or {}
     if not cfg.get("model"):
-        raise ValueError("workers.judge.model is not set: model-judged domains need a judge endpoint")
+        raise ValueError("verifier.judge.model is not set: model-judged domains need a judge endpoint")
     return JudgeEndpoint(base_url=cfg["base_url"], model=cfg["model"], api_key_env=cfg.get("api_key_env", ""),
                          concurrency=cfg.get("concurrency", 8), timeout_s=cfg.get("timeout_s", 60.0),
                          max_tokens=cfg.get("max_tokens", 4096))

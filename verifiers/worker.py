@@ -2,10 +2,10 @@
 
     python -m cascade_rl.verifiers.worker --config RUN_DIR/config.yaml --worker-id verifier-0 [--impl math=math]
 
-Serves the domains in ``workers.verifier_domains``; each domain is scored by the
+Serves the domains in ``verifier.domains``; each domain is scored by the
 verifier registered under the domain's name, or the one named by ``--impl
 DOMAIN=NAME`` (what ``cascade-rl ctl swap verifier`` starts). Scoring runs in
-``workers.verifier_procs`` child processes, each fed a few requests ahead (no
+``verifier.procs`` child processes, each fed a few requests ahead (no
 round trip between two scores), so CPU-bound checks use the cores and a verifier
 cannot take the worker down with it:
 
@@ -18,7 +18,7 @@ cannot take the worker down with it:
 
 Group domains (``verifiers.registry.GROUP_VERIFIERS``: pairwise GenRM) get one
 ``GroupScoreRequest`` per group and answer one ``Score`` per response; the
-same deadlines apply. Scoring processes see ``workers.judge`` (endpoint, model,
+same deadlines apply. Scoring processes see ``verifier.judge`` (endpoint, model,
 API-key variable) in ``registry.SETTINGS``.
 
 SIGTERM drains: the worker tells the orchestrator it takes no more work
@@ -217,18 +217,18 @@ def main(argv: list[str] | None = None) -> None:
     known, rest = extra.parse_known_args(argv)
     args, cfg = worker_start(__doc__.splitlines()[0], rest)
     impls = parse_impls(known.impl)
-    plugins = list(cfg.workers.verifier_plugins)
+    plugins = list(cfg.verifier.plugins)
     try:
         load_plugins(plugins)
     except registry.PluginError as e:
         raise SystemExit(str(e)) from e
-    domains = list(cfg.workers.verifier_domains)
+    domains = list(cfg.verifier.domains)
     unknown = [d for d in domains if impls.get(d, d) not in VERIFIERS and impls.get(d, d) not in GROUP_VERIFIERS]
     if unknown:
         raise SystemExit(f"no verifier registered for domains {unknown}; known: {sorted(VERIFIERS)}")
 
     # --- pool, link, drain on SIGTERM
-    pool = Pool(cfg.workers.verifier_procs, impls, plugins, {"judge": OmegaConf.to_container(cfg.workers.judge)})
+    pool = Pool(cfg.verifier.procs, impls, plugins, {"judge": OmegaConf.to_container(cfg.verifier.judge)})
     counters = {"scored": 0, "failed": 0, "verify_s": 0.0}
     state = {"state": "running", "counters": counters}
     ep = cfg.endpoints

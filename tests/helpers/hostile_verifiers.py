@@ -1,4 +1,4 @@
-"""Verifiers that misbehave, registered for tests/test_verifier_worker.py (a ``workers.verifier_plugins`` module)."""
+"""Verifiers that misbehave, registered for tests/test_verifier_worker.py (a ``verifier.plugins`` module)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 from cascade_rl.kernels.logprob_args import check_args  # shared with kernels/logprob.py
 
@@ -200,3 +201,48 @@ def linear_logprobs(
     logprob, entropy = _LinearLogprobs.apply(hidden, weight, targets.long(), float(temperature), chunk_tokens,
                                              with_entropy)
     return logprob, entropy if with_entropy else None
+
+
+# --------------------------------------------------------------------------- from full logits (reference, SFT)
+
+
+def _next_token_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    """log_softmax(logits / T)[targets] for logits [n, L, V], targets [n, L], in float32.
+
+    Computed as logit − logsumexp, so besides the float32 copy of the chunk no second
+    [n, L, V] tensor (the full log_softmax) is built.
+    """
+    scaled = logits.float() / temperature
+    picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def token_logprobs(
+    logits: Tensor, input_ids: Tensor, temperature: float = 1.0, chunk_rows: int | None = None
+) -> Tensor:
+    """Per-token log-probs [N, L]: out[:, t] = log_softmax(logits[:, t-1] / T)[input_ids[:, t]], out[:, 0] = 0.
+
+    Position 0 has no prediction (nothing precedes it); it is set to 0 and must be
+    masked out by the caller, as prompt tokens are.
+
+    Cost: a chunk of n rows needs an n·(L−1)·V float32 temporary (4 bytes each: 2.5 GB
+    per row at L=4096, V=152k), so ``chunk_rows`` bounds the peak at one chunk instead
+    of all N rows. Under autograd each chunk is checkpointed, so that temporary is
+    freed after the forward and rebuilt in the backward (one extra log-softmax per
+    chunk) instead of every chunk's being kept alive until ``backward()``.
+    """
+    n_rows, length = input_ids.shape
+    first = logits.new_zeros((n_rows, 1), dtype=torch.float32)
+    if length < 2:
+        return first[:, :length]
+    step = n_rows if chunk_rows is None else max(1, chunk_rows)
+    recompute = chunk_rows is not None and torch.is_grad_enabled() and logits.requires_grad
+    chunks = []
+    for start in range(0, n_rows, step):
+        rows = slice(start, start + step)
+        args = (logits[rows, :-1], input_ids[rows, 1:], temperature)
+        if recompute:
+            chunks.append(checkpoint(_next_token_logprobs, *args, use_reentrant=False))
+        else:
+            chunks.append(_next_token_logprobs(*args))
+    return torch.cat([first, torch.cat(chunks, dim=0)], dim=1)

@@ -38,7 +38,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from .losses import token_logprobs
+from .logprobs import token_logprobs
 
 # Attention implementations for which transformers builds the block-diagonal mask itself
 # from position_ids, and those that take flash-attn varlen kwargs. Anything else (a custom

@@ -3,7 +3,7 @@
     attn = resolve_attn_impl(cfg.model.attn_impl, device)     # "auto" -> "varlen" on CUDA, "sdpa" on the CPU
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn)
 
-Packed training (learner/packing.py, docs/ARCHITECTURE.md §2: the trainer and the teachers share that path)
+Packed training (modeling/packing.py, docs/ARCHITECTURE.md §2: the trainer and the teachers share that path)
 wants a varlen kernel: [1, T] packs whose rows are told apart by ``cu_seqlens``, no [T, T] mask. The
 flash-attn package gives one (``flash_attention_2``) but is usually absent and cannot be installed on the
 GPU machines we get (no internet there). torch >= 2.10 ships FlashAttention varlen itself,
@@ -37,8 +37,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .choices import AttnImpl
+
 NAME = "varlen"
-CHOICES = ("auto", "varlen", "flash_attention_2", "sdpa", "eager")
+CHOICES = tuple(AttnImpl)
 # Devices where varlen_attn only takes fp16/bf16 (its FlashAttention kernel); a set so tests can add "cpu".
 HALF_ONLY_DEVICES = {"cuda"}
 

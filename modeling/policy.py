@@ -11,7 +11,7 @@ at all). Layouts (``learner.packing``), all giving the same numbers
 (tests/test_policy.py):
 
 - ``pack=True`` with a varlen kernel (CUDA: ``varlen``, torch's own FlashAttention varlen,
-  learner/attention.py; or ``flash_attention_2``): padding-free [1, T] sequences of at most
+  modeling/attention.py; or ``flash_attention_2``): padding-free [1, T] sequences of at most
   ``pack_tokens``, rows told apart by cu_seqlens.
 - ``pack=True`` otherwise (SDPA, eager): rows bin-packed into lanes as wide as
   the longest row, position ids restarting per row. transformers turns those

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from torch import nn
 
-MOE_IMPLS = ("hf", "torch", "triton")
+from .choices import MoeImpl
+
+MOE_IMPLS = tuple(MoeImpl)
 _REGISTERED: set[str] = set()
 
 

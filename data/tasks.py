@@ -6,7 +6,7 @@ instruction that follows it in the prompt, the reference answer and metadata
 the domain's verifier checks, and a worked solution for SFT. Splits (held-out,
 RL prompts, SFT data) are question-disjoint.
 
-    from cascade_rl.learner.tasks import domains, load_task
+    from cascade_rl.data.tasks import domains, load_task
     splits = load_task("arithmetic", {"heldout": 200, "rl": 2000, "sft": 2000})
     splits = load_task("cascade", {"heldout": 64, "rl": 2000, "sft": 4000})  # a mixture: four domains
     domains("cascade")  # ['math', 'mcqa', 'structured_output', 'instruction_following']

@@ -1,0 +1,1 @@
+"""The orchestrator: the hub of the data plane (docs/ARCHITECTURE.md §2)."""

@@ -1,0 +1,423 @@
+"""The launch schema: one dataclass per section, one section per process role, a docstring under every field.
+
+    cascade-rl launch tiny run_dir=/tmp/r trainer.steps=3 sampler.count=2
+
+Sections: ``model``, ``gpus``, ``data``, ``sampling`` (what every role shares), then one per process role:
+``orchestrator``, ``trainer``, ``sampler``, ``verifier``, ``teacher``, ``supervisor``. Fixed choices are typed
+(``StrEnum``: OmegaConf refuses any other value with the list of allowed ones); names of registered
+implementations (engines, objectives, log-prob paths, weight transports, verifiers) are checked against their
+registries when the config is validated (supervisor/config.py ``validate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from cascade_rl.data.rows import Fields
+from cascade_rl.modeling.choices import AttnImpl, MoeImpl
+from cascade_rl.protocol.devices import Dtype
+
+
+class OnBadRow(StrEnum):
+    """``data.on_bad_row``."""
+
+    error = "error"  # refuse to launch, listing every bad row
+    skip = "skip"  # train without them, counted per reason
+
+
+class Progress(StrEnum):
+    """``supervisor.progress``: the live display."""
+
+    auto = "auto"  # rich on a terminal, plain lines otherwise
+    rich = "rich"
+    plain = "plain"
+    none = "none"
+
+
+@dataclass
+class ModelConfig:
+    path: str = "models/tiny-sft"
+    """HF model directory (weights + tokenizer); version 0 of the policy."""
+    dtype: Dtype = Dtype.float32
+    """fp32 | bf16 (or float32 | bfloat16): the parameter dtype of trainer, samplers and teachers. With bf16 the
+    trainer's AdamW keeps an fp32 master copy of every parameter and fp32 moments (learner/optim.py)."""
+    attn_impl: AttnImpl = AttnImpl.auto
+    """Trainer and teacher attention: auto (varlen on CUDA, sdpa on CPU) | varlen (torch's FlashAttention varlen
+    kernel on packed rows, CUDA; modeling/attention.py) | flash_attention_2 (the flash-attn package) | sdpa | eager."""
+    moe_impl: MoeImpl = MoeImpl.hf
+    """Trainer's MoE experts: hf (transformers' grouped_mm; fastest on CPU) | torch (kernels/moe.py reference)
+    | triton (kernels/moe.py; CUDA, or TRITON_INTERPRET=1 for tests)."""
+
+
+@dataclass
+class DataConfig:
+    files: list[str] = field(default_factory=list)
+    """Training prompts: ``PATH`` or ``PATH:WEIGHT`` (JSONL, JSONL.gz, Parquet, or a directory written by
+    ``datasets.save_to_disk``; rows as in data/rows.py). Weights on every file: each file's share of the
+    draws; on none: every row equally likely. Built-in miniature sets: ``cascade-rl make-data``."""
+    eval_files: list[str] = field(default_factory=list)
+    """Held-out prompts, evaluated per domain (training rows with the same prompt are dropped)."""
+    heldout_fraction: float = 0.0
+    """Without eval_files: hold out this fraction of ``files``, split by a hash of the prompt (question-disjoint,
+    the same split in every run)."""
+    eval_per_domain: int = 0
+    """Evaluate at most this many held-out rows per domain, the first in file order (0: all)."""
+    fields: Fields = field(default_factory=Fields)
+    """Where each field of the schema is in your rows, e.g. ``data.fields.prompt=question``."""
+    default_domain: str = ""
+    """The domain of rows without one (a single-domain file needs no domain column)."""
+    thinking: bool = True
+    """Render prompts in thinking mode (the chat template's ``enable_thinking``)."""
+    max_prompt_tokens: int = 4096
+    """Prompts longer than this (in the model's tokens, chat template included) are dropped and counted."""
+    on_bad_row: OnBadRow = OnBadRow.error
+    """error: refuse to launch while any row is bad, listing each as FILE:LINE: reason | skip: train without
+    them (counted per reason in summary.json)."""
+    seed: int = 0
+    """Seed of the draw order (data/order.py): which file, then which row of its shuffled epoch."""
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    """Paper: T = 1.0 in every RL stage (docs/ARCHITECTURE.md §4)."""
+    top_p: float = 1.0
+    """Paper: 1.0 (0.95 in code RL)."""
+    max_tokens: int = 64
+    """Maximum response length in tokens."""
+
+
+@dataclass
+class TrainerConfig:
+    algorithm: str = "grpo"
+    """An objective registered in learner/objectives.py: grpo | mopd (MOPD needs teacher log-probs in every
+    batch)."""
+    steps: int = 20
+    """Optimizer steps in this stage; one policy version each."""
+    prompts_per_step: int = 128
+    """Groups per batch (paper: 128)."""
+    group_size: int = 16
+    """Rollouts per prompt, G (paper: 16)."""
+    lr: float = 3e-6
+    """AdamW learning rate (paper: 3e-6)."""
+    warmup_steps: int = 0
+    """Linear warm-up from warmup_start_lr to lr over this many steps."""
+    warmup_start_lr: float = 0.0
+    """First learning rate of the warm-up."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip."""
+    micro_batch_groups: int = 0
+    """Groups per forward/backward pass (0: the whole batch at once)."""
+    save_every: int = 0
+    """Write an HF checkpoint every k steps (0: only the final one)."""
+    seed: int = 0
+    """Torch seed of the trainer."""
+    threads: int = 0
+    """torch.set_num_threads (0: torch's default)."""
+    kl_coef: float = 0.0
+    """k3 KL penalty to a frozen reference (the stage's starting weights); paper: 0, RLHF 0.03."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (paper: 0)."""
+    importance_weights: bool = False
+    """GRPO: weight each token by the truncated ratio w_t = π_θ/π_inf in [eps_low, eps_high], else 0
+    (for off-policy rollouts or engine/trainer drift; MOPD always does)."""
+    eps_low: float = 0.5
+    """Lower end of the importance-ratio band (paper: 0.5)."""
+    eps_high: float = 2.0
+    """Upper end of the importance-ratio band (paper: 2.0)."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens per chunk of the LM-head log-prob pass (memory ~ chunk x vocab x 4 bytes, never the batch's)."""
+    logprob_impl: str = "torch"
+    """A log-prob path registered in modeling/policy.py: torch (chunked, modeling/logprobs.py) | triton (fused
+    kernel, kernels/logprob.py; CUDA)."""
+    pack: bool = True
+    """Pack a micro-batch's rollouts into rows without padding (position ids restart per sequence)."""
+    pack_tokens: int = 8192
+    """Most tokens in one packed row (SDPA builds a [T, T] mask per pack; flash-attn varlen none)."""
+    share_prefix: bool = True
+    """With pack (SDPA, eager): run each group's prompt once and its responses on the prompt's keys and
+    values (modeling/packing.py SharedPrefix); the same numbers, ~40 % less work at the demo's shape."""
+    world_size: int = 1
+    """Trainer ranks (torchrun; FSDP2 over gloo on CPU, NCCL on GPU)."""
+    resume_from: str = ""
+    """A checkpoint directory to resume from ("latest": the newest under run_dir/checkpoints)."""
+
+
+
+@dataclass
+class OrchestratorConfig:
+    max_staleness: int = 0
+    """0 = strictly on-policy (the paper): each batch is sampled on the newest weights. k >= 1: up to k batches
+    are sampled while the trainer steps, so a rollout is at most k versions old when trained (needs
+    trainer.importance_weights=true for GRPO)."""
+    max_inflight_groups: int = 256
+    """Credit limit: groups dispatched but not complete, over all samplers."""
+    sampler_timeout_s: float = 300.0
+    """A group not back within this deadline is re-dispatched."""
+    verifier_timeout_s: float = 60.0
+    """A score not back within this deadline is re-requested."""
+    teacher_timeout_s: float = 120.0
+    """MOPD: teacher log-probs of a group not back within this deadline are re-requested."""
+    eval_every: int = 0
+    """Evaluate on the held-out set every k steps (0: only before and after)."""
+    eval_n: int = 4
+    """Samples per held-out question (accuracy = avg@eval_n, as the paper reports avg@k); 0: none (with
+    eval_greedy=false the stage skips evaluation: the cascade runner evaluates its checkpoints itself)."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of evaluation (paper: 1.0)."""
+    eval_greedy: bool = True
+    """Also report greedy (temperature 0) pass@1 on the held-out set."""
+    dynamic_filtering: bool = False
+    """Drop groups whose rewards are all equal (no signal) and sample replacements (DAPO; paper: IF-RL)."""
+    overlong_penalty: bool = False
+    """Reward 0 for a response cut off at max_tokens (paper: on, except RLHF)."""
+    tensorboard: bool = False
+    """Also write the step metrics as TensorBoard events under run_dir/tensorboard (pip install -e .[tensorboard])."""
+    max_refill_rounds: int = 16
+    """Rounds of replacement groups per step before the step fails with the filter counts (as verl's
+    max_num_gen_batches): a stage whose prompts all give uniform rewards stops instead of spinning."""
+    mask_threshold: float | None = None
+    """Drop groups where no rollout scores above this (paper: 0.5 for agentless SWE RL); null: off."""
+    stall_timeout_s: float = 900.0
+    """When no step (or evaluation) completes for this long, the supervisor writes run_dir/stall.txt: every
+    worker's state, last heartbeat and what it holds, what the orchestrator waits for, and a stack dump of every
+    process (0: never). The run goes on; the report says where it is stuck."""
+
+
+@dataclass
+class JudgeConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    """OpenAI-compatible endpoint of the judge model (GenRM, LLM judge): vLLM's, SGLang's or a hosted one."""
+    model: str = ""
+    """Model name sent to the endpoint."""
+    api_key_env: str = "JUDGE_API_KEY"
+    """Environment variable holding the bearer key (empty or unset: none)."""
+    concurrency: int = 8
+    """Judge requests in flight per scoring process."""
+    timeout_s: float = 60.0
+    """Per-request timeout."""
+    max_tokens: int = 4096
+    """Most tokens of one judgment (thinking judges need many, or their verdicts are cut off)."""
+
+
+@dataclass
+class VLLMConfig:
+    gpu_memory_utilization: float = 0.9
+    """Share of its GPU a vLLM sampler takes (weights + KV cache); ``gpus.memory.sampler``, when set, wins."""
+    max_model_len: int = 0
+    """Longest prompt + response vLLM plans its KV cache for (0: the model's own)."""
+    enforce_eager: bool = True
+    """No CUDA graphs / torch.compile: start-up in seconds (false: faster decode after a longer start)."""
+    kv_cache_gib: int = 1
+    """CPU only: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """More keyword arguments of ``vllm.LLM`` (e.g. {max_num_seqs: 512})."""
+
+
+@dataclass
+class SGLangConfig:
+    url: str = ""
+    """A server you run yourself (one URL for every sampler). Empty: the supervisor starts one SGLang server per
+    sampler, on that sampler's GPU, and stops it with the run (logs/sglang-i.log)."""
+    port: int = 0
+    """First port of the servers the supervisor starts (sampler i: port + i; 0: free ports)."""
+    mem_fraction_static: float = 0.0
+    """SGLang's ``--mem-fraction-static`` (0: ``gpus.memory.sampler``, else SGLang's default)."""
+    args: list[str] = field(default_factory=list)
+    """More ``sglang.launch_server`` arguments, e.g. [--chunked-prefill-size, "4096"]."""
+    startup_s: float = 600.0
+    """How long a sampler waits for its server's /health before it fails."""
+    request_timeout_s: float = 600.0
+    """Per HTTP request (/generate, /update_weights_from_disk)."""
+
+
+
+@dataclass
+class SamplerConfig:
+    """The sampler processes (samplers/worker.py): PromptRequests in, Rollouts with log-probs out."""
+
+    count: int = 1
+    """Sampler processes at launch (``cascade-rl ctl scale samplers=N`` changes it while the run goes on)."""
+    engine: str = "torch"
+    """An engine registered in samplers/engine.py: torch (qwen3, qwen3_moe) | vllm (any architecture vLLM serves)
+    | sglang (a server per sampler, GPU)."""
+    slots: int = 256
+    """Sequences (group members) one sampler takes at once; they decode together in one batch."""
+    batch_window_s: float = 0.003
+    """After the first request of a burst, how long the sampler waits for the rest before it generates (the
+    orchestrator dispatches a step's groups back to back, so they share one batch)."""
+    stream_groups: bool = False
+    """Send a group's rollouts as soon as its rows finish (engines that can: torch), so scoring overlaps the
+    rest of the batch. Off by default: on 2 shared CPU cores the scoring then slows the decode (measured
+    neutral to 10 % slower per step); with the sampler on a GPU the CPU work overlaps for free."""
+    delay_s: float = 0.0
+    """Benchmarks only: each generate call of a sampler also sleeps this long (a slower sampler, to show overlap)."""
+    launcher: list[str] = field(default_factory=list)
+    """A command prefix for sampler processes, e.g. [ip, netns, exec, NAME] or [ssh, HOST] (with ``host``)."""
+    threads: int = 0
+    """torch threads per sampler (0: torch's default)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """Options of the vllm engine."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """Options of the sglang engine and its servers."""
+
+
+@dataclass
+class VerifierConfig:
+    """The verifier processes (verifiers/worker.py): ScoreRequests in, Scores out, scored by a pool of processes."""
+
+    count: int = 1
+    """Verifier processes at launch (``cascade-rl ctl scale verifiers=N`` changes it)."""
+    procs: int = 2
+    """Scoring processes per verifier worker (CPU-bound checks in parallel; a hung one is killed and replaced)."""
+    depth: int = 8
+    """Requests queued per scoring process (the next is already there when one finishes: no round trip between
+    two scores)."""
+    slots: int = 0
+    """Score requests the orchestrator may have at one verifier worker (0: twice what its pool holds,
+    2 x procs x depth, so the pool never waits for the orchestrator)."""
+    domains: list[str] = field(default_factory=list)
+    """Reward domains the verifier workers serve (each scored by the verifier registered under its name);
+    empty: every domain of the data."""
+    plugins: list[str] = field(default_factory=list)
+    """Your reward modules: dotted module names or paths to .py files, imported first by the launcher and
+    every verifier worker; they register verifiers with ``@register_verifier`` (verifiers/registry.py)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The judge endpoint for model-judged domains (genrm, llm_judge)."""
+
+
+@dataclass
+class TeacherConfig:
+    """MOPD's teacher servers (teachers/server.py): token log-probs of given sequences under a frozen checkpoint."""
+
+    checkpoints: dict[str, str] = field(default_factory=dict)
+    """Domain -> the HF checkpoint that teaches it (one teacher server per distinct checkpoint; the cascade
+    runner fills this with each domain's best checkpoint), e.g. ``+teacher.checkpoints.math=DIR``."""
+    slots: int = 32
+    """Requests (groups) the orchestrator may have at one teacher server."""
+    max_batch_tokens: int = 16384
+    """Most sequence tokens in one forward (a larger single request runs alone)."""
+    batch_window_s: float = 0.005
+    """After the first request of a burst, how long a teacher waits for the rest before its forward."""
+    threads: int = 0
+    """torch threads per teacher server (0: torch's default)."""
+
+
+@dataclass
+class GpuMemoryConfig:
+    """Shares of one GPU, per process of a role (0: no cap, for a GPU the process has alone). The shares of the
+    processes on one GPU must sum to at most 1. torch: set_per_process_memory_fraction; vLLM:
+    gpu_memory_utilization; SGLang: --mem-fraction-static."""
+
+    trainer: float = 0.0
+    """Each trainer rank's share of its GPU."""
+    sampler: float = 0.0
+    """Each sampler's (or its SGLang server's) share of its GPU."""
+    teacher: float = 0.0
+    """Each teacher server's share of its GPU."""
+
+
+@dataclass
+class GpusConfig:
+    """Which GPUs each role's processes use (ids as this machine numbers them, or as the supervisor's own
+    CUDA_VISIBLE_DEVICES does). A role without GPUs runs on the CPU. The supervisor gives every process exactly
+    its GPUs (CUDA_VISIBLE_DEVICES) and refuses, before launch, GPUs the machine lacks or a GPU shared by
+    several processes without a memory split (supervisor/placement.py)."""
+
+    trainer: list[int] = field(default_factory=list)
+    """The trainer's GPUs, one per rank (trainer.world_size of them), e.g. [0, 1]."""
+    samplers: list[int] = field(default_factory=list)
+    """The GPU of each sampler: sampler-i runs on samplers[i] (workers.samplers of them; ``ctl scale`` beyond
+    the list is refused)."""
+    teachers: list[int] = field(default_factory=list)
+    """The GPU of each teacher server (teacher-i serves the i-th distinct teacher checkpoint)."""
+    memory: GpuMemoryConfig = field(default_factory=GpuMemoryConfig)
+    """The share of its GPU one process of each role may take: needed for every role on a GPU that several
+    processes share, e.g. gpus.memory={trainer: 0.5, sampler: 0.3, teacher: 0.15}."""
+
+
+
+@dataclass
+class SupervisorConfig:
+    heartbeat_s: float = 1.0
+    """Heartbeat period of every worker."""
+    heartbeat_timeout_s: float = 60.0
+    """A worker silent this long is restarted."""
+    max_restarts: int = 3
+    """Restarts per worker before the run fails."""
+    restart_backoff_s: float = 1.0
+    """First restart delay; doubles with each restart of the same worker."""
+    progress: Progress = Progress.auto
+    """auto | rich | plain | none: live display (auto: rich on a terminal, plain lines otherwise)."""
+    timeout_s: float = 0.0
+    """Stop the run after this long (0: no limit)."""
+    drain_quiet_s: float = 1.0
+    """A draining worker (SIGTERM: ``ctl scale`` down, a swap, the end of the run) exits once it holds nothing and
+    no request has reached it for this long: requests the orchestrator sent before it read the drain notice are
+    still served."""
+
+
+@dataclass
+class EndpointsConfig:
+    """Filled by the supervisor at launch (never set by hand): ipc:// under a short temp dir (mode 0700), tcp://
+    on ``host``, or inproc:// with ``--inline``."""
+
+    orchestrator: str = ""
+    """The orchestrator's ROUTER: every sampler, verifier, teacher and the trainer connect their DEALER here."""
+    weights: str = ""
+    """The trainer's PUB: WeightsReady notices to every sampler."""
+    heartbeat: str = ""
+    """The supervisor's PULL: every process's Heartbeat."""
+    control: str = ""
+    """The supervisor's REP: ``cascade-rl ctl`` requests."""
+
+
+@dataclass
+class LaunchConfig:
+    run_dir: str = ""
+    """Where logs, checkpoints, metrics and summary go (default runs/<timestamp>)."""
+    resume: bool = False
+    """Continue this run_dir from its newest checkpoint (the same as trainer.resume_from=latest)."""
+    run_id: str = ""
+    """Filled by the supervisor: a short unique id (names the shm weights folder and socket dir)."""
+    weights_transport: str = "shm"
+    """A transport registered in learner/weights.py: shm (a file under /dev/shm: one machine) | stream (the file in chunks over ZeroMQ: no shared file system) |
+    cuda_ipc (samplers read the trainer's GPU buffers in place: trainer and samplers on one GPU, engine torch or vllm)."""
+    weights_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the transport. All: keep (versions kept, 2; cuda_ipc: GPU buffers). stream: endpoint (ROUTER bind,
+    "tcp://0.0.0.0:0" = a free port), host (the name samplers connect to; default ``host`` of this config,
+    else the bound address or this machine's hostname), chunk_mb (frame size, 16)."""
+    endpoints: EndpointsConfig = field(default_factory=EndpointsConfig)
+    """The run's sockets, filled by the supervisor."""
+    host: str = ""
+    """Empty: ipc endpoints (one machine). An address of this machine: tcp endpoints on it, so workers on
+    other hosts (or network namespaces) can connect; pair with weights_transport=stream without a shared
+    file system."""
+    auth: bool = True
+    """ZeroMQ CURVE (encryption + authentication) on every tcp socket of the run (``host`` set, the stream
+    transport): only processes holding the run's keys connect; anyone else who reaches a port gets no work, no
+    weights and no control. false only on a trusted network. ipc endpoints need no keys: their folder, like the
+    /dev/shm weights folder, is the run user's only (0700). A launch with ``host`` on a libzmq without CURVE is
+    refused. Cost: encryption slows the stream transport (16 MiB frames over loopback, 2 cores: 0.55 GiB/s with
+    CURVE against 2.2-3.1 GiB/s without), so on a trusted network of more than ~4 Gbit/s auth=false is faster."""
+    auth_keys: str = ""
+    """Filled by the supervisor when ``auth``: the run's key file (run_dir/auth.keys, made anew at each launch,
+    mode 0600). config.yaml holds this path, never a key (protocol/auth.py)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    gpus: GpusConfig = field(default_factory=GpusConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+
+
