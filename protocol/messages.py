@@ -182,9 +182,12 @@ class TrainBatch:
     teacher_logprobs: np.ndarray | None = array("float32", 2, default=None)  # [N, L] for MOPD
     loss_masked: np.ndarray | None = array("bool", 1, default=None)  # [N] rows trained with no loss
     cursor: dict[str, int] = field(default_factory=dict)  # the orchestrator's data cursor, saved with checkpoints
+    ids: list[str] = field(default_factory=list)  # [N] each row's rollout id (the ledger's; trained_ids.jsonl)
 
     def validate(self) -> str:
         n, length = self.input_ids.shape
+        if self.ids and len(self.ids) != n:
+            return f"{len(self.ids)} rollout ids for {n} rows"
         if self.group_size <= 0 or n % self.group_size:
             return f"{n} rows is not a whole number of groups of {self.group_size}"
         for name in ("response_mask", "inf_logprobs"):
