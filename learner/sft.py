@@ -27,7 +27,6 @@ from cascade_rl.data.prepare import BadLine
 from cascade_rl.data.render import PromptRenderer
 from cascade_rl.data.rows import BadRow, Fields, parse_messages, parse_response
 from cascade_rl.data.sources import DataError, read_records
-
 from cascade_rl.modeling.logprobs import token_logprobs
 
 

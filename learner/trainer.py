@@ -32,7 +32,9 @@ import torch
 import zmq
 from transformers import AutoTokenizer
 
-from cascade_rl.protocol import auth
+from cascade_rl.modeling.models import describe, load_model
+from cascade_rl.modeling.policy import Policy
+from cascade_rl.protocol import auth, records
 from cascade_rl.protocol.devices import role_device
 from cascade_rl.protocol.messages import Ready, StepDone, TrainBatch
 from cascade_rl.protocol.sockets import WorkerLink, send
@@ -40,10 +42,8 @@ from cascade_rl.protocol.worker_main import worker_start
 
 from . import checkpoint, parallel
 from .losses import group_advantages, group_token_mean, mismatch_stats
-from cascade_rl.modeling.models import describe, load_model
 from .objectives import OBJECTIVES, Terms
 from .optim import MasterAdamW
-from cascade_rl.modeling.policy import Policy
 from .weights import TRANSPORTS
 
 log = logging.getLogger("trainer")
@@ -233,6 +233,10 @@ def main(argv: list[str] | None = None) -> None:
     log.info("trainer rank %d of %d on %s (experts %s, log-probs %s)", ranks.rank, ranks.world_size, where,
              cfg.model.moe_impl, tcfg.logprob_impl)
     version = state["step"]
+    trained_ids = None  # rank 0: the rollout ids of every step it trains (orchestrator/ledger.py compares them)
+    if ranks.main:
+        records.keep_steps_before(run_dir / records.TRAINED_IDS_FILE, version)  # resumed at step s: steps s.. are redone
+        trained_ids = records.Appender(run_dir / records.TRAINED_IDS_FILE)
 
     # --- rank 0: sockets (weights PUB bound here, link to the orchestrator)
     link = pub = transport = None
@@ -275,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
             metrics["tokens_per_s"] = int(batch.lengths.sum()) * ranks.world_size / metrics["train_s"]
             if not ranks.main:
                 continue
+            trained_ids.write({"step": msg.step, "ids": list(msg.ids)})  # before StepDone: read once the run ends
             notice = transport.publish(strip_prefix(weights), version)
             send(pub, notice)  # samplers apply it at their next safe point
             link.send(notice)  # the orchestrator forwards it to samplers that join late
@@ -291,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         if link is not None:
             link.close()
             transport.close()
+            trained_ids.close()
         parallel.close(ranks)
 
 

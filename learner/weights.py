@@ -14,11 +14,13 @@ times both against a memory copy.
 * ``stream`` (hosts without a shared file system): the file is built once per
   version in memory (one copy of the weights: the trainer changes them in the
   next step) and served in chunks from a background thread that owns a ROUTER
-  bound on ``endpoint``; chunks go out as zero-copy frames over the snapshot,
-  so many samplers fetch concurrently without further copies. The newest
-  ``keep`` versions stay in memory, and the last evicted one, whose buffer the
-  next version reuses once no frame of it is in flight (touching fresh pages
-  costs more than the copy): (keep + 1) x the model's bytes.
+  bound on ``endpoint``; it answers each ``WeightsGet`` with a ``WeightsChunk``
+  (or a ``WeightsRefused``), messages of the codec (protocol/messages.py) whose
+  data frame is a zero-copy view of the snapshot, so many samplers fetch
+  concurrently without further copies. The newest ``keep`` versions stay in
+  memory, and the last evicted one, whose buffer the next version reuses once
+  no frame of it is in flight (touching fresh pages costs more than the copy):
+  (keep + 1) x the model's bytes.
   The notice's URI is ``stream+tcp://HOST:PORT/VERSION``: HOST is ``host`` if
   given, else the bound address if it is not a wildcard, else this machine's
   hostname (if it resolves; 127.0.0.1 otherwise). Set ``host`` when samplers
@@ -45,7 +47,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import torch
 import xxhash
@@ -53,9 +54,10 @@ import zmq
 from safetensors.torch import _remove_duplicate_names  # save_model's rule for tied weights (safetensors pinned)
 
 from cascade_rl.protocol import auth, cuda_ipc
-from cascade_rl.protocol.messages import WeightsReady
+from cascade_rl.protocol.codec import ProtocolError, decode, encode
+from cascade_rl.protocol.messages import WeightsChunk, WeightsGet, WeightsReady, WeightsRefused
 from cascade_rl.protocol.registry import Registry
-from cascade_rl.protocol.weights import STREAM_PROTOCOL, Checksum, WeightsError, shm_dir
+from cascade_rl.protocol.weights import Checksum, WeightsError, shm_dir
 
 log = logging.getLogger(__name__)
 
@@ -186,36 +188,40 @@ class StreamTransport:
         frames = sock.recv_multipart(copy=False)
         identity, version = frames[0].bytes, -1  # bytes: a received Frame cannot be sent tracked
         try:
-            version, chunk = parse_request(frames[1:])
+            request = decode(frames[1:], (WeightsGet,))
+            version = request.version
             with self._lock:  # the snapshot cannot be retired and reused between lookup and tracking
                 snap = self._snapshots.get(version)
                 if snap is not None:
-                    self._send_chunk(sock, identity, version, chunk, snap)
+                    self._send_chunk(sock, identity, version, request.chunk, snap)
                     return
                 served = sorted(self._snapshots)
             reason = f"version {version} is not served (evicted or never published); serving {served}"
-        except ValueError as e:
+        except ProtocolError as e:
             self.malformed += 1
-            log.warning("weights stream: malformed request: %s", e)
-            reason = f"malformed request: {e}"
+            reason = f"malformed request: {str(e):.300}"  # a reason, not an echo of what the peer sent
+            log.warning("weights stream: %s", reason)
         except Exception as e:  # never let one request stop the server
             log.exception("weights stream: request failed")
             reason = f"publisher error: {e}"
-        self._send(sock, [identity, refusal(version, reason)])
+        self._refuse(sock, identity, version, reason)
 
-    def _send_chunk(self, sock: zmq.Socket, identity, version: int, chunk: int, snap: Snapshot) -> None:
+    def _send_chunk(self, sock: zmq.Socket, identity: bytes, version: int, chunk: int, snap: Snapshot) -> None:
         nbytes = len(snap.data)
         chunks = max(1, -(-nbytes // self.chunk))
         if chunk >= chunks:
-            self._send(sock, [identity, refusal(version, f"chunk {chunk} out of range: v{version} has {chunks}")])
+            self._refuse(sock, identity, version, f"chunk {chunk} out of range: v{version} has {chunks}")
             return
-        head = {"t": "weights_chunk", "v": STREAM_PROTOCOL, "version": version, "chunk": chunk, "chunks": chunks,
-                "nbytes": nbytes, "checksum": snap.checksum}
-        data = memoryview(snap.data)[chunk * self.chunk : (chunk + 1) * self.chunk]  # zero-copy: zmq reads the snapshot
-        if tracker := self._send(sock, [identity, msgpack.packb(head), data], track=True):
+        data = snap.data[chunk * self.chunk : (chunk + 1) * self.chunk]  # a view: encode frames it without a copy
+        reply = WeightsChunk(version=version, chunk=chunk, chunks=chunks, nbytes=nbytes, checksum=snap.checksum,
+                             data=data)
+        if tracker := self._send(sock, [identity, *encode(reply)], track=True):  # zmq reads the snapshot
             snap.trackers.append(tracker)
             if len(snap.trackers) > 256:
                 snap.in_flight()  # drop the finished ones
+
+    def _refuse(self, sock: zmq.Socket, identity: bytes, version: int, reason: str) -> None:
+        self._send(sock, [identity, *encode(WeightsRefused(version=version, reason=reason))])
 
     def _send(self, sock: zmq.Socket, frames: list, track: bool = False):
         try:
@@ -223,26 +229,6 @@ class StreamTransport:
         except zmq.ZMQError:  # peer gone (ROUTER_MANDATORY) or its queue full: it times out and retries
             self.dropped += 1
             return None
-
-
-def parse_request(frames: list) -> tuple[int, int]:
-    """(version, chunk) of a stream request; ValueError says what is wrong."""
-    if len(frames) != 1:
-        raise ValueError(f"{len(frames)} frames, expected 1")
-    try:
-        req = msgpack.unpackb(frames[0].bytes)
-    except Exception as e:
-        raise ValueError(f"undecodable header ({e})") from None
-    if not isinstance(req, dict) or req.get("t") != "weights_get" or req.get("v") != STREAM_PROTOCOL:
-        raise ValueError(f"not a weights_get of protocol {STREAM_PROTOCOL}: {req!r:.100}")
-    version, chunk = req.get("version"), req.get("chunk")
-    if not (isinstance(version, int) and isinstance(chunk, int) and version >= 0 and chunk >= 0):
-        raise ValueError(f"version and chunk must be integers >= 0, got {version!r}, {chunk!r}")
-    return version, chunk
-
-
-def refusal(version: int, reason: str) -> bytes:
-    return msgpack.packb({"t": "weights_error", "v": STREAM_PROTOCOL, "version": version, "reason": reason})
 
 
 def advertised_host(address: str) -> str:

@@ -226,6 +226,54 @@ class WeightsReady:
     checksum: str = ""
 
 
+@message("weights_get")
+class WeightsGet:
+    """sampler → trainer's stream ROUTER (``stream`` transport): send me chunk ``chunk`` of weights ``version``."""
+
+    version: int
+    chunk: int
+
+    def validate(self) -> str:
+        return "" if self.version >= 0 and self.chunk >= 0 else f"version {self.version}, chunk {self.chunk}"
+
+
+@message("weights_chunk")
+class WeightsChunk:
+    """trainer's stream ROUTER → sampler: chunk ``chunk`` of the ``chunks`` of weights ``version``, a safetensors
+    file of ``nbytes`` bytes whose checksum is ``checksum`` (protocol/weights.py); ``data`` is the chunk's bytes,
+    ``[chunk * S, min((chunk + 1) * S, nbytes))`` for the publisher's chunk size ``S``."""
+
+    version: int
+    chunk: int
+    chunks: int
+    nbytes: int
+    checksum: str
+    data: np.ndarray = array("uint8")
+
+    def validate(self) -> str:
+        if self.version < 0 or self.nbytes < 0:
+            return f"version {self.version}, nbytes {self.nbytes}"
+        if not 0 <= self.chunk < self.chunks:
+            return f"chunk {self.chunk} of {self.chunks}"
+        if self.chunks > max(1, self.nbytes):  # every chunk but the only one of an empty file holds >= 1 byte
+            return f"{self.chunks} chunks of a {self.nbytes}-byte file"
+        if len(self.data) > self.nbytes:
+            return f"{len(self.data)} bytes in one chunk of a {self.nbytes}-byte file"
+        return ""
+
+
+@message("weights_refused")
+class WeightsRefused:
+    """trainer's stream ROUTER → sampler: a ``WeightsGet`` not served (a version evicted or never published, a
+    chunk out of range, a malformed request: ``version`` -1 when it could not be read), and why."""
+
+    version: int
+    reason: str
+
+    def validate(self) -> str:
+        return "" if self.version >= -1 else f"version {self.version}"
+
+
 # --------------------------------------------------------------------------- control plane
 
 

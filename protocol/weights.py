@@ -18,18 +18,21 @@ of the file gives. The stream sends exactly the file's bytes, so the receiver
 hashes the chunks as they arrive and never re-reads what it wrote. (A notice
 without a checksum is checked against the one in the publisher's replies.)
 
-Stream wire protocol (DEALER of the sampler -> ROUTER of the trainer; every
-header is one msgpack map, ``"v"`` is ``STREAM_PROTOCOL``):
+Stream wire protocol (DEALER of the sampler -> ROUTER of the trainer): messages of the codec like
+every other (protocol/codec.py, protocol/messages.py; a msgpack header frame, the data in a frame of
+its own, received zero-copy):
 
-    request   [{"t": "weights_get", "v", "version", "chunk"}]
-    reply     [{"t": "weights_chunk", "v", "version", "chunk", "chunks", "nbytes", "checksum"}, DATA]
-    refusal   [{"t": "weights_error", "v", "version", "reason"}]
+    request   WeightsGet(version, chunk)
+    reply     WeightsChunk(version, chunk, chunks, nbytes, checksum, data)
+    refusal   WeightsRefused(version, reason)
 
 Chunk ``i`` is bytes ``[i*S, min((i+1)*S, nbytes))`` of the file (``S`` is the
 publisher's chunk size; ``chunks`` tells the count). The receiver asks for
 chunk 0, then keeps at most ``window`` requests in flight (credit-based flow
 control: a slow sampler never makes the trainer queue more than ``window``
-chunks for it). Replies on one connection arrive in request order.
+chunks for it). Replies on one connection arrive in request order; a reply
+that does not decode, or is not the chunk asked for, ends the fetch with a
+``WeightsError``, as does a refusal (its reason in the message).
 """
 
 from __future__ import annotations
@@ -41,15 +44,14 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import msgpack
 import xxhash
 import zmq
 
 from . import auth
-from .messages import WeightsReady
+from .codec import ProtocolError, decode, encode
+from .messages import WeightsChunk, WeightsGet, WeightsReady, WeightsRefused
 from .registry import Registry
 
-STREAM_PROTOCOL = 1
 STREAM_URI = re.compile(r"^stream\+tcp://(?P<addr>.+:\d+)/(?P<version>\d+)$")
 
 RESOLVERS = Registry("weights uri scheme")  # scheme -> fn(notice, run_id, timeout_s) -> local path
@@ -164,10 +166,6 @@ def resolve_file(notice: WeightsReady, run_id: str, timeout_s: float) -> str:
 # --------------------------------------------------------------------------- stream
 
 
-def stream_request(version: int, chunk: int) -> bytes:
-    return msgpack.packb({"t": "weights_get", "v": STREAM_PROTOCOL, "version": version, "chunk": chunk})
-
-
 @RESOLVERS.register("stream+tcp")
 def resolve_stream(notice: WeightsReady, run_id: str, timeout_s: float, window: int = 4) -> str:
     m = STREAM_URI.match(notice.uri)
@@ -181,10 +179,10 @@ def resolve_stream(notice: WeightsReady, run_id: str, timeout_s: float, window: 
     auth.connect(sock, f"tcp://{m['addr']}")  # CURVE client when the run has keys (protocol/auth.py)
     try:
         with open(tmp, "wb") as f:
-            nbytes, checksum, head = _receive(sock, notice, f, timeout_s, window)
+            nbytes, checksum, announced = _receive(sock, notice, f, timeout_s, window)
         if notice.nbytes and nbytes != notice.nbytes:
             raise WeightsError(f"streamed weights v{notice.version}: {nbytes} bytes, notice says {notice.nbytes}")
-        if checksum != (notice.checksum or head.get("checksum")):  # a notice without one: the publisher's
+        if checksum != (notice.checksum or announced):  # a notice without one: the publisher's
             raise WeightsError(f"streamed weights v{notice.version} from {m['addr']} fail their checksum")
         os.replace(tmp, path)
     except BaseException:
@@ -196,57 +194,51 @@ def resolve_stream(notice: WeightsReady, run_id: str, timeout_s: float, window: 
     return str(path)
 
 
-def _receive(sock: zmq.Socket, notice: WeightsReady, f, timeout_s: float, window: int) -> tuple[int, str, dict]:
+def _receive(sock: zmq.Socket, notice: WeightsReady, f, timeout_s: float, window: int) -> tuple[int, str, str]:
     """Fetch every chunk of ``notice.version`` in order into ``f``; (bytes received, their checksum,
-    the last reply header)."""
+    the checksum the publisher's last reply announced)."""
     version, addr = notice.version, notice.uri
-    checksum = Checksum()  # holds each chunk's frame (through its memoryview) until hashed
+    checksum = Checksum()  # holds each chunk's frame (through the array viewing it) until hashed
     try:
-        sock.send(stream_request(version, 0))
+        sock.send_multipart(encode(WeightsGet(version=version, chunk=0)))
         sent, got, chunks, nbytes = 1, 0, 1, 0
         while got < chunks:
             if not sock.poll(int(timeout_s * 1000)):
                 raise WeightsError(f"no reply from the weights publisher {addr} in {timeout_s:g}s "
                                    f"(chunk {got}): is the trainer up and its weights host reachable from here?")
-            reply = sock.recv_multipart(copy=False)
-            head = _reply_header(reply, version, got)
+            reply = _reply(sock.recv_multipart(copy=False), version, got)
             if got == 0:
-                chunks = head["chunks"]
+                chunks = reply.chunks
                 while sent < min(chunks, window):
-                    sock.send(stream_request(version, sent))
+                    sock.send_multipart(encode(WeightsGet(version=version, chunk=sent)))
                     sent += 1
-            data = reply[1].buffer
+            data = reply.data  # a read-only view of the received frame: no copy
             f.write(data)
             checksum.update(data)
             nbytes += len(data)
             got += 1
             if sent < chunks:
-                sock.send(stream_request(version, sent))
+                sock.send_multipart(encode(WeightsGet(version=version, chunk=sent)))
                 sent += 1
-        if nbytes != head["nbytes"]:
-            raise WeightsError(f"streamed weights v{version}: {nbytes} bytes, publisher says {head['nbytes']}")
+        if nbytes != reply.nbytes:
+            raise WeightsError(f"streamed weights v{version}: {nbytes} bytes, publisher says {reply.nbytes}")
     finally:
         digest = checksum.hexdigest()
-    return nbytes, digest, head
+    return nbytes, digest, reply.checksum
 
 
-def _reply_header(frames: list, version: int, chunk: int) -> dict:
+def _reply(frames: list, version: int, chunk: int) -> WeightsChunk:
+    """The publisher's reply to the request for ``chunk`` of ``version``, or the ``WeightsError`` saying why not."""
     try:
-        head = msgpack.unpackb(frames[0].bytes)
-    except Exception as e:
-        raise WeightsError(f"weights publisher sent an undecodable header: {e}") from None
-    if not isinstance(head, dict) or head.get("v") != STREAM_PROTOCOL:
-        raise WeightsError(f"weights publisher speaks another protocol: {head!r:.200}")
-    if head.get("t") == "weights_error":
-        raise WeightsError(f"weights v{version}: publisher refused: {head.get('reason')}")
-    if head.get("t") != "weights_chunk" or len(frames) != 2:
-        raise WeightsError(f"weights publisher sent {head.get('t')!r} with {len(frames)} frames")
-    if head.get("version") != version or head.get("chunk") != chunk:
-        raise WeightsError(f"weights publisher sent v{head.get('version')} chunk {head.get('chunk')}, "
+        reply = decode(frames, (WeightsChunk, WeightsRefused))
+    except ProtocolError as e:
+        raise WeightsError(f"weights publisher sent a malformed reply: {e}") from None
+    if isinstance(reply, WeightsRefused):
+        raise WeightsError(f"weights v{version}: publisher refused: {reply.reason}")
+    if reply.version != version or reply.chunk != chunk:
+        raise WeightsError(f"weights publisher sent v{reply.version} chunk {reply.chunk}, "
                            f"expected v{version} chunk {chunk}")
-    if not all(isinstance(head.get(k), int) and head[k] >= 0 for k in ("chunks", "nbytes")) or chunk >= head["chunks"]:
-        raise WeightsError(f"weights publisher sent a bad chunk count or size: {head!r:.200}")
-    return head
+    return reply
 
 
 def _keep_newest(folder: Path, current: Path, keep: int) -> None:

@@ -4,12 +4,13 @@
 
 Started by the supervisor. It builds its engine from the run config on its
 device (samplers/engine.py ``build_engine``: cuda when ``gpus.samplers`` names
-GPUs, else cpu), loads version 0 from ``model.path``, tells the orchestrator it
-is ready, and loops: collect the requests that have arrived, apply the newest
-announced weights at this safe point (between batches; by the notice's format,
-``WEIGHT_LOADERS``: a safetensors file by path, or ``cuda_ipc`` views of the
-trainer's GPU buffer), and generate every request whose ``min_version`` the
-engine satisfies. A request the engine cannot serve gets
+GPUs, else cpu), loads version 0 from ``model.path`` and runs on the worker
+runtime (protocol/runtime.py: Ready, heartbeats, the batching window
+``sampler.batch_window_s``, drain on SIGTERM): collect the requests that have
+arrived, apply the newest announced weights at this safe point (between batches;
+by the notice's format, ``WEIGHT_LOADERS``: a safetensors file by path, or
+``cuda_ipc`` views of the trainer's GPU buffer), and generate every request whose
+``min_version`` the engine satisfies. A request the engine cannot serve gets
 ``Rollout(finish_reason="error")`` with the reason; the worker lives on.
 """
 
@@ -17,21 +18,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import queue
-import signal
 import time
 import zlib
+from collections import deque
 
 import numpy as np
 import torch
 
 from cascade_rl.protocol import cuda_ipc
 from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, WeightsReady
-from cascade_rl.protocol.sockets import WorkerLink
+from cascade_rl.protocol.runtime import Pending, WorkerRuntime
 from cascade_rl.protocol.weights import WeightsError, resolve
 from cascade_rl.protocol.worker_main import worker_start
 
-from . import sglang_engine, torch_engine, vllm_engine  # noqa: F401  (each registers its engine)
 from .engine import GenerationRequest, build_engine
 
 log = logging.getLogger("sampler")
@@ -77,7 +76,11 @@ def error_rollout(req: PromptRequest, worker_id: str, version: int, reason: str)
 
 
 class Sampler:
-    BATCH_WINDOW_S = 0.003
+    """The sampler's ``Service`` (protocol/runtime.py): the runtime collects requests and weight notices, this
+    applies the newest notice at each safe point (``take``: between batches) and generates."""
+
+    role = "sampler"
+
     def __init__(self, cfg, worker_id: str, engine_url: str = "") -> None:
         self.worker_id = worker_id
         self.engine = build_engine(cfg, engine_url)
@@ -86,68 +89,88 @@ class Sampler:
         self.state = "idle"
         self.latest: WeightsReady | None = None
         self.torn = False  # a load was torn (cuda_ipc): the engine's weights are a mix until the next good load
-        self.pending: list[PromptRequest] = []
-        ep = cfg.endpoints
-        self.link = WorkerLink(worker_id, "sampler", ep.orchestrator, ep.get("heartbeat"), ep.get("weights"),
-                               expect=(PromptRequest, WeightsReady), status=self.status,
-                               heartbeat_s=cfg.supervisor.heartbeat_s)
-        self.slots = cfg.sampler.slots
-        self.delay_s = cfg.sampler.delay_s
-        self.stream_groups = cfg.sampler.stream_groups
+        s = cfg.sampler
+        self.slots, self.delay_s, self.stream_groups = s.slots, s.delay_s, s.stream_groups
         self.run_id = cfg.run_id  # names the folder that streamed weights land in
+
+    # ------------------------------------------------------------------ the Service
+
+    def hello(self, draining: bool = False) -> Ready:
+        return Ready(self.worker_id, "sampler", 0 if draining else self.slots, self.engine.version, draining=draining)
 
     def status(self) -> dict:
         return {"state": self.state, "version": self.version(), "counters": dict(self.counters)}
+
+    def accept(self, msg) -> bool:
+        """Weight notices: keep the newest (applied at the next ``take``); requests are queued."""
+        if not isinstance(msg, WeightsReady):
+            return False
+        if msg.version > max(self.engine.version, self.latest.version if self.latest else -1):
+            self.latest = msg
+        return True
+
+    def take(self, pending: deque[Pending]) -> list[Pending]:
+        """The safe point: apply the newest notice, then every request whose ``min_version`` the engine meets."""
+        self._maybe_load_weights()
+        version = self.version()
+        ready = [p for p in pending if p.request.min_version <= version]
+        if ready:
+            waiting = [p for p in pending if p.request.min_version > version]
+            pending.clear()
+            pending.extend(waiting)
+        return ready
+
+    def check(self, item: Pending) -> str:
+        return self.engine.check(to_generation(item.request))
+
+    def serve(self, batch: list[Pending], reply) -> None:
+        self.state = "generating"
+        t0 = time.perf_counter()
+        sent: set[int] = set()
+
+        def send(i: int, samples: list) -> None:
+            """Request i's rollouts to the orchestrator: from inside generate as soon as they are done (engines
+            that stream groups), so scoring overlaps the rest of the batch; else after it."""
+            req, t_gen = batch[i].request, time.perf_counter() - t0
+            for k, s in enumerate(samples):
+                reply(batch[i], Rollout(req.group_id, k, req.domain, req.prompt_ids, s.response_ids, s.logprobs,
+                                        s.finish_reason, self.engine.version, self.worker_id, t_gen, req.attempt))
+                self.counters["rollouts"] += 1
+                self.counters["tokens"] += len(s.response_ids)
+            sent.add(i)
+
+        streams = self.stream_groups and getattr(self.engine, "streams_groups", False) and not self.delay_s
+        requests = [to_generation(p.request) for p in batch]
+        try:
+            groups = self.engine.generate(requests, on_done=send) if streams else self.engine.generate(requests)
+            if self.delay_s:
+                time.sleep(self.delay_s)  # benchmarks: a slower sampler (sampler.delay_s)
+            for i, samples in enumerate(groups):
+                if i not in sent:
+                    send(i, samples)
+        finally:  # an engine failure: the runtime answers the requests not sent with the reason
+            self.counters["gen_s"] += time.perf_counter() - t0
+            self.state = "idle"
+
+    def poll(self, reply) -> None:
+        pass  # generation is synchronous
+
+    def busy(self) -> int:
+        return 0
+
+    def error_reply(self, req: PromptRequest, reason: str) -> list[Rollout]:
+        self.counters["errors"] += 1
+        return [error_rollout(req, self.worker_id, self.engine.version, reason)]
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ weights
 
     def version(self) -> int:
         """The policy version the engine can sample: its own, or -1 (none) after a torn load, so that no request
         is served until the next notice's weights are in."""
         return -1 if self.torn else self.engine.version
-
-    def run(self) -> None:
-        """Serve until drained: SIGTERM (``ctl scale`` removing this sampler) stops new work; what it holds is
-        generated and sent, then it exits."""
-        draining: list[float] = []
-        signal.signal(signal.SIGTERM, lambda *_: draining.append(time.monotonic()))
-        self.link.start()
-        self.link.send(Ready(self.worker_id, "sampler", self.slots, self.engine.version))
-        quiet_since = None
-        while True:
-            if draining and quiet_since is None:
-                self.link.send(Ready(self.worker_id, "sampler", 0, self.engine.version, draining=True))
-                self.state, quiet_since = "draining", time.monotonic()
-            if quiet_since is not None and not self.pending and time.monotonic() - quiet_since > 1.0:
-                log.info("drained: %d rollouts", self.counters["rollouts"])
-                self.link.close()
-                return
-            # block while nothing can be generated (no requests, or all wait for newer weights)
-            n_before = len(self.pending)
-            self._collect(block=not any(r.min_version <= self.version() for r in self.pending))
-            if quiet_since is not None and len(self.pending) > n_before:
-                quiet_since = time.monotonic()  # requests sent before our notice was read: serve them too
-            self._maybe_load_weights()
-            version = self.version()
-            ready = [r for r in self.pending if r.min_version <= version]
-            if not ready:
-                continue
-            self.pending = [r for r in self.pending if r.min_version > version]
-            self._generate(ready)
-
-    def _collect(self, block: bool) -> None:
-        """Move arrived messages into ``pending``; after the first, wait a few ms for the rest of a burst
-        (the orchestrator dispatches a step's groups back to back), so they share one batch."""
-        timeout = 0.25 if block else 0.0
-        while True:
-            try:
-                msg = self.link.inbox.get(timeout=timeout) if timeout else self.link.inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(msg, WeightsReady):
-                if msg.version > max(self.engine.version, self.latest.version if self.latest else -1):
-                    self.latest = msg
-            else:
-                self.pending.append(msg)
-            timeout = self.BATCH_WINDOW_S
 
     def _maybe_load_weights(self) -> None:
         """Apply the newest notice by its format (``WEIGHT_LOADERS``). A notice that cannot be honoured is
@@ -172,51 +195,6 @@ class Sampler:
             log.error("cannot load weights v%d: %s", notice.version, e)  # wait for the next notice
         self.state = "idle"
 
-    def _generate(self, requests: list[PromptRequest]) -> None:
-        good = []
-        for req in requests:
-            reason = self.engine.check(to_generation(req))
-            if reason:
-                self.counters["errors"] += 1
-                self.link.send(error_rollout(req, self.worker_id, self.engine.version, reason))
-            else:
-                good.append(req)
-        if not good:
-            return
-        self.state = "generating"
-        t0 = time.perf_counter()
-        sent: set[int] = set()
-
-        def send(i: int, samples: list) -> None:
-            """Request i's rollouts to the orchestrator: from inside generate as soon as they are done (engines
-            that stream groups), so scoring overlaps the rest of the batch; else after it."""
-            req, t_gen = good[i], time.perf_counter() - t0
-            for k, s in enumerate(samples):
-                self.link.send(Rollout(req.group_id, k, req.domain, req.prompt_ids, s.response_ids, s.logprobs,
-                                       s.finish_reason, self.engine.version, self.worker_id, t_gen, req.attempt))
-                self.counters["rollouts"] += 1
-                self.counters["tokens"] += len(s.response_ids)
-            sent.add(i)
-
-        streams = self.stream_groups and getattr(self.engine, "streams_groups", False) and not self.delay_s
-        try:
-            requests = [to_generation(r) for r in good]
-            groups = self.engine.generate(requests, on_done=send) if streams else self.engine.generate(requests)
-        except Exception as e:  # an engine failure fails these requests, not the worker
-            log.exception("generation failed")
-            for i, req in enumerate(good):
-                if i not in sent:
-                    self.link.send(error_rollout(req, self.worker_id, self.engine.version, f"engine error: {e}"))
-            self.state = "idle"
-            return
-        if self.delay_s:
-            time.sleep(self.delay_s)  # benchmarks: a slower sampler (sampler.delay_s)
-        self.counters["gen_s"] += time.perf_counter() - t0
-        for i, samples in enumerate(groups):
-            if i not in sent:
-                send(i, samples)
-        self.state = "idle"
-
 
 def engine_device(engine, cfg) -> str:
     """Where the engine's model runs, for heartbeats and ``ctl status``."""
@@ -234,10 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     extra.add_argument("--engine-url", default="", help="the engine server the supervisor started for this sampler")
     known, rest = extra.parse_known_args(argv)
     args, cfg = worker_start(__doc__.splitlines()[0], rest)
-    if cfg.sampler.threads:
+    if cfg.sampler.threads and not cfg.get("inline"):  # inline: one process, torch's threads are everyone's
         torch.set_num_threads(cfg.sampler.threads)
     torch.manual_seed(zlib.crc32(f"{cfg.trainer.seed}:{args.worker_id}".encode()))
-    Sampler(cfg, args.worker_id, known.engine_url).run()
+    sampler = Sampler(cfg, args.worker_id, known.engine_url)
+    WorkerRuntime(sampler, cfg, args.worker_id, cfg.sampler.batch_window_s, weights=True,
+                  expect=(PromptRequest, WeightsReady)).run()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ started from the previous stage's final checkpoint, in ``<run_dir>/<stage>``;
 its ``data.eval_files`` are the cascade's held-out files, so no stage trains on
 a held-out prompt.
 After a stage, every checkpoint it saved is evaluated on each domain's
-held-out questions (learner/evaluate.py) and recorded in
+held-out questions (orchestrator/evaluate.py) and recorded in
 ``<run_dir>/cascade.json``. A stage with ``teachers: best`` (MOPD) gets, per
 domain it trains, the recorded checkpoint with the best accuracy on that
 domain (the starting model included); ``teachers: {domain: path}`` pins them.
@@ -39,9 +39,9 @@ from cascade_rl.data.promptset import PromptSet
 from cascade_rl.learner import checkpoint
 
 from .config import CONFIG_DIR, compose, validate
-from .schema import DataConfig
 from .config_errors import ConfigError, explain
 from .run_data import BadData, registered_domains
+from .schema import DataConfig
 
 
 @dataclass
@@ -219,7 +219,7 @@ class Cascade:
         return out
 
     def evaluate(self, path: str, step: int) -> dict:
-        from cascade_rl.learner.evaluate import evaluate_checkpoint
+        from cascade_rl.orchestrator.evaluate import evaluate_checkpoint
 
         e = self.cfg.eval
         result = evaluate_checkpoint(path, self.heldout, e.n, e.temperature, e.max_tokens, e.seed, self.thinking,

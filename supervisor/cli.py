@@ -6,6 +6,7 @@
     cascade-rl sft [model=DIR] [out=DIR] [files=[FILE,...]] [steps=N] ...
     cascade-rl launch PRESET|CONFIG.yaml [hydra overrides]   e.g. launch tiny run_dir=/tmp/r
     cascade-rl launch PRESET --dry-run                       print the resolved config
+    cascade-rl launch PRESET --inline                        every role a thread of one process (debuggers, py-spy)
     cascade-rl ctl [--run-dir DIR] status [--json]
     cascade-rl ctl [--run-dir DIR] stop
     cascade-rl ctl [--run-dir DIR] swap verifier DOMAIN NAME   # new workers score DOMAIN with NAME; old ones drain
@@ -76,7 +77,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 0
     from .launch import Supervisor
 
-    return Supervisor(cfg).run()
+    return Supervisor(cfg, inline=args.inline).run()
 
 
 def cmd_cascade(args: argparse.Namespace) -> int:
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("preset", help="a preset of configs/run/ (e.g. tiny, demo) or a YAML file")
     launch.add_argument("overrides", nargs="*", help="hydra overrides, e.g. trainer.steps=5 run_dir=/tmp/r")
     launch.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    launch.add_argument("--inline", action="store_true",
+                        help="every role a thread of this process (inproc sockets): for a debugger or py-spy")
     launch.set_defaults(fn=cmd_launch)
 
     cas = sub.add_parser("cascade", help="run RL stages in order, evaluate every checkpoint, MOPD from the best")
@@ -243,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(fn=cmd_ctl)
 
     args, extra = p.parse_known_args(argv)  # data check: FILE... and key=value overrides around --model
+    if extra and hasattr(args, "overrides") and args.cmd != "data" and all("=" in w for w in extra):
+        args.overrides += extra  # overrides after a flag: launch tiny --inline trainer.steps=5
+        extra = []
     if extra and args.cmd != "data":
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "data":

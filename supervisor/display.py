@@ -84,9 +84,18 @@ class Display:
         table.add_row("steps", str(summary["steps"]))
         table.add_row("wall time", f"{summary['wall_s']:.1f} s")
         for k, v in summary["books"].items():
+            if k == "trainer_ids":  # the trainer's ids against the ledger's
+                v = f"{'equal to' if v['match'] else 'DIFFER from'} the ledger's ({v['trainer_trained']} trained)"
+            elif isinstance(v, (dict, list)) and not v:
+                continue
             table.add_row(f"books.{k}", str(v))
         table.add_row("summary", str(self.run_dir / "summary.json"))
         self.console.print(table)
+
+    def notice(self, text: str) -> None:
+        """Something the user should read now (a stall), whatever the mode but none."""
+        if self.mode != "none":
+            self.console.print(f"[bold yellow]{text}[/]")
 
     def failed(self, reason: str) -> None:
         self.console.print(f"[bold red]run failed:[/] {reason} (logs in {self.run_dir / 'logs'})")

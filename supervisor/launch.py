@@ -42,13 +42,16 @@ from cascade_rl.protocol.messages import Control, ControlReply, Heartbeat
 from cascade_rl.protocol.sockets import recv, send
 from cascade_rl.protocol.weights import shm_dir
 
-from . import placement
+from . import inline as inline_mode
+from . import placement, stall
 from .config_errors import ConfigError
 from .display import Display
+from .inline import ThreadProc
 from .run_data import prepare_run_data
+from .stall import StallWatch
 
 MODULES = {
-    "orchestrator": "cascade_rl.learner.orchestrator",
+    "orchestrator": "cascade_rl.orchestrator.main",
     "trainer": "cascade_rl.learner.trainer",
     "sampler": "cascade_rl.samplers.worker",
     "verifier": "cascade_rl.verifiers.worker",
@@ -148,10 +151,16 @@ def sampler_procs(cfg, worker_id: str, slot: int, port: int | None = None) -> li
 
 
 class Supervisor:
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig, inline: bool = False) -> None:
+        """``inline``: every role a thread of this process (supervisor/inline.py), for debuggers and py-spy."""
         self.run_dir = Path(cfg.run_dir).resolve()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         cfg.run_dir = str(self.run_dir)
+        if inline and (refused := inline_mode.problems(cfg)):
+            raise ConfigError("; ".join(refused))
+        self.inline = cfg.inline = inline
+        if inline:
+            inline_mode.configure_logging(self.run_dir)
         # before any socket or process: bad rows (BadData) or a config the data contradicts (ConfigError)
         # refuse the launch here, and the orchestrator opens what this wrote to run_dir/data
         self.data = prepare_run_data(cfg)
@@ -178,11 +187,13 @@ class Supervisor:
         # is 0600 and config.yaml holds its path only. Without CURVE in libzmq (and no host) there are no tcp
         # endpoints but the stream transport's, which then stays plain, as with auth=false.
         cfg.auth_keys = ""
-        if cfg.get("auth", True) and auth.curve_available():
+        if cfg.get("auth", True) and auth.curve_available() and not inline:
             cfg.auth_keys = str(auth.RunKeys.generate().write(self.run_dir / auth.KEY_FILE))
         auth.install_from_config(cfg)
         names = ("orchestrator", "weights", "heartbeat", "control")
-        if cfg.host:  # tcp: reachable from other hosts / network namespaces
+        if inline:  # one process, one ZeroMQ context: in memory
+            endpoints = {name: f"inproc://{run_id}/{name}" for name in names}
+        elif cfg.host:  # tcp: reachable from other hosts / network namespaces
             endpoints = {name: f"tcp://{cfg.host}:{port}" for name, port in zip(names, free_ports(len(names)))}
         else:
             endpoints = {name: f"ipc://{self.sock_dir}/{name}" for name in names}
@@ -201,6 +212,7 @@ class Supervisor:
         self.verifier_impls: dict[str, str] = {}  # domain -> verifier name, as swaps set them
         self.started = time.monotonic()
         self.stop_requested = False
+        self.stall = StallWatch(cfg.orchestrator.stall_timeout_s)
         info = {"pid": os.getpid(), "control": cfg.endpoints.control, "run_dir": str(self.run_dir),
                 "auth_keys": cfg.auth_keys}  # ctl reads the key file (same user) to reach the control socket
         (self.run_dir / "supervisor.json").write_text(json.dumps(info))
@@ -210,6 +222,11 @@ class Supervisor:
     # ------------------------------------------------------------------ processes
 
     def spawn(self, proc: Proc) -> None:
+        if self.inline:
+            proc.popen = ThreadProc(MODULES[proc.role], ["--config", str(self.config_path), "--worker-id",
+                                                         proc.worker_id, *proc.args], proc.worker_id)
+            proc.state, proc.last_beat = "starting", time.monotonic()
+            return
         # PYTHONSAFEPATH (python -P): never put the cwd on sys.path, in this process's children and
         # theirs (torchrun's ranks): a checkout's top-level verifiers/ or kernels/ folders would shadow
         # the PyPI packages of those names
@@ -286,7 +303,7 @@ class Supervisor:
                 self._kill(p.popen)
             if p.serves in self.procs and self.procs[p.serves].popen is not None:
                 self._kill(self.procs[p.serves].popen)  # a fresh server has the base weights: so must its sampler
-            if p.restarts >= sup.max_restarts:
+            if p.restarts >= sup.max_restarts or self.inline:  # inline: the traceback is the answer
                 return f"{p.worker_id} failed {p.restarts + 1} times (see logs/{p.worker_id}.log)"
             p.state = f"exited({rc})" if rc is not None else "hung"
             p.popen = None
@@ -364,6 +381,9 @@ class Supervisor:
         return {"started": started, "retiring": [p.worker_id for p in old], "impl": {domain: impl}}
 
     def stop_all(self) -> None:
+        if self.inline:  # daemon threads: they end with this process
+            shutil.rmtree(shm_dir(self.cfg.run_id), ignore_errors=True)
+            return
         for p in self.procs.values():
             if p.popen is not None and p.popen.poll() is None:
                 os.killpg(p.popen.pid, signal.SIGTERM)
@@ -434,6 +454,18 @@ class Supervisor:
     def table(self) -> list[dict]:
         return [p.row() for p in self.procs.values()] + self.retired
 
+    def report_stall(self, display: Display) -> None:
+        """When the orchestrator's waits have stopped completing: stall.txt, and where to read it (supervisor/stall.py)."""
+        now, orchestrator = time.monotonic(), self.procs["orchestrator"].counters
+        if not self.stall.stalled(orchestrator, now):
+            return
+        rows = [{**p.row(), "beat_age_s": now - p.last_beat if p.popen else None} for p in self.procs.values()]
+        text = stall.report(rows, orchestrator, self.stall.stalled_for(now), self.stall.timeout_s,
+                            self.run_dir / "logs")
+        (self.run_dir / "stall.txt").write_text(text)
+        display.notice("\n".join(text.splitlines()[:2]) + f"\n(every worker and a stack dump of each process: "
+                       f"{self.run_dir / 'stall.txt'})")
+
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
@@ -448,6 +480,7 @@ class Supervisor:
                     self.serve(timeout_ms=200)
                     outcome = self.watch()
                     display.update(self.procs["orchestrator"].counters, self.table())
+                    self.report_stall(display)
         except KeyboardInterrupt:
             outcome = "interrupted"
         finally:

@@ -386,6 +386,9 @@ class LaunchConfig:
     """Continue this run_dir from its newest checkpoint (the same as trainer.resume_from=latest)."""
     run_id: str = ""
     """Filled by the supervisor: a short unique id (names the shm weights folder and socket dir)."""
+    inline: bool = False
+    """Filled by the supervisor for ``cascade-rl launch --inline``: every role runs as a thread of one process
+    (inproc:// sockets, verifiers score in their thread), so a debugger or py-spy sees the whole system."""
     weights_transport: str = "shm"
     """A transport registered in learner/weights.py: shm (a file under /dev/shm: one machine) | stream (the file in chunks over ZeroMQ: no shared file system) |
     cuda_ipc (samplers read the trainer's GPU buffers in place: trainer and samplers on one GPU, engine torch or vllm)."""

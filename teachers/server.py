@@ -1,18 +1,19 @@
 """Teacher server: TeacherRequests in, TeacherLogprobs out; token log-probs under one frozen checkpoint (MOPD).
 
     python -m cascade_rl.teachers.server --config RUN_DIR/config.yaml --worker-id teacher-0 \\
-        --model PATH --domains math,mcqa [--slots 32] [--max-batch-tokens 16384] [--threads 0]
+        --model PATH --domains math,mcqa
 
 Started by the supervisor, one process per teacher checkpoint. It loads the HF
 checkpoint at ``--model`` as the trainer does (modeling/models.py: ``model.dtype``,
 ``model.attn_impl``, ``model.moe_impl``; frozen, eval mode) on its device (``gpus.teachers``:
 the i-th teacher server on the i-th GPU listed; none: the CPU), connects to the orchestrator like
-every worker (``Ready`` with role "teacher", its ``slots`` and ``domains``;
-heartbeats to the supervisor) and loops: collect the requests that have
-arrived (after the first, a few ms more for the rest of a burst), take them in
-arrival order up to ``--max-batch-tokens`` sequence tokens, and answer them all
+every worker, on the worker runtime (protocol/runtime.py: ``Ready`` with role
+"teacher", its ``teacher.slots`` and ``domains``; heartbeats to the supervisor)
+and loops: collect the requests that have arrived (after the first,
+``teacher.batch_window_s`` more for the rest of a burst), take them in
+arrival order up to ``teacher.max_batch_tokens`` sequence tokens, and answer them all
 from ONE no-grad forward over their sequences (prompt + response i, one row
-each). The forward is the trainer's own (``learner.policy.Policy`` with the
+each). The forward is the trainer's own (``modeling.policy.Policy`` with the
 run's ``trainer.pack``/``pack_tokens``/``logprob_chunk_tokens``/
 ``logprob_impl``: packed rows, LM head in chunks, no [tokens x vocab] logits),
 so a teacher's log-probs of a checkpoint equal the trainer's of the same
@@ -33,8 +34,6 @@ from __future__ import annotations
 import argparse
 import collections
 import logging
-import queue
-import signal
 import time
 
 import numpy as np
@@ -45,7 +44,7 @@ from cascade_rl.modeling.models import describe, load_model
 from cascade_rl.modeling.policy import Policy
 from cascade_rl.protocol.devices import role_device
 from cascade_rl.protocol.messages import Ready, TeacherLogprobs, TeacherRequest
-from cascade_rl.protocol.sockets import WorkerLink
+from cascade_rl.protocol.runtime import Pending, WorkerRuntime
 from cascade_rl.protocol.worker_main import worker_start
 
 log = logging.getLogger("teacher")
@@ -134,91 +133,52 @@ class Teacher:
 
 
 class Server:
-    BATCH_WINDOW_S = 0.005  # after the first request, how long to wait for the rest of a burst
+    """The teacher's ``Service`` (protocol/runtime.py): batches of requests up to ``max_batch_tokens``, each batch
+    answered from one forward."""
 
-    def __init__(self, teacher: Teacher, worker_id: str, cfg, slots: int, max_batch_tokens: int) -> None:
+    role = "teacher"
+
+    def __init__(self, teacher: Teacher, worker_id: str, slots: int, max_batch_tokens: int) -> None:
         self.teacher, self.worker_id = teacher, worker_id
         self.where = describe(teacher.model)  # for heartbeats: where the model runs (it never moves)
         self.slots, self.max_batch_tokens = slots, max_batch_tokens
         self.counters = {"requests": 0, "sequences": 0, "tokens": 0, "errors": 0, "expired": 0, "batches": 0,
                          "forwards": 0, "busy_s": 0.0}
         self.state = "idle"
-        self.pending: collections.deque[tuple[float, TeacherRequest]] = collections.deque()  # (arrival, request)
-        ep = cfg.endpoints
-        self.link = WorkerLink(worker_id, "teacher", ep.orchestrator, ep.get("heartbeat"), None,
-                               expect=(TeacherRequest,), status=self.status, heartbeat_s=cfg.supervisor.heartbeat_s)
+
+    def hello(self, draining: bool = False) -> Ready:
+        return Ready(self.worker_id, "teacher", 0 if draining else self.slots, domains=self.teacher.domains,
+                     draining=draining)
 
     def status(self) -> dict:
         return {"state": self.state, "counters": {**self.counters, "device": self.where}}
 
-    def run(self) -> None:
-        """Serve until drained (see the module docstring)."""
-        draining: list[float] = []
-        signal.signal(signal.SIGTERM, lambda *_: draining.append(time.monotonic()))
-        self.link.start()
-        self.link.send(Ready(self.worker_id, "teacher", self.slots, domains=self.teacher.domains))
-        quiet_since = None
-        try:
-            while True:
-                if draining and quiet_since is None:
-                    self.link.send(Ready(self.worker_id, "teacher", 0, domains=self.teacher.domains, draining=True))
-                    self.state, quiet_since = "draining", time.monotonic()
-                if quiet_since is not None and not self.pending and time.monotonic() - quiet_since > 1.0:
-                    log.info("drained: %s", self.counters)
-                    return
-                n_before = len(self.pending)
-                self._collect(block=not self.pending)
-                if quiet_since is not None and len(self.pending) > n_before:
-                    quiet_since = time.monotonic()  # sent before our notice was read: answer them too
-                if self.pending:
-                    self._answer(self._take())
-        finally:
-            self.link.close()
+    def accept(self, msg) -> bool:
+        return False
 
-    def _collect(self, block: bool) -> None:
-        """Move arrived requests into ``pending``; after the first, wait a few ms for the rest of a burst (the
-        orchestrator sends a step's groups back to back), so they share one forward."""
-        timeout = 0.25 if block else 0.0
-        while True:
-            try:
-                req = self.link.inbox.get(timeout=timeout) if timeout else self.link.inbox.get_nowait()
-            except queue.Empty:
-                return
-            self.pending.append((time.monotonic(), req))
-            timeout = self.BATCH_WINDOW_S
-
-    def _take(self) -> list[tuple[float, TeacherRequest]]:
+    def take(self, pending: collections.deque[Pending]) -> list[Pending]:
         """The oldest pending requests, up to ``max_batch_tokens`` (always at least one)."""
         batch, tokens = [], 0
-        while self.pending and (not batch or tokens + sequence_tokens(self.pending[0][1]) <= self.max_batch_tokens):
-            batch.append(self.pending.popleft())
-            tokens += sequence_tokens(batch[-1][1])
+        while pending and (not batch or tokens + sequence_tokens(pending[0].request) <= self.max_batch_tokens):
+            batch.append(pending.popleft())
+            tokens += sequence_tokens(batch[-1].request)
         return batch
 
-    def _answer(self, batch: list[tuple[float, TeacherRequest]]) -> None:
-        now, good = time.monotonic(), []
-        for arrived, req in batch:
-            reason = self.teacher.check(req)
-            if not reason and now - arrived > req.deadline_s:
-                reason = f"deadline: not started within {req.deadline_s:g} s"
-                self.counters["expired"] += 1
-            if reason:
-                self._reply(TeacherLogprobs(req.key, np.zeros(0, np.float32), False, reason, self.worker_id))
-            else:
-                good.append(req)
-        if not good:
-            return
+    def check(self, item: Pending) -> str:
+        req = item.request
+        reason = self.teacher.check(req)
+        if not reason and time.monotonic() - item.arrived > req.deadline_s:
+            self.counters["expired"] += 1
+            reason = f"deadline: not started within {req.deadline_s:g} s"
+        return reason
+
+    def serve(self, batch: list[Pending], reply) -> None:
+        good = [item.request for item in batch]
         self.state = "busy"
         t0 = time.perf_counter()
         try:
             logprobs = self.teacher.logprobs(good)
-        except Exception as e:  # a failing forward fails these requests, not the server
-            log.exception("teacher forward failed")
-            for req in good:
-                self._reply(TeacherLogprobs(req.key, np.zeros(0, np.float32), False, f"teacher error: {e}",
-                                            self.worker_id))
-            return
-        finally:
+        finally:  # a failing forward: the runtime answers these requests with the reason
             self.state = "idle"
         dt = time.perf_counter() - t0
         self.counters["batches"] += 1
@@ -226,15 +186,23 @@ class Server:
         self.counters["busy_s"] += dt
         self.counters["sequences"] += sum(len(r.response_lens) for r in good)
         self.counters["tokens"] += sum(sequence_tokens(r) for r in good)
-        for req, values in zip(good, logprobs):
-            self._reply(TeacherLogprobs(req.key, values, True, "", self.worker_id, dt))
+        for item, values in zip(batch, logprobs):
+            self.counters["requests"] += 1
+            reply(item, TeacherLogprobs(item.request.key, values, True, "", self.worker_id, dt))
 
-    def _reply(self, msg: TeacherLogprobs) -> None:
+    def poll(self, reply) -> None:
+        pass
+
+    def busy(self) -> int:
+        return 0
+
+    def error_reply(self, req: TeacherRequest, reason: str) -> list[TeacherLogprobs]:
         self.counters["requests"] += 1
-        self.counters["errors"] += int(not msg.ok)
-        if not msg.ok:
-            log.warning("%s: %s", msg.key, msg.error)
-        self.link.send(msg)
+        self.counters["errors"] += 1
+        return [TeacherLogprobs(req.key, np.zeros(0, np.float32), False, reason, self.worker_id)]
+
+    def close(self) -> None:
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -242,23 +210,21 @@ def main(argv: list[str] | None = None) -> None:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--model", required=True, help="HF checkpoint directory of this teacher (frozen)")
     extra.add_argument("--domains", required=True, help="comma-separated domains this teacher answers")
-    extra.add_argument("--slots", type=int, default=32, help="requests (groups) the orchestrator may have here")
-    extra.add_argument("--max-batch-tokens", type=int, default=16384,
-                       help="most sequence tokens in one forward (a larger single request runs alone)")
-    extra.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     known, rest = extra.parse_known_args(argv)
     args, cfg = worker_start(__doc__.splitlines()[0], rest)
     domains = [d.strip() for d in known.domains.split(",") if d.strip()]
     if not domains:
         raise SystemExit("--domains: name at least one domain")
-    if known.threads:
-        torch.set_num_threads(known.threads)
+    t = cfg.teacher
+    if t.threads and not cfg.get("inline"):
+        torch.set_num_threads(t.threads)
 
-    # --- model, then serve
+    # --- model, then serve on the worker runtime
     teacher = Teacher.load(known.model, domains, cfg, role_device(cfg, "teacher"))
     log.info("teacher %s serving %s on %s (vocab %d, max length %s)", known.model, teacher.domains,
              describe(teacher.model), teacher.vocab, teacher.max_len)
-    Server(teacher, args.worker_id, cfg, known.slots, known.max_batch_tokens).run()
+    WorkerRuntime(Server(teacher, args.worker_id, t.slots, t.max_batch_tokens), cfg, args.worker_id,
+                  t.batch_window_s, expect=(TeacherRequest,)).run()
 
 
 if __name__ == "__main__":

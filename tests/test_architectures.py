@@ -24,11 +24,11 @@ from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cascade_rl.learner import parallel
+from cascade_rl.learner.trainer import Batch, build, train_step
 from cascade_rl.modeling.experts import use_moe_impl
 from cascade_rl.modeling.logprobs import token_logprobs
 from cascade_rl.modeling.packing import share_prefixes
 from cascade_rl.modeling.policy import Policy
-from cascade_rl.learner.trainer import Batch, build, train_step
 from cascade_rl.protocol.messages import TeacherRequest, TrainBatch
 from cascade_rl.samplers.engine import GenerationRequest
 from cascade_rl.samplers.torch_engine import TorchEngine

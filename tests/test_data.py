@@ -21,8 +21,8 @@ from cascade_rl.data.promptset import PromptSet, PromptStream
 from cascade_rl.data.render import PromptRenderer
 from cascade_rl.data.rows import BadRow, Fields, parse_row
 from cascade_rl.data.sources import DataError, parse_spec
-from cascade_rl.supervisor.schema import DataConfig
 from cascade_rl.supervisor.run_data import registered_domains
+from cascade_rl.supervisor.schema import DataConfig
 
 DOMAINS = registered_domains([])
 CHAT = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2 + 3?"}]

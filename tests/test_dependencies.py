@@ -19,7 +19,8 @@ ALLOWED = {
     "data": {"protocol", "verifiers"},  # row checks are the verifiers'
     "samplers": {"protocol", "kernels"},
     "teachers": {"protocol", "modeling"},  # never the trainer's package
-    "orchestrator": {"protocol", "data", "verifiers", "samplers"},  # samplers: offline evaluation's engine
+    # samplers: offline evaluation's engine; learner: the checkpoint's data cursor (learner/checkpoint.py)
+    "orchestrator": {"protocol", "data", "verifiers", "samplers", "learner"},
     "learner": {"protocol", "kernels", "modeling", "data"},
 }
 

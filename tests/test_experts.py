@@ -9,8 +9,8 @@ from test_trainer import make_batch
 from transformers import AutoModelForCausalLM
 
 from cascade_rl.learner import parallel
-from cascade_rl.modeling.experts import use_moe_impl
 from cascade_rl.learner.trainer import build, train_step
+from cascade_rl.modeling.experts import use_moe_impl
 from cascade_rl.supervisor.config import compose
 
 pytest.importorskip("triton")

@@ -21,8 +21,8 @@ are then broken in one family of ways per test:
 * type tags and versions;
 * mutation bursts: stacked bit flips, byte edits, frame swaps/drops of valid encodings, many per example.
 
-Volume (asserted by ``test_fuzz_volume``, which runs last): 9,740 hypothesis examples; 12,550 malformed
-inputs per registered message type (175,700 in all), most of them from the bursts, >= 90 % of them rejected.
+Volume (asserted by ``test_fuzz_volume``, which runs last): 11,570 hypothesis examples; 12,550 malformed
+inputs per registered message type (213,350 in all), most of them from the bursts, >= 90 % of them rejected.
 The hypothesis database is off, so runs do not depend on earlier ones.
 """
 
@@ -58,9 +58,9 @@ SCALE = float(os.environ.get("CASCADE_RL_FUZZ_SCALE", "1"))
 
 # --------------------------------------------------------------------------- budget
 
-# Hypothesis examples per test; each test but random frames runs once per registered type (14):
-#   5 single-input families x 110 + 60 bursts = 610 examples per type, 8,540 in all, + 1,200 random frames;
-#   malformed inputs per type: 5 x 110 + 60 bursts x 200 mutants = 12,550 (175,700 over the 14 types).
+# Hypothesis examples per test; each test but random frames runs once per registered type (17):
+#   5 single-input families x 110 + 60 bursts = 610 examples per type, 10,370 in all, + 1,200 random frames;
+#   malformed inputs per type: 5 x 110 + 60 bursts x 200 mutants = 12,550 (213,350 over the 17 types).
 EXAMPLES = int(110 * SCALE)
 BURSTS = int(60 * SCALE)
 RANDOM_FRAMES = int(1200 * SCALE)
@@ -225,10 +225,27 @@ def _fix_teacher_request(draw, kw: dict) -> None:  # response_lens split respons
 def _fix_train_batch(draw, kw: dict) -> None:
     n = kw["input_ids"].shape[0]
     kw["group_size"] = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0] or [1, 2, 3]))
+    if kw.get("ids"):  # rollout ids: none, or one per row
+        kw["ids"] = draw(st.lists(st.text(max_size=6), min_size=n, max_size=n))
 
 
 def _fix_control(draw, kw: dict) -> None:
     kw["op"] = draw(st.sampled_from(["status", "scale", "swap", "stop"]))
+
+
+def _fix_weights_get(draw, kw: dict) -> None:
+    kw["version"], kw["chunk"] = abs(kw["version"]), abs(kw["chunk"])
+
+
+def _fix_weights_chunk(draw, kw: dict) -> None:  # chunk < chunks, each chunk >= 1 byte, data within the file
+    kw["version"] = abs(kw["version"])
+    kw["chunks"] = draw(st.integers(1, 5))
+    kw["chunk"] = draw(st.integers(0, kw["chunks"] - 1))
+    kw["nbytes"] = draw(st.integers(max(len(kw["data"]), kw["chunks"] if kw["chunks"] > 1 else 0), 2**63 - 1))
+
+
+def _fix_weights_refused(draw, kw: dict) -> None:
+    kw["version"] = draw(st.integers(-1, 2**64 - 1))
 
 
 # What each type's validate() needs; test_generator_makes_valid_messages fails for a new type that needs more.
@@ -240,6 +257,9 @@ FIXUPS = {
     "teacher_request": _fix_teacher_request,
     "train_batch": _fix_train_batch,
     "control": _fix_control,
+    "weights_get": _fix_weights_get,
+    "weights_chunk": _fix_weights_chunk,
+    "weights_refused": _fix_weights_refused,
 }
 
 

@@ -31,7 +31,10 @@ from cascade_rl.protocol.messages import (
     TeacherLogprobs,
     TeacherRequest,
     TrainBatch,
+    WeightsChunk,
+    WeightsGet,
     WeightsReady,
+    WeightsRefused,
 )
 
 # --------------------------------------------------------------------------- helpers
@@ -134,6 +137,11 @@ def sample_messages() -> list[Any]:
         StepDone(step=17, version=18, metrics={"loss": 0.4375, "kl": 1e-3, "grad_norm": 2.0}),
         StepDone(step=0, version=1),
         WeightsReady(version=18, uri="file:///tmp/weights/v18", format="safetensors", nbytes=1 << 33, checksum="ab12"),
+        WeightsGet(version=18, chunk=3),
+        WeightsChunk(version=18, chunk=2, chunks=3, nbytes=40, checksum="ab12", data=np.arange(8, dtype=np.uint8) * 31),
+        WeightsChunk(version=0, chunk=0, chunks=1, nbytes=0, checksum="", data=np.zeros(0, np.uint8)),  # an empty file
+        WeightsRefused(version=18, reason="version 18 is not served (evicted or never published); serving [19, 20]"),
+        WeightsRefused(version=-1, reason="malformed request: header is not msgpack"),
         Heartbeat(
             role="trainer",
             worker_id="trainer-0",
@@ -213,7 +221,8 @@ def test_samples_cover_every_registered_type_and_array_dtype():
         for f in dataclasses.fields(cls)
         if "array" in f.metadata
     }
-    assert declared == {("int32", 1), ("float32", 1), ("int32", 2), ("float32", 2), ("bool", 2), ("bool", 1)}
+    assert declared == {("int32", 1), ("float32", 1), ("int32", 2), ("float32", 2), ("bool", 2), ("bool", 1),
+                        ("uint8", 1)}
 
 
 @pytest.mark.parametrize("msg", sample_messages(), ids=lambda m: m.TYPE)
@@ -641,6 +650,16 @@ VALIDATION_FAILURES = [
     (_teacher_request(deadline_s=float("inf")), "deadline_s inf"),
     (Control(op="reboot"), "control: unknown op 'reboot'"),
     (Ready(worker_id="w", role="sampler", slots=-1), "ready: slots must be >= 0"),
+    (WeightsGet(version=-1, chunk=0), "weights_get: version -1, chunk 0"),
+    (WeightsGet(version=3, chunk=-2), "weights_get: version 3, chunk -2"),
+    (WeightsChunk(3, 3, 3, 40, "", np.zeros(4, np.uint8)), "weights_chunk: chunk 3 of 3"),
+    (WeightsChunk(3, -1, 3, 40, "", np.zeros(4, np.uint8)), "weights_chunk: chunk -1 of 3"),
+    (WeightsChunk(3, 0, 0, 0, "", np.zeros(0, np.uint8)), "weights_chunk: chunk 0 of 0"),
+    (WeightsChunk(-1, 0, 1, 4, "", np.zeros(4, np.uint8)), "weights_chunk: version -1, nbytes 4"),
+    (WeightsChunk(3, 0, 1, -4, "", np.zeros(0, np.uint8)), "weights_chunk: version 3, nbytes -4"),
+    (WeightsChunk(3, 0, 5, 4, "", np.zeros(1, np.uint8)), "weights_chunk: 5 chunks of a 4-byte file"),
+    (WeightsChunk(3, 0, 1, 4, "", np.zeros(5, np.uint8)), "weights_chunk: 5 bytes in one chunk of a 4-byte file"),
+    (WeightsRefused(version=-2, reason="x"), "weights_refused: version -2"),
 ]
 
 

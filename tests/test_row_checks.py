@@ -240,9 +240,9 @@ def test_plugin_by_path_in_spawned_scoring_processes(plugin_file):
 
 def test_plugin_errors_name_the_entry_and_cause(tmp_path):
     missing = tmp_path / "nowhere" / "rewards.py"
-    with pytest.raises(PluginError, match=rf"^workers\.verifier_plugins: {missing}: no such file$"):
+    with pytest.raises(PluginError, match=rf"^verifier\.plugins: {missing}: no such file$"):
         load_plugins([str(missing)])
-    with pytest.raises(PluginError, match=r"^workers\.verifier_plugins: no_such_pkg\.rewards: ModuleNotFoundError: "):
+    with pytest.raises(PluginError, match=r"^verifier\.plugins: no_such_pkg\.rewards: ModuleNotFoundError: "):
         load_plugins(["no_such_pkg.rewards"])
     broken = tmp_path / "broken.py"
     broken.write_text("import no_such_module_for_cascade_rl\n")

@@ -19,8 +19,8 @@ import zmq
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from cascade_rl.modeling.policy import Policy
 from cascade_rl.learner.trainer import Batch
+from cascade_rl.modeling.policy import Policy
 from cascade_rl.protocol.codec import decode, encode
 from cascade_rl.protocol.messages import Heartbeat, Ready, Score, TeacherLogprobs, TeacherRequest, TrainBatch
 from cascade_rl.protocol.sockets import bind_router, recv, recv_routed, send
@@ -36,7 +36,8 @@ VOCAB = 319  # the tiny model's (learner/tiny_model.py)
 
 def run_config(model: str, run_dir: Path):
     # check=False: the launch rules are the supervisor's; a teacher reads model, trainer and endpoints only
-    cfg = compose("tiny", [f"model.path={model}", f"run_dir={run_dir}", "supervisor.heartbeat_s=0.2"], check=False)
+    cfg = compose("tiny", [f"model.path={model}", f"run_dir={run_dir}", "supervisor.heartbeat_s=0.2",
+                           "teacher.threads=1"], check=False)
     cfg.endpoints.update({"orchestrator": f"ipc://{run_dir}/orch", "heartbeat": f"ipc://{run_dir}/beat"})
     return cfg
 
@@ -102,7 +103,7 @@ class Orchestrator:
         log = self.logs[worker_id] = open(self.run_dir / f"{worker_id}.log", "wb")  # stdout and stderr
         self.procs[worker_id] = subprocess.Popen(
             [sys.executable, "-P", "-m", "cascade_rl.teachers.server", "--config", str(self.config), "--worker-id",
-             worker_id, "--model", model, "--domains", domains, "--threads", "1"], stdout=log, stderr=log)
+             worker_id, "--model", model, "--domains", domains], stdout=log, stderr=log)
 
     def wait_ready(self, *worker_ids: str, timeout_s: float = 90.0) -> None:
         t_end = time.monotonic() + timeout_s

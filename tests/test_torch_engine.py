@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file, save_model
 from transformers import AutoModelForCausalLM
 
-from cascade_rl.modeling.logprobs import token_logprobs
 from cascade_rl.learner.trainer import Batch
+from cascade_rl.modeling.logprobs import token_logprobs
 from cascade_rl.protocol.messages import TrainBatch
 from cascade_rl.samplers.engine import GenerationRequest
 from cascade_rl.samplers.torch_engine import TorchEngine

@@ -11,9 +11,9 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
+from cascade_rl.learner.trainer import Batch, lr_at, train_step
 from cascade_rl.modeling.logprobs import token_logprobs
 from cascade_rl.modeling.policy import Policy
-from cascade_rl.learner.trainer import Batch, lr_at, train_step
 from cascade_rl.protocol.messages import TrainBatch
 
 

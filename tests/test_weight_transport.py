@@ -1,7 +1,8 @@
 """Weight transports end to end: a real tiny model published by ``shm`` and ``stream`` (ROUTER on
 127.0.0.1), resolved and loaded in other processes (spawned, as samplers are), two at once; evicted
 versions, bad checksums, dead publishers and malformed requests end in a ``WeightsError`` or a
-refusal, and the stream server keeps serving through all of it. ``cuda_ipc``: its tensor table,
+refusal, and the stream server keeps serving through all of it; the stream's messages are the codec's
+(``WeightsGet``/``WeightsChunk``/``WeightsRefused``), read and written here on real sockets. ``cuda_ipc``: its tensor table,
 double buffering, seqlock and refusals on the CPU; the handle opened in another process (bitwise),
 a torn read across processes and the torch engine loading from the buffer on a GPU."""
 
@@ -12,11 +13,13 @@ import multiprocessing as mp
 import shutil
 import socket
 import struct
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -26,15 +29,14 @@ from transformers import AutoModelForCausalLM
 
 from cascade_rl.learner.weights import TRANSPORTS, named_tensors
 from cascade_rl.protocol import cuda_ipc
-from cascade_rl.protocol.messages import WeightsReady
+from cascade_rl.protocol.codec import PROTOCOL_VERSION, decode, encode
+from cascade_rl.protocol.messages import Ready, WeightsChunk, WeightsGet, WeightsReady, WeightsRefused
 from cascade_rl.protocol.weights import (
-    STREAM_PROTOCOL,
     WeightsError,
     file_checksum,
     receive_dir,
     resolve,
     shm_dir,
-    stream_request,
 )
 
 RUN = f"test-wt-{uuid.uuid4().hex[:8]}"  # receivers' run id: files land in shm_dir(RUN)/stream-<pid>
@@ -150,32 +152,58 @@ def test_stream_publisher_that_does_not_answer_times_out():
         resolve(WeightsReady(2, f"stream+tcp://127.0.0.1:{port}/1"), RUN, 0.3)
 
 
+def get(version: int, chunk: int) -> list:
+    return encode(WeightsGet(version=version, chunk=chunk))
+
+
+def dealer_to(port: int) -> zmq.Socket:
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    return dealer
+
+
+def ask(dealer: zmq.Socket, frames: list):
+    """Send ``frames`` to the publisher; its reply, decoded (a WeightsChunk or WeightsRefused)."""
+    dealer.send_multipart(frames)
+    assert dealer.poll(5000), f"no answer to {frames}"
+    return decode(dealer.recv_multipart(copy=False), (WeightsChunk, WeightsRefused))
+
+
 def test_stream_server_survives_malformed_requests(model, pool):
     stream = make("stream")
     try:
         notice = stream.publish(model, 1)
-        dealer = zmq.Context.instance().socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(f"tcp://127.0.0.1:{stream.port}")
-        bad = [
+        dealer = dealer_to(stream.port)
+        malformed = [
             [b"\x00garbage"],
+            [b""],
             [b"one", b"two"],
             [msgpack.packb([1, 2, 3])],
-            [msgpack.packb({"t": "weights_get", "v": STREAM_PROTOCOL + 1, "version": 1, "chunk": 0})],
-            [msgpack.packb({"t": "weights_get", "v": STREAM_PROTOCOL, "version": "1", "chunk": 0})],
-            [msgpack.packb({"t": "weights_get", "v": STREAM_PROTOCOL, "version": 1, "chunk": -1})],
-            [stream_request(99, 0)],  # well-formed: a version never published
-            [stream_request(1, 10**6)],  # well-formed: a chunk out of range
+            encode(Ready(worker_id="w", role="sampler", slots=1)),  # valid, but not a request of this socket
+            [*get(1, 0), b"extra"],  # a frame nothing references
+            [msgpack.packb({"t": "weights_get", "v": PROTOCOL_VERSION + 1, "version": 1, "chunk": 0})],
+            [msgpack.packb({"t": "weights_get", "v": PROTOCOL_VERSION, "version": "1", "chunk": 0})],
+            [msgpack.packb({"t": "weights_get", "v": PROTOCOL_VERSION, "version": 1})],
+            get(1, -1),  # validate: chunk >= 0
+            get(-3, 0),
         ]
-        for frames in bad:
-            dealer.send_multipart(frames)
-            assert dealer.poll(5000), f"no answer to {frames}"
-            reply = dealer.recv_multipart()
-            assert len(reply) == 1 and msgpack.unpackb(reply[0])["t"] == "weights_error"
-        assert stream.malformed == 6
+        for frames in malformed:
+            reply = ask(dealer, frames)
+            assert isinstance(reply, WeightsRefused) and reply.version == -1, (frames, reply)
+            assert reply.reason.startswith("malformed request: "), reply.reason
+        assert stream.malformed == len(malformed)
+        assert "unexpected message type 'ready'" in ask(dealer, encode(Ready("w", "sampler", 1))).reason
+        # well-formed requests it cannot serve: refused with the reason, not counted as malformed
+        never = ask(dealer, get(99, 0))
+        assert isinstance(never, WeightsRefused) and never.version == 99 and "not served" in never.reason
+        far = ask(dealer, get(1, 10**6))
+        assert isinstance(far, WeightsRefused) and far.version == 1 and "out of range" in far.reason
+        assert stream.malformed == len(malformed) + 1
+        assert isinstance(ask(dealer, get(1, 0)), WeightsChunk)  # the same connection is still served
         # a fetcher that asks for chunks and vanishes before reading them
         for chunk in range(4):
-            dealer.send(stream_request(1, chunk))
+            dealer.send_multipart(get(1, chunk))
         dealer.close(linger=0)
         time.sleep(0.2)
         result = pool.apply(fetch, (notice, RUN))
@@ -183,6 +211,108 @@ def test_stream_server_survives_malformed_requests(model, pool):
         assert_same(result[1], model)
     finally:
         stream.close()
+
+
+def test_stream_round_trip_through_the_codec():
+    """Chunks read by hand over a DEALER are ``WeightsChunk`` messages whose data frames, in order, are the
+    file; ``resolve`` writes the same file (its checksum the notice's), with or without a checksum in the
+    notice (then the publisher's is checked)."""
+    weights = {"a": torch.arange(600_000, dtype=torch.float32), "b": torch.ones(7, dtype=torch.bfloat16)}
+    stream = make("stream")  # 1 MiB chunks: this file is 3 of them
+    try:
+        notice = stream.publish(weights, 2)
+        dealer = dealer_to(stream.port)
+        try:
+            first = ask(dealer, get(2, 0))
+            assert isinstance(first, WeightsChunk) and first.chunks == 3 and first.nbytes == notice.nbytes
+            assert first.checksum == notice.checksum and first.data.dtype == np.uint8 and len(first.data) == 1 << 20
+            parts = [first.data.tobytes()] + [ask(dealer, get(2, i)).data.tobytes() for i in (1, 2)]
+        finally:
+            dealer.close(linger=0)
+        assert len(parts[2]) == notice.nbytes - (2 << 20)
+        assert xxhash.xxh3_128_hexdigest(b"".join(parts)) == notice.checksum
+        path = resolve(notice, RUN)
+        assert Path(path).read_bytes() == b"".join(parts) and file_checksum(path) == notice.checksum
+        bare = WeightsReady(notice.version, notice.uri)  # no size, no checksum: the publisher's are checked
+        assert file_checksum(resolve(bare, RUN)) == notice.checksum
+        assert torch.equal(load_file(path)["a"], weights["a"])
+    finally:
+        stream.close()
+
+
+class FakePublisher:
+    """A ROUTER on 127.0.0.1 that answers each request with ``answer(request) -> frames``, in a thread."""
+
+    def __init__(self, answer) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.answer, self.requests = answer, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(50):
+                identity, *frames = self.sock.recv_multipart()
+                request = decode(frames, (WeightsGet,))
+                self.requests.append(request)
+                self.sock.send_multipart([identity, *self.answer(request)])
+
+    def notice(self, version: int = 5) -> WeightsReady:
+        return WeightsReady(version, f"stream+tcp://127.0.0.1:{self.port}/{version}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close(linger=0)
+
+
+def chunk_of(request: WeightsGet, **kw) -> list:
+    fields = dict(version=request.version, chunk=request.chunk, chunks=2, nbytes=8, checksum="0" * 32,
+                  data=np.arange(4, dtype=np.uint8))
+    return encode(WeightsChunk(**(fields | kw)))
+
+
+@pytest.mark.parametrize("answer, match", [
+    (lambda r: encode(WeightsRefused(version=r.version, reason="the trainer is shutting down")),
+     r"^weights v5: publisher refused: the trainer is shutting down$"),
+    (lambda r: [b"\xc1"], "malformed reply: header is not msgpack"),
+    (lambda r: encode(Ready(worker_id="x", role="sampler", slots=1)), "malformed reply: unexpected message type"),
+    (lambda r: chunk_of(r, chunk=2), "malformed reply: weights_chunk: chunk 2 of 2"),  # validate
+    (lambda r: [chunk_of(r)[0]], "malformed reply: weights_chunk.data"),  # the data frame missing
+    (lambda r: chunk_of(r, version=4), "sent v4 chunk 0, expected v5 chunk 0"),
+    (lambda r: chunk_of(r, chunk=1 - r.chunk), "sent v5 chunk 1, expected v5 chunk 0"),
+    (lambda r: chunk_of(r, data=np.arange(3, dtype=np.uint8)), "6 bytes, publisher says 8"),
+])
+def test_stream_receiver_turns_bad_replies_into_weights_errors(answer, match):
+    """What a publisher answers that is not the chunk asked for ends the fetch with a WeightsError saying what,
+    and leaves no partial file behind."""
+    with FakePublisher(answer) as pub:
+        with pytest.raises(WeightsError, match=match):
+            resolve(pub.notice(), RUN, timeout_s=5.0)
+        assert pub.requests and pub.requests[0] == WeightsGet(version=5, chunk=0)
+    assert not list(receive_dir(RUN).glob("*.tmp"))
+
+
+def test_stream_receiver_accepts_a_well_formed_publisher():
+    """The fake publisher, answering correctly, yields the file: the receiver needs nothing but the codec's
+    messages (the window: both chunks are asked for before the second reply)."""
+    data = bytes(range(8))
+    checksum = xxhash.xxh3_128_hexdigest(data)
+
+    def answer(r: WeightsGet) -> list:
+        part = np.frombuffer(data, np.uint8)[r.chunk * 4 : r.chunk * 4 + 4]
+        return encode(WeightsChunk(version=r.version, chunk=r.chunk, chunks=2, nbytes=8, checksum=checksum, data=part))
+
+    with FakePublisher(answer) as pub:
+        path = resolve(pub.notice(), RUN, timeout_s=5.0)
+        assert [r.chunk for r in pub.requests] == [0, 1]
+    assert Path(path).read_bytes() == data
 
 
 def test_stream_uri_host():

@@ -21,15 +21,19 @@ Group domains (``verifiers.registry.GROUP_VERIFIERS``: pairwise GenRM) get one
 same deadlines apply. Scoring processes see ``verifier.judge`` (endpoint, model,
 API-key variable) in ``registry.SETTINGS``.
 
-SIGTERM drains: the worker tells the orchestrator it takes no more work
-(``Ready(draining=True)``), scores what it holds, then exits 0. That is how the
-supervisor retires the old workers of a swap without losing a score.
+It runs on the worker runtime (protocol/runtime.py): Ready with its slots
+(``verifier.slots``), heartbeats, error replies, and SIGTERM drains: the worker
+tells the orchestrator it takes no more work (``Ready(draining=True)``), scores
+what it holds, then exits 0. That is how the supervisor retires the old workers
+of a swap without losing a score. With ``launch --inline`` scoring runs in the
+worker's thread (``InThreadPool``), where a debugger sees it.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import faulthandler
 import logging
 import multiprocessing as mp
 import queue
@@ -41,7 +45,7 @@ from multiprocessing.connection import Connection, wait
 from omegaconf import OmegaConf
 
 from cascade_rl.protocol.messages import GroupScoreRequest, Ready, Score, ScoreRequest
-from cascade_rl.protocol.sockets import WorkerLink
+from cascade_rl.protocol.runtime import Pending, WorkerRuntime
 from cascade_rl.protocol.worker_main import worker_start
 
 from . import registry
@@ -88,6 +92,7 @@ def _child(conn: Connection, impls: dict[str, str], plugins: list[str], settings
     A reader thread takes requests off the pipe as they come, so the parent's sends never block on a
     verifier that is busy (or hanging) with an earlier request."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stall report's stack dump (supervisor/stall.py)
     registry.SETTINGS.update(settings)
     load_plugins(plugins)
     todo: queue.SimpleQueue = queue.SimpleQueue()
@@ -132,6 +137,11 @@ class Pool:
     @property
     def busy(self) -> int:
         return len(self.slots) - self.idle
+
+    @property
+    def pids(self) -> list[int]:
+        """The scoring processes (a stall report dumps their stacks too)."""
+        return [s["proc"].pid for s in self.slots]
 
     @property
     def room(self) -> int:
@@ -200,6 +210,89 @@ class Pool:
             s["proc"].join(timeout=5)  # reap: no zombies left behind
 
 
+class InThreadPool:
+    """``Pool``'s interface, scoring in the calling thread (``launch --inline``: one process, so a debugger sees
+    the reward function). No deadline can be enforced on a verifier that hangs."""
+
+    def __init__(self, impls: dict[str, str]) -> None:
+        self.impls, self.queue = impls, collections.deque()
+        self.room = 1
+
+    @property
+    def busy(self) -> int:
+        return len(self.queue)
+
+    def submit(self, req: ScoreRequest | GroupScoreRequest) -> None:
+        self.queue.append(req)
+
+    @property
+    def pids(self) -> list[int]:
+        return []
+
+    def collect(self, timeout: float) -> list[Score]:
+        out = []
+        while self.queue:
+            req = self.queue.popleft()
+            out.extend(score_group(req, self.impls) if isinstance(req, GroupScoreRequest) else [score_one(req, self.impls)])
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class Verifier:
+    """The verifier's ``Service`` (protocol/runtime.py): requests go to the pool as it has room; scores come back
+    from ``poll``."""
+
+    role = "verifier"
+
+    def __init__(self, worker_id: str, domains: list[str], pool: Pool | InThreadPool, slots: int) -> None:
+        self.worker_id, self.domains, self.pool = worker_id, domains, pool
+        self.slots = slots or 2 * pool.room  # requests held at once: the pool's plus as many queued here
+        self.counters = {"scored": 0, "failed": 0, "verify_s": 0.0}
+
+    def hello(self, draining: bool = False) -> Ready:
+        return Ready(self.worker_id, "verifier", slots=0 if draining else self.slots, domains=self.domains,
+                     draining=draining)
+
+    def status(self) -> dict:
+        return {"state": "running", "counters": {**self.counters, "pool_pids": list(getattr(self.pool, "pids", []))}}
+
+    def accept(self, msg) -> bool:
+        return False
+
+    def take(self, pending: collections.deque[Pending]) -> list[Pending]:
+        return [pending.popleft() for _ in range(min(len(pending), self.pool.room))]
+
+    def check(self, item: Pending) -> str:
+        return ""  # a verifier's failures are scores (ok=False), made in the pool
+
+    def serve(self, batch: list[Pending], reply) -> None:
+        for item in batch:
+            self.pool.submit(item.request)
+
+    def poll(self, reply) -> None:
+        # with room left, return soon: a request arriving now starts within a couple of ms
+        for score in self.pool.collect(timeout=0.002 if self.pool.room else 0.02):
+            score.worker_id = self.worker_id
+            self.counters["scored"] += 1
+            self.counters["failed"] += int(not score.ok)
+            self.counters["verify_s"] += score.t_verify
+            reply(None, score)
+
+    def busy(self) -> int:
+        return self.pool.busy
+
+    def error_reply(self, req: ScoreRequest | GroupScoreRequest, reason: str) -> list[Score]:
+        keys = req.keys if isinstance(req, GroupScoreRequest) else [req.key]
+        self.counters["scored"] += len(keys)
+        self.counters["failed"] += len(keys)
+        return [Score(k, 0.0, False, reason, 0.0, self.worker_id) for k in keys]
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 def parse_impls(pairs: list[str]) -> dict[str, str]:
     impls = {}
     for pair in pairs:
@@ -217,62 +310,26 @@ def main(argv: list[str] | None = None) -> None:
     known, rest = extra.parse_known_args(argv)
     args, cfg = worker_start(__doc__.splitlines()[0], rest)
     impls = parse_impls(known.impl)
-    plugins = list(cfg.verifier.plugins)
+    v = cfg.verifier
+    plugins = list(v.plugins)
     try:
         load_plugins(plugins)
     except registry.PluginError as e:
         raise SystemExit(str(e)) from e
-    domains = list(cfg.verifier.domains)
+    domains = list(v.domains)
     unknown = [d for d in domains if impls.get(d, d) not in VERIFIERS and impls.get(d, d) not in GROUP_VERIFIERS]
     if unknown:
         raise SystemExit(f"no verifier registered for domains {unknown}; known: {sorted(VERIFIERS)}")
 
-    # --- pool, link, drain on SIGTERM
-    pool = Pool(cfg.verifier.procs, impls, plugins, {"judge": OmegaConf.to_container(cfg.verifier.judge)})
-    counters = {"scored": 0, "failed": 0, "verify_s": 0.0}
-    state = {"state": "running", "counters": counters}
-    ep = cfg.endpoints
-    link = WorkerLink(args.worker_id, "verifier", ep.orchestrator, ep.get("heartbeat"), None,
-                      expect=(ScoreRequest, GroupScoreRequest), status=lambda: state, heartbeat_s=cfg.supervisor.heartbeat_s).start()
-    draining = []
-    signal.signal(signal.SIGTERM, lambda *_: draining.append(time.monotonic()))
-    slots = 2 * pool.room  # requests held at once: the pool's plus as many queued here
-    link.send(Ready(args.worker_id, "verifier", slots=slots, domains=domains))
-
-    # --- loop: queue -> pool -> scores; drain and exit once asked and empty
-    pending: collections.deque[ScoreRequest | GroupScoreRequest] = collections.deque()
-    announced, last_request = False, time.monotonic()
-    try:
-        while True:
-            if not pending and not pool.busy:  # nothing to do: wait for requests (not for a fixed sleep)
-                try:
-                    pending.append(link.inbox.get(timeout=0.05))
-                    last_request = time.monotonic()
-                except queue.Empty:
-                    pass
-            while not link.inbox.empty():
-                pending.append(link.inbox.get_nowait())
-                last_request = time.monotonic()
-            while pending and pool.room:
-                pool.submit(pending.popleft())
-            # with room left, poll the inbox often: a request arriving now starts within a couple of ms
-            for score in pool.collect(timeout=0.002 if pool.room else 0.02):
-                score.worker_id = args.worker_id
-                counters["scored"] += 1
-                counters["failed"] += int(not score.ok)
-                counters["verify_s"] += score.t_verify
-                link.send(score)
-            if draining and not announced:
-                link.send(Ready(args.worker_id, "verifier", slots=0, domains=domains, draining=True))
-                state["state"], announced = "draining", True
-                last_request = max(last_request, time.monotonic())
-            # requests sent before the orchestrator read our drain notice still arrive: wait out a quiet second
-            if announced and not pending and not pool.busy and time.monotonic() - last_request > 1.0:
-                log.info("drained: %d scored", counters["scored"])
-                return
-    finally:
-        pool.close()
-        link.close()
+    # --- the pool (in this thread with --inline), then serve on the worker runtime
+    settings = {"judge": OmegaConf.to_container(v.judge)}
+    if cfg.get("inline"):
+        registry.SETTINGS.update(settings)
+        pool = InThreadPool(impls)
+    else:
+        pool = Pool(v.procs, impls, plugins, settings, depth=v.depth)
+    WorkerRuntime(Verifier(args.worker_id, domains, pool, v.slots), cfg, args.worker_id,
+                  expect=(ScoreRequest, GroupScoreRequest)).run()
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM
 
 from cascade_rl.learner import parallel
 from cascade_rl.learner.optim import MasterAdamW
-from cascade_rl.modeling.policy import Policy
 from cascade_rl.learner.trainer import Batch, strip_prefix, train_step
 from cascade_rl.learner.weights import unshared
+from cascade_rl.modeling.policy import Policy
 from cascade_rl.protocol.messages import TrainBatch
 
 

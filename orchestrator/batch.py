@@ -1,0 +1,74 @@
+"""From complete groups to the trainer's ``TrainBatch`` and to a step's metrics: pure functions, no IO."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cascade_rl.protocol.messages import StepDone, TrainBatch
+
+from .groups import Group, rewards
+
+
+def build_batch(step: int, groups: list[Group], group_size: int, pad_id: int, mopd: bool, overlong_penalty: bool,
+                cursor: dict[str, int]) -> TrainBatch:
+    """Rows group by group (prompt + response, right-padded), each with its rollout id, the sampler's log-probs,
+    the reward trained on and, under MOPD, the teacher's log-probs."""
+    rows = [(g.rollout_id(i), g.rollouts[i], g.masked) for g in groups for i in range(g.n)]
+    width = max(len(r.prompt_ids) + len(r.response_ids) for _, r, _ in rows)
+    input_ids = np.full((len(rows), width), pad_id, np.int32)
+    response_mask = np.zeros((len(rows), width), bool)
+    inf_logprobs = np.zeros((len(rows), width), np.float32)
+    teacher = [lp for g in groups for lp in g.teacher] if mopd else None
+    teacher_logprobs = np.zeros((len(rows), width), np.float32) if mopd else None
+    for i, (_, r, _) in enumerate(rows):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        input_ids[i, :p] = r.prompt_ids
+        input_ids[i, p : p + n] = r.response_ids
+        response_mask[i, p : p + n] = True
+        inf_logprobs[i, p : p + n] = r.inf_logprobs
+        if teacher is not None:
+            teacher_logprobs[i, p : p + n] = teacher[i]
+    return TrainBatch(
+        step=step,
+        group_size=group_size,
+        input_ids=input_ids,
+        response_mask=response_mask,
+        inf_logprobs=inf_logprobs,
+        rewards=np.concatenate([rewards(g, overlong_penalty) for g in groups]),
+        versions=np.array([r.policy_version for _, r, _ in rows], np.int32),
+        teacher_logprobs=teacher_logprobs,
+        loss_masked=np.array([masked for _, _, masked in rows], bool),
+        cursor=dict(cursor),
+        ids=[rid for rid, _, _ in rows],
+    )
+
+
+def step_metrics(step: int, version: int, groups: list[Group], overlong_penalty: bool, t_sample: float,
+                 t_step: float, done: StepDone) -> dict:
+    """One line of metrics.jsonl: what was sampled and scored for ``step``, and the trainer's own metrics."""
+    rollouts = [g.rollouts[i] for g in groups for i in range(g.n)]
+    trained_rewards = np.concatenate([rewards(g, overlong_penalty) for g in groups])
+    tokens = sum(len(r.response_ids) for r in rollouts)
+    return {
+        "step": step + 1,
+        "version": version,
+        "reward_mean": float(np.mean(trained_rewards)),
+        "verifier_reward_mean": float(np.mean([g.scores[i].reward for g in groups for i in range(g.n)])),
+        "masked_groups": sum(g.masked for g in groups),
+        "response_len_mean": tokens / len(rollouts),
+        "truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts])),
+        "staleness_mean": float(np.mean([step - r.policy_version for r in rollouts])),
+        "staleness_max": max(step - r.policy_version for r in rollouts),  # <= orchestrator.max_staleness
+        "gen_tokens_per_s": tokens / max(t_sample, 1e-9),
+        "sample_s": t_sample,
+        "step_s": t_step,
+        **{f"trainer/{k}": v for k, v in done.metrics.items()},
+    }
+
+
+def mismatch_summary(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """Engine vs trainer log-probs over the run: mean of the per-step means and fractions, max of the maxima."""
+    if not per_step:
+        return {}
+    out = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0] if k != "abs_diff_max"}
+    return {**out, "abs_diff_max": max(m["abs_diff_max"] for m in per_step)}

@@ -1,0 +1,368 @@
+"""The orchestrator's rules as a state machine: messages and a clock in, messages out; no sockets, no tokenizer.
+
+    core = Core(Rules.from_config(cfg), decode=lambda ids: text, ledger=Ledger(path), clock=time.monotonic)
+    core.receive(b"sampler-0", Ready("sampler-0", "sampler", slots=64))
+    g = core.add_group(row, prompt_ids, n=4, sampling=SamplingParams(), train=True, step=0)
+    core.dispatch()                      # queued work -> workers with free credit
+    for ident, msg in core.take_outbox(): ...   # what the IO thread sends
+    core.expire()                        # deadlines passed: re-dispatch, re-request
+
+Flow (docs/ARCHITECTURE.md §3, §6): a group waits in the prompt queue until a sampler has credit for its n
+sequences (and ``max_inflight_groups`` allows), each rollout that comes back is queued for a verifier of its
+domain (a group domain, GenRM, once the whole group is in), and under MOPD each complete group for a teacher of
+its domain. Every item a worker holds has a deadline; an item past it, or held by a worker that restarted or
+became unreachable, is sent again (a group with its attempt incremented, so the old attempt's late replies are
+recognised as duplicates). ``settle`` decides the fate of a completed batch round and writes it to the ledger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+
+import numpy as np
+
+from cascade_rl.data.rows import Row
+from cascade_rl.protocol.messages import (
+    GroupScoreRequest,
+    PromptRequest,
+    Ready,
+    Rollout,
+    SamplingParams,
+    Score,
+    ScoreRequest,
+    StepDone,
+    TeacherLogprobs,
+    TeacherRequest,
+    WeightsReady,
+)
+from cascade_rl.protocol.sockets import UNREACHABLE
+from cascade_rl.verifiers.registry import is_group_domain
+
+from . import groups as rules
+from .groups import TEACHER, Group
+from .ledger import Ledger
+from .pool import Worker, WorkerPool
+
+log = logging.getLogger("orchestrator")
+
+
+@dataclasses.dataclass
+class Rules:
+    """The settings the state machine obeys (``orchestrator`` and ``trainer`` sections of the launch config)."""
+
+    max_inflight_groups: int = 256
+    sampler_timeout_s: float = 300.0
+    verifier_timeout_s: float = 60.0
+    teacher_timeout_s: float = 120.0
+    max_staleness: int = 0
+    dynamic_filtering: bool = False
+    overlong_penalty: bool = False
+    mask_threshold: float | None = None
+    mopd: bool = False
+
+    @classmethod
+    def from_config(cls, cfg) -> Rules:
+        o = cfg.orchestrator
+        return cls(o.max_inflight_groups, o.sampler_timeout_s, o.verifier_timeout_s, o.teacher_timeout_s,
+                   o.max_staleness, o.dynamic_filtering, o.overlong_penalty, o.mask_threshold,
+                   cfg.trainer.algorithm == "mopd")
+
+
+class Core:
+    def __init__(self, rules_: Rules, decode: Callable[[np.ndarray], str], ledger: Ledger,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``decode``: response token ids -> the text a verifier scores (the whole assistant turn)."""
+        self.rules, self.decode, self.ledger, self.clock = rules_, decode, ledger, clock
+        self.pool = WorkerPool()
+        self.groups: dict[str, Group] = {}
+        self.prompt_queue: deque[str] = deque()  # group ids waiting for a sampler
+        self.score_queue: deque[tuple[str, int]] = deque()  # (group id, rollout index; -1: the whole group)
+        self.teacher_queue: deque[str] = deque()  # MOPD: group ids waiting for a teacher
+        self.outbox: list[tuple[bytes, object]] = []
+        self.version = 0  # the newest trained version (StepDone)
+        self.weights: WeightsReady | None = None  # the newest notice, for samplers that join late
+        self.steps_done: dict[int, StepDone] = {}  # until the main loop takes them
+        self.last_step: StepDone | None = None
+        self.malformed = 0
+        self.stray_replies = 0  # replies naming no training rollout: late evaluation replies, unknown keys
+        self._seq: Counter = Counter()  # groups made per step ("e": evaluation)
+        self._handlers = {Ready: self._on_ready, Rollout: self._on_rollout, Score: self._on_score,
+                          TeacherLogprobs: self._on_teacher, WeightsReady: self._on_weights, StepDone: self._on_step}
+
+    # ------------------------------------------------------------------ input
+
+    def receive(self, ident: bytes, msg) -> None:
+        """One inbound message (or ``UNREACHABLE``: a send to ``ident`` failed, the peer is gone)."""
+        if isinstance(msg, str) and msg == UNREACHABLE:
+            self.unreachable(ident)
+        else:
+            self._handlers[type(msg)](ident, msg)
+
+    def unreachable(self, ident: bytes) -> None:
+        w = self.pool.leave(ident)
+        if w is not None:
+            self._requeue_worker(ident, w, "worker unreachable")
+
+    def add_group(self, row: Row, prompt_ids: np.ndarray, n: int, sampling: SamplingParams, train: bool,
+                  step: int = -1) -> Group:
+        """A new group, queued for a sampler (training groups enter the ledger now: their ids are dispatched)."""
+        scope = f"s{step}" if train else "e"
+        self._seq[scope] += 1
+        g = Group(f"{scope}g{self._seq[scope]}" if train else f"e{self._seq[scope]}", row, prompt_ids, n, sampling,
+                  self.version, train, step, needs_teacher=train and self.rules.mopd)
+        self.groups[g.group_id] = g
+        self.prompt_queue.append(g.group_id)
+        if train:
+            self.ledger.dispatch(g)
+        return g
+
+    # ------------------------------------------------------------------ output
+
+    def take_outbox(self) -> list[tuple[bytes, object]]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    def dispatch(self) -> None:
+        self._dispatch_prompts()
+        self._dispatch_scores()
+        self._dispatch_teachers()
+
+    def expire(self) -> None:
+        """Items past their deadline go out again: a group to another sampler, a score or teacher request again."""
+        for ident, key in self.pool.expired(self.clock()):
+            g = self.groups.get(key)
+            if g is not None:
+                log.warning("group %s: sampler %s missed its deadline; re-dispatching", key, ident.decode())
+                self._redispatch(g)
+            else:
+                log.warning("%s missed its deadline at %s; re-requesting", key, ident.decode())
+                self._requeue_item(key)
+
+    # ------------------------------------------------------------------ the fate of a batch round
+
+    def settle(self, batch: list[Group]) -> list[Group]:
+        """Complete groups out of flight: the ones to train on (their loss masking decided); the others filtered
+        (with the reason) or stale, in the ledger."""
+        kept = []
+        r = self.rules
+        for g in batch:
+            del self.groups[g.group_id]
+            reason = rules.filter_reason(g, r.dynamic_filtering, r.overlong_penalty)
+            if reason:
+                self.ledger.settle(g, "filtered", reason)
+            elif (behind := rules.staleness(g, g.step)) > r.max_staleness:
+                self.ledger.settle(g, "stale", f"{behind} versions behind step {g.step}")
+            else:
+                g.masked = rules.masked(g, r.mask_threshold, r.overlong_penalty)
+                kept.append(g)
+        return kept
+
+    def trained(self, batch: list[Group]) -> None:
+        """``batch`` went to the trainer."""
+        for g in batch:
+            self.ledger.settle(g, "trained", "masked" if g.masked else "")
+
+    def books(self) -> dict:
+        live = {rid for g in self.groups.values() if g.train for rid in g.ids()}
+        return {**self.ledger.books(live), "stray_replies": self.stray_replies}
+
+    def in_flight(self) -> int:
+        return sum(g.n for g in self.groups.values() if g.train)
+
+    # ------------------------------------------------------------------ handlers
+
+    def _on_ready(self, ident: bytes, msg: Ready) -> None:
+        old = self.pool.get(ident)
+        if msg.draining:  # retiring: what it holds still comes back, so nothing is requeued
+            if old is not None:
+                old.draining = True
+            log.info("%s is draining (%d items in hand)", ident.decode(), len(old.held) if old else 0)
+            return
+        replaced = self.pool.join(ident, Worker(msg.role, msg.slots, msg.version, tuple(msg.domains)))
+        if replaced is not None:  # a restarted worker: whatever it held is gone with its predecessor
+            self._requeue_worker(ident, replaced, "worker restarted")
+        log.info("%s joined as %s (%d slots, version %d)", ident.decode(), msg.role, msg.slots, msg.version)
+
+    def _on_rollout(self, ident: bytes, r: Rollout) -> None:
+        g = self.groups.get(r.group_id)
+        if g is None or r.attempt != g.attempt or g.worker != ident:
+            self._dropped(f"{r.group_id}/{r.index}", r.attempt, "a rollout of an attempt already re-dispatched")
+            return
+        w = self.pool.get(ident)
+        if w is not None:
+            w.version = max(w.version, r.policy_version)
+        if r.finish_reason == "error":
+            g.error = f"sampler_error: {r.error or 'unknown sampler error'}"
+            self.pool.release(g.worker, g.group_id)
+            return
+        if not 0 <= r.index < g.n or r.index in g.rollouts:
+            self.malformed += 1
+            return
+        g.rollouts[r.index] = r
+        if len(g.rollouts) == g.n:
+            self.pool.release(g.worker, g.group_id)
+            if g.needs_teacher:
+                self.teacher_queue.append(g.group_id)
+        self._queue_score(g, r.index)
+
+    def _on_score(self, ident: bytes, s: Score) -> None:
+        g, index, attempt = self._reply(ident, s.key)
+        if g is None:
+            return
+        if not index.isdigit() or not 0 <= int(index) < g.n or int(index) in g.scores:
+            self._dropped(f"{g.group_id}/{index}", attempt, "a second score of this rollout")
+            return
+        g.scores[int(index)] = s
+
+    def _on_teacher(self, ident: bytes, t: TeacherLogprobs) -> None:
+        g, index, attempt = self._reply(ident, t.key)
+        if g is None:
+            return
+        if index != TEACHER or g.teacher is not None or len(g.rollouts) < g.n:
+            self._dropped(f"{g.group_id}/0", attempt, "a second teacher reply for this group")
+            return
+        lens = [len(g.rollouts[i].response_ids) for i in range(g.n)]
+        if not t.ok or len(t.logprobs) != sum(lens):
+            g.error = f"teacher_error: {t.error or f'{len(t.logprobs)} log-probs for {sum(lens)} tokens'}"
+            return
+        g.teacher = np.split(np.asarray(t.logprobs, np.float32), np.cumsum(lens)[:-1])
+
+    def _on_weights(self, ident: bytes, msg: WeightsReady) -> None:
+        self.weights = msg
+
+    def _on_step(self, ident: bytes, msg: StepDone) -> None:
+        self.version = max(self.version, msg.version)
+        self.last_step = msg  # the newest (its checkpoint ends the summary)
+        self.steps_done[msg.step] = msg  # until the main loop logs it (several in flight with max_staleness > 1)
+
+    def _reply(self, ident: bytes, key: str) -> tuple[Group | None, str, int]:
+        """A reply to the score or teacher request ``key``: frees the worker's credit. Its group, index part and
+        attempt if it answers the group's current attempt, else (None, "", -1), counted as dropped."""
+        self.pool.release(ident, key)
+        parsed = rules.parse_key(key)
+        g = self.groups.get(parsed[0]) if parsed else None
+        if parsed is None or g is None or parsed[2] != g.attempt:
+            rid = f"{parsed[0]}/{0 if parsed[1] == TEACHER else parsed[1]}" if parsed else ""
+            self._dropped(rid, parsed[2] if parsed else -1, "a reply to an attempt already re-dispatched")
+            return None, "", -1
+        return g, parsed[1], parsed[2]
+
+    def _dropped(self, rollout_id: str, attempt: int, reason: str) -> None:
+        if not self.ledger.duplicate(rollout_id, attempt, reason):
+            self.stray_replies += 1
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _send(self, ident: bytes, msg) -> None:
+        self.outbox.append((ident, msg))
+
+    def _dispatch_prompts(self) -> None:
+        inflight = self.pool.items("sampler")
+        while self.prompt_queue and inflight < self.rules.max_inflight_groups:
+            g = self.groups.get(self.prompt_queue[0])
+            if g is None or g.worker is not None:
+                self.prompt_queue.popleft()
+                continue
+            picked = self.pool.pick("sampler", g.n)
+            if picked is None:
+                return
+            ident, w = picked
+            self.prompt_queue.popleft()
+            if w.version < g.min_version and self.weights is not None and self.weights.version >= g.min_version:
+                self._send(ident, self.weights)  # a late joiner: the newest weights first
+                w.version = self.weights.version
+            g.worker = ident
+            self.pool.assign(ident, g.group_id, g.n, self.clock(), self.rules.sampler_timeout_s)
+            self._send(ident, PromptRequest(g.group_id, g.row.domain, g.prompt_ids, g.n, g.sampling, g.min_version,
+                                            g.attempt))
+            inflight += 1
+
+    def _queue_score(self, g: Group, index: int) -> None:
+        """Rollout ``index`` to be scored; for a group domain (GenRM) the whole group once, when every rollout is
+        in (index -1: every rollout still without a score)."""
+        if not is_group_domain(g.row.domain):
+            self.score_queue.append((g.group_id, index))
+        elif len(g.rollouts) == g.n and (g.group_id, -1) not in self.score_queue:
+            self.score_queue.append((g.group_id, -1))
+
+    def _dispatch_scores(self) -> None:
+        while self.score_queue:
+            group_id, index = self.score_queue[0]
+            g = self.groups.get(group_id)
+            indices = [i for i in range(g.n) if i not in g.scores] if g is not None and index == -1 else [index]
+            if g is None or not indices or any(i not in g.rollouts or i in g.scores for i in indices):
+                self.score_queue.popleft()
+                continue
+            picked = self.pool.pick("verifier", len(indices), g.row.domain)
+            if picked is None:
+                return
+            ident, _ = picked
+            self.score_queue.popleft()
+            keys = [g.score_key(i) for i in indices]
+            texts = [self.decode(g.rollouts[i].response_ids) for i in indices]
+            timeout_s = self.rules.verifier_timeout_s
+            if index == -1:
+                req = GroupScoreRequest(keys, g.row.domain, g.row.question, texts, g.row.answer, g.row.metadata,
+                                        timeout_s)
+            else:
+                req = ScoreRequest(keys[0], g.row.domain, texts[0], g.row.answer,
+                                   {"question": g.row.question, **g.row.metadata}, timeout_s)
+            for key in keys:
+                self.pool.assign(ident, key, 1, self.clock(), timeout_s)
+            self._send(ident, req)
+
+    def _dispatch_teachers(self) -> None:
+        """MOPD: each complete group's rollouts to a teacher of its domain (one request per group)."""
+        while self.teacher_queue:
+            g = self.groups.get(self.teacher_queue[0])
+            if g is None or g.teacher is not None or g.error or len(g.rollouts) < g.n:
+                self.teacher_queue.popleft()
+                continue
+            picked = self.pool.pick("teacher", g.n, g.row.domain)
+            if picked is None:
+                return
+            ident, _ = picked
+            self.teacher_queue.popleft()
+            responses = [g.rollouts[i].response_ids for i in range(g.n)]
+            timeout_s = self.rules.teacher_timeout_s
+            self.pool.assign(ident, g.teacher_key(), g.n, self.clock(), timeout_s)
+            self._send(ident, TeacherRequest(g.teacher_key(), g.row.domain, g.prompt_ids,
+                                             np.concatenate(responses).astype(np.int32),
+                                             np.array([len(r) for r in responses], np.int32), g.sampling.temperature,
+                                             timeout_s))
+
+    # ------------------------------------------------------------------ sending work again
+
+    def _requeue_item(self, key: str) -> None:
+        """A score or teacher request that will not come back (deadline, worker gone): ask again."""
+        parsed = rules.parse_key(key)
+        g = self.groups.get(parsed[0]) if parsed else None
+        if g is None or parsed[2] != g.attempt:
+            return  # its group is done, or was re-dispatched (the new attempt asks for itself)
+        if parsed[1] == TEACHER:
+            self.teacher_queue.append(g.group_id)
+        else:
+            self._queue_score(g, int(parsed[1]))
+
+    def _redispatch(self, g: Group) -> None:
+        self.pool.release(g.worker, g.group_id)
+        g.attempt += 1
+        g.worker, g.rollouts, g.scores, g.teacher, g.error = None, {}, {}, None, ""
+        if g.train:
+            self.ledger.redispatch(g)
+        self.prompt_queue.appendleft(g.group_id)
+
+    def _requeue_worker(self, ident: bytes, w: Worker, why: str) -> None:
+        for key in list(w.held):
+            g = self.groups.get(key)
+            if g is not None:
+                if g.worker == ident and len(g.rollouts) < g.n and not g.error:
+                    log.warning("group %s: %s (%s); re-dispatching", key, why, ident.decode())
+                    self._redispatch(g)
+            else:
+                self._requeue_item(key)
+        w.held.clear()

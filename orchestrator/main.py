@@ -1,0 +1,266 @@
+"""Orchestrator: the hub of the data plane, one stage top to bottom.
+
+    python -m cascade_rl.orchestrator.main --config RUN_DIR/config.yaml
+
+Started by the supervisor. It opens the prompt sets the supervisor prepared in ``run_dir/data``
+(memory-mapped, drawn in the seeded order whose count is the checkpoint's data cursor), binds the
+ROUTER every worker connects to (an IO thread owns it: protocol/sockets.py ``RouterLink``) and runs
+the stage (``run``): wait for the workers, evaluate the starting policy, then for each step sample a
+batch of groups, score them, hand the complete groups to the trainer as a ``TrainBatch`` and take its
+``StepDone``; evaluate again and write ``summary.json``.
+
+Every rule of dispatch, credit, deadline and fate lives in orchestrator/core.py, a state machine
+without sockets; this file only feeds it: ``pump`` moves messages between the IO thread and the core
+until a condition holds, and says what it waits for in its heartbeat (a stalled run's report,
+supervisor/stall.py, prints it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from transformers import AutoTokenizer
+
+from cascade_rl.data.promptset import PromptSet, PromptStream
+from cascade_rl.data.render import PromptRenderer
+from cascade_rl.learner import checkpoint
+from cascade_rl.protocol.messages import Ready, Rollout, SamplingParams, Score, StepDone, TeacherLogprobs, WeightsReady
+from cascade_rl.protocol.sockets import RouterLink
+from cascade_rl.protocol.worker_main import worker_start
+
+from . import evaluate as evaluation
+from .batch import build_batch, mismatch_summary, step_metrics
+from .core import Core, Rules
+from .groups import Group
+from .ledger import LEDGER_FILE, Ledger, compare_trainer
+from .report import MetricsLog, live_metrics, write_summary
+
+log = logging.getLogger("orchestrator")
+INBOUND = (Ready, Rollout, Score, TeacherLogprobs, StepDone, WeightsReady)
+
+
+class Orchestrator:
+    def __init__(self, cfg) -> None:
+        # --- data: the prepared prompt sets, the held-out rows rendered once
+        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.render = PromptRenderer(self.tokenizer, cfg.data.thinking)
+        data_dir = self.run_dir / "data"  # prepared by the supervisor (supervisor/run_data.py)
+        self.prompts = PromptStream(data_dir, cfg.data.seed)  # its draw count is the data cursor
+        self.heldout = PromptSet(data_dir / "eval.arrow").rows()
+        self.heldout_ids = [np.array(self.render.ids(row.messages), np.int32) for row in self.heldout]
+        self.data_report = json.loads((data_dir / "data.json").read_text())
+        # --- resume, rules and ledger, the IO thread
+        self.start_step = self._resume()
+        self.core = Core(Rules.from_config(cfg), self._decode, Ledger(self.run_dir / LEDGER_FILE, self.start_step))
+        self.core.version = self.start_step
+        self.metrics = MetricsLog(self.run_dir, cfg.orchestrator.tensorboard)
+        self.status = {"state": "starting", "step": self.start_step, "steps": cfg.trainer.steps, "progress": 0}
+        self._snapshot: dict = {"state": "starting"}
+        self.link = RouterLink(cfg.endpoints.orchestrator, cfg.endpoints.get("heartbeat") or None, INBOUND,
+                               status=lambda: self._snapshot, heartbeat_s=cfg.supervisor.heartbeat_s).start()
+        self.next_beat = 0.0
+        self.per_question: dict[str, np.ndarray] = {}  # the latest evaluation, per held-out question
+        self.mismatch: list[dict[str, float]] = []  # per step: engine vs trainer log-probs
+        self.trainer_window, self.trainer_busy_s = [0.0, 0.0], 0.0  # first batch sent, last StepDone
+
+    # ------------------------------------------------------------------ the stage, top to bottom
+
+    def run(self) -> dict:
+        t_start, o, steps = time.perf_counter(), self.cfg.orchestrator, self.cfg.trainer.steps
+        roles = ["trainer", "sampler", "verifier"] + (["teacher"] if self.core.rules.mopd else [])
+        self.pump(lambda: all(self.core.pool.have(r) for r in roles), "workers: " + ", ".join(roles))
+        if self.start_step:  # resumed: the trainer publishes the checkpoint's weights before anything samples
+            self.pump(lambda: self.core.weights is not None and self.core.weights.version >= self.start_step,
+                      f"the trainer's weights of the checkpoint (version {self.start_step})")
+        before = self.evaluate()
+        per_question_before = dict(self.per_question)
+        self._log({"step": 0, **before})
+        # max_staleness = k: the batch of step s is sampled once the trainer has finished every step before s - k
+        # (its weights are then version >= s - k), so when it is trained, at version s, no rollout is more than k
+        # versions old. k = 0: sample, train, repeat (the paper). docs/ARCHITECTURE.md §5.
+        in_training: deque = deque()  # (step, groups, t0, t_sample): sent to the trainer, StepDone not yet taken
+        t_loop = time.perf_counter()
+        for step in range(self.start_step, steps):
+            while in_training and in_training[0][0] < step - o.max_staleness:
+                self.finish_step(*in_training.popleft())
+            self.status.update(state="sampling", step=step)
+            t0 = time.perf_counter()
+            groups = self.sample_batch(step)
+            t_sample = time.perf_counter() - t0
+            self.to_trainer(step, groups)
+            in_training.append((step, groups, t0, t_sample))
+        while in_training:
+            self.finish_step(*in_training.popleft())
+        loop_s = time.perf_counter() - t_loop
+        self.status.update(state="eval", step=steps)
+        after = self.evaluate()
+        self._log({"step": steps, **after})
+        books = {**self.core.books(), "trainer_ids": compare_trainer(self.run_dir)}
+        summary = write_summary(
+            self.run_dir, before, after,
+            heldout_gain={k: evaluation.paired_gain(self.per_question[k], b) for k, b in per_question_before.items()},
+            steps=steps, resumed_from_step=self.start_step, max_staleness=o.max_staleness,
+            loop_s=loop_s,  # the training steps alone (no evaluations before and after)
+            trainer_busy_frac=self.trainer_busy_s / max(1e-9, self.trainer_window[1] - self.trainer_window[0]),
+            policy_version=self.core.version, wall_s=time.perf_counter() - t_start, books=books,
+            eval={"n": o.eval_n, "questions": len(self.heldout), "temperature": o.eval_temperature},
+            mismatch=mismatch_summary(self.mismatch),
+            malformed_messages=self.core.malformed + self.link.malformed, data=self.data_report,
+            checkpoint=self.core.last_step.checkpoint if self.core.last_step else "")
+        self.status["state"] = "done"
+        self._beat(force=True)
+        return summary
+
+    def sample_batch(self, step: int) -> list[Group]:
+        """``prompts_per_step`` complete groups sampled for ``step``. Filtered and stale groups are replaced by new
+        ones, for at most ``max_refill_rounds`` rounds."""
+        t, o, s = self.cfg.trainer, self.cfg.orchestrator, self.cfg.sampling
+        sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
+        wanted, kept = t.prompts_per_step, []
+        for _ in range(o.max_refill_rounds + 1):
+            batch = []
+            for _ in range(wanted - len(kept)):
+                row = self.prompts.next()  # rendered when drawn, never kept: a file may hold millions
+                ids = np.array(self.render.ids(row.messages), np.int32)
+                batch.append(self.core.add_group(row, ids, t.group_size, sampling, train=True, step=step))
+            self.pump(lambda batch=batch: all(g.complete for g in batch),
+                      lambda batch=batch: f"step {step}: {sum(g.complete for g in batch)} of {len(batch)} groups "
+                                          f"sampled and scored")
+            kept += self.core.settle(batch)
+            if len(kept) == wanted:
+                return kept
+        raise RuntimeError(
+            f"step {step}: only {len(kept)} of {wanted} groups survived {o.max_refill_rounds} refill rounds "
+            f"(filtered so far: {self.core.ledger.reasons}); the prompts are all too easy or too hard "
+            f"for this model, or raise orchestrator.max_refill_rounds")
+
+    def to_trainer(self, step: int, groups: list[Group]) -> None:
+        self.pump(lambda: self.core.pool.have("trainer"), "the trainer")
+        o = self.cfg.orchestrator
+        batch = build_batch(step, groups, self.cfg.trainer.group_size, self.tokenizer.pad_token_id or 0,
+                            self.core.rules.mopd, o.overlong_penalty, {"examples_drawn": self.prompts.drawn})
+        self.link.send((self.core.pool.first("trainer"), batch))
+        self.core.trained(groups)
+        self.trainer_window[0] = self.trainer_window[0] or time.perf_counter()
+
+    def finish_step(self, step: int, groups: list[Group], t0: float, t_sample: float) -> None:
+        """Take the trainer's StepDone of ``step``; log its metrics (and evaluate when due)."""
+        self.status["state"] = "training"
+        self.pump(lambda: step in self.core.steps_done, f"the trainer's StepDone of step {step}")
+        done = self.core.steps_done.pop(step)
+        self.trainer_window[1] = time.perf_counter()
+        self.trainer_busy_s += float(done.metrics.get("train_s", 0.0))
+        self.mismatch.append({k.removeprefix("mismatch/"): v for k, v in done.metrics.items()
+                              if k.startswith("mismatch/")})
+        metrics = step_metrics(step, self.core.version, groups, self.cfg.orchestrator.overlong_penalty, t_sample,
+                               time.perf_counter() - t0, done)
+        every, steps = self.cfg.orchestrator.eval_every, self.cfg.trainer.steps
+        if every and (step + 1) % every == 0 and step + 1 < steps:
+            metrics.update(self.evaluate())
+        self._log(metrics)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy under the current weights (orchestrator/evaluate.py): avg@eval_n at eval_temperature
+        and, with ``eval_greedy``, greedy pass@1; both sets of groups sampled together."""
+        o = self.cfg.orchestrator
+        if not self.heldout:  # no held-out prompts (no data.eval_files, no data.heldout_fraction)
+            return {}
+        self.status["state"] = "eval"
+        groups = {name: [self.core.add_group(row, ids, n, sampling, train=False)
+                         for row, ids in zip(self.heldout, self.heldout_ids)]
+                  for name, (sampling, n) in evaluation.modes(o.eval_n, o.eval_temperature, o.eval_greedy,
+                                                               self.cfg.sampling.max_tokens).items()}
+        everything = [g for gs in groups.values() for g in gs]
+        self.pump(lambda: all(g.complete for g in everything),
+                  lambda: f"evaluation: {sum(g.complete for g in everything)} of {len(everything)} groups")
+        result = {}
+        for name, gs in groups.items():
+            for g in gs:
+                del self.core.groups[g.group_id]
+            rewards = [[g.scores[i].reward if i in g.scores else 0.0 for i in range(g.n)] for g in gs]
+            self.per_question[name], domains = evaluation.accuracy([g.row.domain for g in gs], rewards)
+            result[name] = float(np.mean(self.per_question[name]))
+            result.update({f"{name}/{d}": v for d, v in domains.items()})
+        return result
+
+    # ------------------------------------------------------------------ the event loop
+
+    def pump(self, until: Callable[[], bool], waiting_for: str | Callable[[], str], timeout_s: float = 0.0) -> None:
+        """Move messages between the IO thread and the core, dispatch and enforce deadlines, until ``until()``."""
+        give_up = time.monotonic() + timeout_s if timeout_s else None
+        self.waiting_for = waiting_for
+        while not until():
+            self.core.dispatch()
+            for item in self.core.take_outbox():
+                self.link.send(item)
+            self._beat()
+            try:
+                item = self.link.inbox.get(timeout=0.1)
+                while True:
+                    self.core.receive(*item)
+                    item = self.link.inbox.get_nowait()
+            except queue.Empty:
+                pass
+            self.core.expire()
+            if give_up and time.monotonic() > give_up:
+                raise TimeoutError(f"orchestrator: still waiting for {self._waiting()}")
+        self.status["progress"] += 1  # what the supervisor's stall watch looks for
+
+    def _waiting(self) -> str:
+        return self.waiting_for() if callable(self.waiting_for) else self.waiting_for
+
+    def _beat(self, force: bool = False) -> None:
+        """Hand the IO thread a fresh status for its heartbeats (built here: the core is this thread's alone)."""
+        now = time.monotonic()
+        if now < self.next_beat and not force:
+            return
+        self.next_beat = now + self.cfg.supervisor.heartbeat_s
+        counters = {"books": self.core.books(), "malformed": self.core.malformed, **self.status,
+                    "waiting_for": self._waiting(), "workers": self.core.pool.holdings(self.core.clock())}
+        self._snapshot = {"state": self.status["state"], "version": self.core.version, "counters": counters}
+        if force:
+            self.link.beat_now()
+
+    def _log(self, metrics: dict) -> None:
+        self.status["last"] = live_metrics(self.metrics.log(metrics))
+        self._beat(force=True)
+
+    def _decode(self, response_ids: np.ndarray) -> str:
+        """What a verifier scores: the whole assistant turn, with what the chat template opened it with."""
+        return self.render.prefix + self.tokenizer.decode(response_ids, skip_special_tokens=True)
+
+    def _resume(self) -> int:
+        """With ``trainer.resume_from``: the checkpoint's step, with the data cursor replayed to it."""
+        path = checkpoint.resolve(self.cfg.trainer.resume_from, self.run_dir)
+        if path is None:
+            return 0
+        info = json.loads((path / checkpoint.STATE_JSON).read_text())
+        self.prompts.restore(info["extra"].get("orchestrator", {}).get("examples_drawn", 0))
+        log.info("resuming at step %d (%d prompts drawn)", info["step"], self.prompts.drawn)
+        return info["step"]
+
+    def close(self) -> None:
+        self.core.ledger.close()
+        self.link.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    _, cfg = worker_start(__doc__.splitlines()[0], argv, default_id="orchestrator")
+    orchestrator = Orchestrator(cfg)
+    try:
+        summary = orchestrator.run()
+        log.info("done: %s", json.dumps(summary))
+    finally:
+        orchestrator.close()
+
+
+if __name__ == "__main__":
+    main()

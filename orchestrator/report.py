@@ -1,0 +1,53 @@
+"""What a stage writes for people: ``metrics.jsonl`` (and TensorBoard events) as it goes, ``summary.json`` at
+the end."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+class MetricsLog:
+    """One JSON line per evaluation and per step in ``run_dir/metrics.jsonl``; with ``tensorboard`` the numbers
+    as TensorBoard scalars too (``pip install -e .[tensorboard]``: fails at start if it is missing)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, metrics: dict) -> dict:
+        """Append ``metrics`` with the wall clock (with max_staleness > 0 steps overlap: the time between two lines
+        is what a step costs); returns the line written."""
+        metrics = {**metrics, "time": time.time()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and k not in ("step", "time"):
+                    self.tb.add_scalar(k, v, global_step=metrics.get("step", 0))
+            self.tb.flush()
+        return metrics
+
+
+def live_metrics(metrics: dict) -> dict:
+    """The part of a metrics line the supervisor's live display shows (its heartbeat's ``last``)."""
+    return {k: v for k, v in metrics.items()
+            if not k.startswith("trainer/") or k.startswith(("trainer/mismatch/", "trainer/mopd/"))}
+
+
+def write_summary(run_dir: Path, before: dict, after: dict, **rest) -> dict:
+    """``summary.json``: every metric before and after the stage, its per-domain accuracy, and ``rest``."""
+    summary = {
+        **{f"{k}_before": v for k, v in before.items()},
+        **{f"{k}_after": v for k, v in after.items()},
+        "heldout_domains": {k.split("/", 1)[1]: {"before": v, "after": after.get(k)}
+                            for k, v in before.items() if k.startswith("heldout_accuracy/")},
+        **rest,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,376 @@
+"""The orchestrator's rules without sockets or a tokenizer: orchestrator/core.py driven by messages and a fake
+clock, the ledger it writes, and the pure rules of groups and batches. (The event loop over real sockets is
+exercised by tests/test_launch.py.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cascade_rl.data.rows import Row
+from cascade_rl.orchestrator import groups as rules
+from cascade_rl.orchestrator.batch import build_batch
+from cascade_rl.orchestrator.core import Core, Rules
+from cascade_rl.orchestrator.ledger import Ledger
+from cascade_rl.orchestrator.report import MetricsLog
+from cascade_rl.protocol import records
+from cascade_rl.protocol.messages import (
+    GroupScoreRequest,
+    PromptRequest,
+    Ready,
+    Rollout,
+    SamplingParams,
+    Score,
+    ScoreRequest,
+    StepDone,
+    TeacherLogprobs,
+    TeacherRequest,
+    WeightsReady,
+)
+from cascade_rl.protocol.sockets import UNREACHABLE
+
+ROW = Row("r0", ({"role": "user", "content": "1+1?"},), "math", "2", {})
+PROMPT = np.array([3, 4, 5], np.int32)
+S0, V0, T0 = b"sampler-0", b"verifier-0", b"teacher-0"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+def make(clock, tmp_path=None, **options) -> Core:
+    ledger = Ledger(tmp_path / "ledger.jsonl" if tmp_path else None)
+    core = Core(Rules(**options), decode=lambda ids: " ".join(map(str, ids)), ledger=ledger, clock=clock)
+    return core
+
+
+def join(core: Core, ident: bytes, role: str, slots: int = 64, domains=("math",), version: int = 0) -> None:
+    core.receive(ident, Ready(ident.decode(), role, slots, version, list(domains)))
+
+
+def sent(core: Core, kind: type | None = None) -> list[tuple[bytes, object]]:
+    core.dispatch()
+    return [(i, m) for i, m in core.take_outbox() if kind is None or isinstance(m, kind)]
+
+
+def rollout(req: PromptRequest, index: int, n_tokens: int = 3, version: int = 0, finish: str = "stop",
+            attempt: int | None = None) -> Rollout:
+    return Rollout(req.group_id, index, req.domain, req.prompt_ids, np.arange(5, 5 + n_tokens, dtype=np.int32),
+                   np.full(n_tokens, -0.5, np.float32), finish, version, "sampler-0", 0.0,
+                   req.attempt if attempt is None else attempt)
+
+
+def sample_and_score(core: Core, rewards: list[float], finish: list[str] | None = None, step: int = 0):
+    """One training group through a sampler and a verifier; returns it."""
+    g = core.add_group(ROW, PROMPT, len(rewards), SamplingParams(), train=True, step=step)
+    (ident, req), = sent(core, PromptRequest)
+    for i in range(len(rewards)):
+        core.receive(ident, rollout(req, i, version=step, finish=(finish or ["stop"] * len(rewards))[i]))
+    for v, score in sent(core, ScoreRequest):
+        i = int(score.key.split("/")[1])
+        core.receive(v, Score(score.key, rewards[i], True))
+    assert g.complete
+    return g
+
+
+def ledger_lines(tmp_path: Path) -> list[dict]:
+    return list(records.read(tmp_path / "ledger.jsonl"))
+
+
+# --------------------------------------------------------------------------- pure rules
+
+
+def test_overlong_penalty_dynamic_filtering_and_masking(clock):
+    core = make(clock)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier")
+    g = sample_and_score(core, [1.0, 1.0, 0.0, 1.0], ["stop", "length", "stop", "length"])
+    assert rules.rewards(g, overlong_penalty=False).tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert rules.rewards(g, overlong_penalty=True).tolist() == [1.0, 0.0, 0.0, 0.0]
+    uniform = sample_and_score(core, [1.0] * 4)
+    assert rules.filter_reason(uniform, dynamic_filtering=True, overlong_penalty=False) == "uniform_rewards"
+    assert rules.filter_reason(uniform, dynamic_filtering=False, overlong_penalty=False) == ""
+    # equal only after the overlong penalty: filtered too (what is trained on is what counts)
+    cut = sample_and_score(core, [0.0, 1.0, 0.0, 0.0], ["stop", "length", "stop", "stop"])
+    assert rules.filter_reason(cut, dynamic_filtering=True, overlong_penalty=True) == "uniform_rewards"
+    assert rules.filter_reason(cut, dynamic_filtering=True, overlong_penalty=False) == ""
+    low = sample_and_score(core, [0.4, 0.9], ["stop", "length"])  # nothing above 0.5 once the cut one scores 0
+    assert rules.masked(low, 0.5, overlong_penalty=True) and not rules.masked(low, 0.5, overlong_penalty=False)
+    assert not rules.masked(low, None, overlong_penalty=True)
+
+
+def test_settle_writes_each_fate_with_its_reason_and_the_batch_carries_ids_masks_and_cursor(clock, tmp_path):
+    core = make(clock, tmp_path, dynamic_filtering=True, mask_threshold=0.5)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier")
+    low, high, flat = (sample_and_score(core, r) for r in ([0.5, 0.2, 0.0, 0.5], [0.6, 0.2, 0.0, 0.5], [1.0] * 4))
+    kept = core.settle([low, high, flat])
+    assert kept == [low, high] and low.masked and not high.masked and not core.groups
+    batch = build_batch(0, kept, 4, 0, mopd=False, overlong_penalty=False, cursor={"examples_drawn": 40})
+    core.trained(kept)
+    assert batch.loss_masked.tolist() == [True] * 4 + [False] * 4
+    assert batch.response_mask[:4].any()  # the tokens stay (log-prob mismatch is still measured on them)
+    assert batch.cursor == {"examples_drawn": 40} and batch.validate() == ""
+    assert batch.ids == [f"{low.group_id}/{i}" for i in range(4)] + [f"{high.group_id}/{i}" for i in range(4)]
+    lines = ledger_lines(tmp_path)
+    fates = {(r["id"], r["fate"], r["reason"]) for r in lines}
+    assert {(f"{flat.group_id}/{i}", "filtered", "uniform_rewards") for i in range(4)} <= fates
+    assert {(f"{low.group_id}/{i}", "trained", "masked") for i in range(4)} <= fates
+    assert {(f"{high.group_id}/{i}", "trained", "") for i in range(4)} <= fates
+    assert all(r["step"] == 0 and r["version"] == 0 and r["attempt"] == 0 for r in lines)
+    books = core.books()
+    assert (books["dispatched"], books["trained"], books["filtered"], books["lost"]) == (12, 8, 4, 0)
+    assert books["filtered_reasons"] == {"uniform_rewards": 4}
+
+
+def test_a_stale_group_is_not_trained(clock, tmp_path):
+    core = make(clock, tmp_path, max_staleness=1)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier")
+    g = core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=3)  # trained at version 3
+    (ident, req), = sent(core, PromptRequest)
+    core.receive(ident, rollout(req, 0, version=2))
+    core.receive(ident, rollout(req, 1, version=1))  # two versions behind: stale under k = 1
+    for v, s in sent(core, ScoreRequest):
+        core.receive(v, Score(s.key, 1.0, True))
+    assert core.settle([g]) == []
+    assert {(r["fate"], r["reason"], r["version"]) for r in ledger_lines(tmp_path)} == {
+        ("stale", "2 versions behind step 3", 2), ("stale", "2 versions behind step 3", 1)}
+
+
+def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLog(tmp_path, tensorboard=True)
+    log.log({"step": 1, "reward_mean": 0.25, "trainer/loss": -0.5, "note": "text is skipped"})
+    log.log({"step": 2, "reward_mean": 0.5, "trainer/loss": -0.25})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["reward_mean"] for x in lines] == [0.25, 0.5]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 0.25), (2, 0.5)]
+    assert [e.value for e in events.Scalars("trainer/loss")] == [-0.5, -0.25]
+    assert "note" not in events.Tags()["scalars"]
+
+
+# --------------------------------------------------------------------------- credits and dispatch
+
+
+def test_credits_bound_what_each_sampler_and_the_run_hold(clock):
+    core = make(clock, max_inflight_groups=3)
+    join(core, S0, "sampler", slots=8)
+    join(core, b"sampler-1", "sampler", slots=8)
+    for _ in range(5):
+        core.add_group(ROW, PROMPT, 4, SamplingParams(), train=True, step=0)
+    out = sent(core, PromptRequest)
+    assert len(out) == 3 and len(core.prompt_queue) == 2  # max_inflight_groups
+    assert sorted(i for i, _ in out) == [S0, S0, b"sampler-1"]  # least loaded first, within 8 slots each
+    assert all(core.pool.get(i).load <= 8 for i in (S0, b"sampler-1"))
+    # a draining worker gets nothing new; what it holds still counts
+    core.receive(S0, Ready("sampler-0", "sampler", 0, draining=True))
+    ident, req = out[-1] if out[-1][0] == b"sampler-1" else next(x for x in out if x[0] == b"sampler-1")
+    for i in range(4):
+        core.receive(ident, rollout(req, i))
+    assert [i for i, _ in sent(core, PromptRequest)] == [b"sampler-1"]
+
+
+def test_a_late_joiner_gets_the_newest_weights_before_its_first_group(clock):
+    core = make(clock)
+    core.receive(b"trainer-0", WeightsReady(2, "file:///w2"))
+    core.receive(b"trainer-0", StepDone(step=1, version=2))
+    join(core, S0, "sampler", version=0)
+    core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=2)
+    out = sent(core)
+    assert [type(m).__name__ for _, m in out] == ["WeightsReady", "PromptRequest"]
+    assert out[1][1].min_version == 2 and core.pool.get(S0).version == 2
+
+
+def test_a_group_domain_is_scored_as_one_request_when_the_group_is_complete(clock):
+    sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+    import hostile_verifiers  # noqa: F401  (registers the group verifier test_group_len)
+
+    core = make(clock)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier", domains=["test_group_len"])
+    row = Row("r", ({"role": "user", "content": "q"},), "test_group_len", "a", {})
+    g = core.add_group(row, PROMPT, 4, SamplingParams(), train=True, step=0)
+    (ident, req), = sent(core, PromptRequest)
+    for i in range(3):  # not complete: nothing is queued yet
+        core.receive(ident, rollout(req, i))
+    assert not sent(core, GroupScoreRequest)
+    core.receive(ident, rollout(req, 3))
+    (v, greq), = sent(core)  # one request for the whole group
+    assert isinstance(greq, GroupScoreRequest) and v == V0
+    assert greq.keys == [f"{g.group_id}/{i}/0" for i in range(4)] and greq.texts[0] == "5 6 7"
+    assert greq.domain == "test_group_len" and greq.prompt == "q"
+    assert set(core.pool.get(V0).held) == set(greq.keys)
+
+
+# --------------------------------------------------------------------------- deadlines, faults, duplicates
+
+
+def test_a_sampler_past_its_deadline_loses_the_group_and_its_late_rollouts_are_duplicates(clock, tmp_path):
+    core = make(clock, tmp_path, sampler_timeout_s=10)
+    join(core, S0, "sampler")
+    join(core, b"sampler-1", "sampler")
+    join(core, V0, "verifier")
+    g = core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=0)
+    (first, req0), = sent(core, PromptRequest)
+    core.receive(first, rollout(req0, 0))
+    clock.now = 11
+    core.expire()
+    assert g.attempt == 1 and not g.rollouts
+    (second, req1), = sent(core, PromptRequest)
+    assert req1.attempt == 1 and req1.group_id == g.group_id
+    core.receive(first, rollout(req0, 1))  # the first sampler's late reply: dropped, in the ledger
+    for i in range(2):
+        core.receive(second, rollout(req1, i))
+    for v, s in sent(core, ScoreRequest):
+        core.receive(v, Score(s.key, 1.0, True))
+    core.receive(V0, Score(f"{g.group_id}/0/0", 1.0, True))  # a score of the superseded attempt
+    core.trained(core.settle([g]))
+    lines = ledger_lines(tmp_path)
+    assert [(r["id"], r["attempt"], r["fate"]) for r in lines] == [
+        (f"{g.group_id}/1", 0, "duplicate"), (f"{g.group_id}/0", 0, "duplicate"),
+        (f"{g.group_id}/0", 1, "trained"), (f"{g.group_id}/1", 1, "trained")]
+    books = core.books()
+    assert (books["trained"], books["redispatched"], books["duplicates_dropped"], books["lost"]) == (2, 2, 2, 0)
+
+
+def test_a_restarted_or_unreachable_worker_has_its_work_sent_again(clock):
+    core = make(clock)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier")
+    join(core, b"verifier-1", "verifier")
+    core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=0)
+    sent(core, PromptRequest)
+    join(core, S0, "sampler")  # sampler-0 restarted (Ready again under its id): the group goes out again
+    (again, req1), = sent(core, PromptRequest)
+    assert again == S0 and req1.attempt == 1
+    core.receive(S0, rollout(req1, 0))
+    (v, s), = sent(core, ScoreRequest)
+    core.receive(v, UNREACHABLE)  # that verifier is gone: its score request goes to the other one
+    (v2, s2), = sent(core, ScoreRequest)
+    assert v2 != v and s2.key == s.key and core.pool.get(v) is None
+
+
+def test_a_missed_score_deadline_asks_again_and_a_late_first_answer_still_counts_once(clock, tmp_path):
+    core = make(clock, tmp_path, verifier_timeout_s=5)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier")
+    g = core.add_group(ROW, PROMPT, 1, SamplingParams(), train=True, step=0)
+    (ident, req), = sent(core, PromptRequest)
+    core.receive(ident, rollout(req, 0))
+    (_, s), = sent(core, ScoreRequest)
+    clock.now = 6
+    core.expire()
+    (_, again), = sent(core, ScoreRequest)
+    assert again.key == s.key and not g.complete
+    core.receive(V0, Score(s.key, 1.0, True))
+    core.receive(V0, Score(s.key, 1.0, True))  # the second answer of the same key: a duplicate
+    assert g.complete and core.books()["duplicates_dropped"] == 1 and not core.pool.get(V0).held
+
+
+def test_replies_with_keys_never_sent_are_dropped_not_fatal(clock):
+    core = make(clock)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier")
+    g = core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=0)
+    (ident, req), = sent(core, PromptRequest)
+    for i in range(2):
+        core.receive(ident, rollout(req, i))
+    sent(core)
+    for key in ("garbage", f"{g.group_id}/x/0", f"{g.group_id}/0/7", f"{g.group_id}/0", "a/b/c/d", f"{g.group_id}/9/0"):
+        core.receive(V0, Score(key, 1.0, True))
+    core.receive(T0, TeacherLogprobs("nope", np.zeros(1, np.float32)))
+    assert not g.scores and core.books()["duplicates_dropped"] + core.stray_replies == 7
+    core.receive(V0, Score(f"{g.group_id}/1/0", 1.0, True))  # the real key still lands
+    assert list(g.scores) == [1]
+
+
+def test_mopd_sends_each_group_to_its_teacher_and_trains_on_the_replies(clock):
+    core = make(clock, mopd=True, teacher_timeout_s=5)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier")
+    join(core, T0, "teacher", slots=8)
+    g = core.add_group(ROW, PROMPT, 4, SamplingParams(temperature=0.7), train=True, step=0)
+    (ident, req), = sent(core, PromptRequest)
+    for i, n in enumerate([3, 1, 2, 4]):
+        core.receive(ident, rollout(req, i, n_tokens=n))
+    out = sent(core)
+    for v, s in out:
+        if isinstance(s, ScoreRequest):
+            core.receive(v, Score(s.key, 0.0, True))
+    (t, treq), = [(i, m) for i, m in out if isinstance(m, TeacherRequest)]
+    assert g.needs_teacher and not g.complete  # scored, but no teacher log-probs yet
+    assert treq.key == f"{g.group_id}/teacher/0" and treq.domain == "math" and treq.temperature == 0.7
+    assert treq.response_lens.tolist() == [3, 1, 2, 4] and len(treq.response_ids) == 10 and treq.validate() == ""
+    clock.now = 6  # past its deadline: asked again
+    core.expire()
+    (_, again), = sent(core, TeacherRequest)
+    assert again.key == treq.key
+    logprobs = -np.arange(1, 11, dtype=np.float32) / 10
+    core.receive(T0, TeacherLogprobs(treq.key, logprobs))
+    assert g.complete and not core.pool.get(T0).held
+    batch = build_batch(0, core.settle([g]), 4, 0, mopd=True, overlong_penalty=False, cursor={})
+    p = len(PROMPT)
+    assert batch.teacher_logprobs[0, p:p + 3].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert batch.teacher_logprobs[3, p:p + 4].tolist() == pytest.approx([-0.7, -0.8, -0.9, -1.0])
+    assert batch.teacher_logprobs[~batch.response_mask].max() == 0.0 and batch.validate() == ""
+
+
+def test_a_teacher_error_or_a_wrong_length_filters_the_group_with_its_reason(clock):
+    core = make(clock, mopd=True)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier")
+    join(core, T0, "teacher")
+    for reply, reason in ((TeacherLogprobs("", np.zeros(0, np.float32), ok=False, error="token id 999 outside"),
+                           "teacher_error: token id 999 outside"),
+                          (TeacherLogprobs("", np.zeros(3, np.float32)), "teacher_error: 3 log-probs for 6 tokens")):
+        g = core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=0)
+        (ident, req), = sent(core, PromptRequest)
+        for i in range(2):
+            core.receive(ident, rollout(req, i))
+        (_, treq), = sent(core, TeacherRequest)
+        reply.key = treq.key
+        core.receive(T0, reply)
+        assert g.complete and rules.filter_reason(g, False, False) == reason
+
+
+def test_a_sampler_error_fails_its_group_with_the_reason(clock):
+    core = make(clock)
+    join(core, S0, "sampler")
+    g = core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=0)
+    (ident, req), = sent(core, PromptRequest)
+    core.receive(ident, Rollout(req.group_id, -1, "math", PROMPT, np.zeros(0, np.int32), np.zeros(0, np.float32),
+                                "error", 0, "sampler-0", 0.0, 0, "prompt longer than the context"))
+    assert g.complete and g.error == "sampler_error: prompt longer than the context" and not core.pool.get(S0).held
+
+
+def test_books_count_ids_and_a_resumed_ledger_keeps_the_steps_before_it(clock, tmp_path):
+    core = make(clock, tmp_path)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier")
+    for step in range(3):
+        core.trained(core.settle([sample_and_score(core, [0.0, 1.0], step=step)]))
+    g = core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=3)  # in flight
+    books = core.books()
+    assert (books["dispatched"], books["trained"], books["in_flight"], books["lost"]) == (8, 6, 2, 0)
+    del core.groups[g.group_id]  # dropped without a fate: lost, by id
+    assert core.books()["lost"] == 2 and core.books()["lost_ids"] == [f"{g.group_id}/0", f"{g.group_id}/1"]
+    core.ledger.close()
+    Ledger(tmp_path / "ledger.jsonl", resume_step=2).close()  # resumed from the checkpoint of step 2
+    assert sorted({r["step"] for r in ledger_lines(tmp_path)}) == [0, 1]
