@@ -8,9 +8,9 @@ loss is Σ a·logprob + Σ b·entropy with random a, b (fixed seed) and backward
 states and the weight. N = 8,192, 16,384 and 32,768 (``--quick``: 8,192 only, 3 rounds). Sides:
 
 - ``triton``: ``kernels.logprob.linear_logprobs`` (bf16 tensor-core matmuls, fp32 accumulation);
-- ``chunked``: ``learner.logprobs.linear_logprobs``, chunk_tokens = 1,024 (the trainer's path today;
+- ``chunked``: ``modeling.logprobs.linear_logprobs``, chunk_tokens = 1,024 (the trainer's path today;
   fp32 matmuls, as torch leaves TF32 off by default);
-- ``full``: ``learner.logprobs.linear_logprobs_reference`` (full [N, V] fp32 logits, log_softmax,
+- ``full``: ``modeling.logprobs.linear_logprobs_reference`` (full [N, V] fp32 logits, log_softmax,
   gather); at large N it runs out of memory, which is recorded as such.
 
 Each side runs once untimed (Triton compiles there), once for memory (peak of the torch CUDA

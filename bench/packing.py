@@ -19,7 +19,7 @@ mix with every length divided by 4 (max 512, the tiny model's context), the firs
 2 groups (``--quick``) or 4 groups. Both sides run the same rows and the same
 loss (a fixed random per-token weight times the token log-probs) through one
 forward+backward: padded as one [rows, L] batch with an attention mask, packed as
-``learner.packing.pack(..., max_tokens=L)`` with one forward+backward per pack,
+``modeling.packing.pack(..., max_tokens=L)`` with one forward+backward per pack,
 gradients accumulated. Capping a pack at L keeps sdpa's materialised [T, T] mask
 and its T² attention no larger than the padded side's per-row L²; on GPU with
 flash-attn varlen the attention cost is Σ len² whatever the cap. Rounds alternate

@@ -1,6 +1,6 @@
 """Fused LM head → per-token log-prob (+ entropy) in Triton, forward and backward, never [N, V] in memory.
 
-Same signature and numbers as ``learner.logprobs.linear_logprobs`` (the chunked torch path, which is
+Same signature and numbers as ``modeling.logprobs.linear_logprobs`` (the chunked torch path, which is
 this kernel's torch reference; ``linear_logprobs_reference`` is the naive one):
 
     logprob, entropy = linear_logprobs(hidden [N, H], weight [V, H], targets [N], temperature, chunk_tokens,
@@ -289,7 +289,7 @@ def _vocab_splits(n_token_blocks: int, n_vocab_tiles: int, programs: int) -> tup
 
 def _kernel_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     if torch.float64 in (hidden.dtype, weight.dtype):
-        raise TypeError("float64 is not supported by the Triton kernel; use learner.logprobs.linear_logprobs")
+        raise TypeError("float64 is not supported by the Triton kernel; use modeling.logprobs.linear_logprobs")
     if hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16):
         return hidden.dtype
     return torch.float32
@@ -385,14 +385,14 @@ def linear_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """log_softmax(hidden · weightᵀ / T)[targets] per token, and the entropy if asked; Triton, no [N, V] logits.
 
-    Drop-in for ``learner.logprobs.linear_logprobs`` (its torch reference): hidden [N, H], weight [V, H],
+    Drop-in for ``modeling.logprobs.linear_logprobs`` (its torch reference): hidden [N, H], weight [V, H],
     targets [N] int in [0, V); returns fp32 (logprob [N], entropy [N] or None), differentiable once wrt
     hidden and weight. ``chunk_tokens`` is ignored. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
     """
     check_args(hidden, weight, targets, chunk_tokens)
     if not INTERPRETED and not (hidden.is_cuda and weight.is_cuda and targets.is_cuda):
         raise RuntimeError("kernels.logprob needs CUDA tensors, or TRITON_INTERPRET=1 set before it is imported "
-                           "(CPU, slow); learner.logprobs.linear_logprobs is the CPU path")
+                           "(CPU, slow); modeling.logprobs.linear_logprobs is the CPU path")
     with torch.autocast(hidden.device.type, enabled=False):
         logprob, entropy = _LinearLogprobsTriton.apply(hidden, weight, targets.long(), float(temperature),
                                                        with_entropy)

@@ -4,10 +4,10 @@
     logprobs, entropy = policy(input_ids, lengths, response_mask, with_entropy=True)   # [N, L] each
 
 Never builds [tokens x vocab] logits: the base model gives hidden states, and
-``learner.logprobs.linear_logprobs`` (or the fused Triton kernel of kernels/logprob.py,
+``modeling.logprobs.linear_logprobs`` (or the fused Triton kernel of kernels/logprob.py,
 ``logprob_impl="triton"``) applies the LM head in chunks, only at the
 positions that predict a response token (prompt positions cost no LM-head work
-at all). Layouts (``learner.packing``), all giving the same numbers
+at all). Layouts (``modeling.packing``), all giving the same numbers
 (tests/test_policy.py):
 
 - ``pack=True`` with a varlen kernel (CUDA: ``varlen``, torch's own FlashAttention varlen,

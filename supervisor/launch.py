@@ -69,7 +69,10 @@ def teacher_groups(teachers) -> dict[str, list[str]]:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the supervisor dies, however it dies (Linux)."""
+    """In the child before exec: get SIGTERM when the supervisor dies, however it dies (Linux); and start with
+    SIGUSR1 ignored (an ignored signal stays ignored across exec), so a stall report's stack-dump request cannot
+    kill a process that has not yet registered its dump (``worker_start``)."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         import ctypes
 

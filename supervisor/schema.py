@@ -413,14 +413,24 @@ class LaunchConfig:
     """Filled by the supervisor when ``auth``: the run's key file (run_dir/auth.keys, made anew at each launch,
     mode 0600). config.yaml holds this path, never a key (protocol/auth.py)."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy's model and how every role runs it."""
     gpus: GpusConfig = field(default_factory=GpusConfig)
+    """Which GPUs each role's processes use (none: the CPU)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The prompt files, their held-out part, rendering and draw order."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How training rollouts are sampled."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The trainer process: the update rule, its optimizer, checkpoints, ranks."""
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    """The orchestrator process: staleness, credits, deadlines, filters, evaluation, the stall watch."""
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    """The sampler processes and their engine."""
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    """The verifier processes: domains, scoring pool, your reward modules, the judge endpoint."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """MOPD's teacher servers: which checkpoint teaches each domain, and how they batch."""
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    """The supervisor: heartbeats, restarts, the live display, draining, the run's time limit."""
 
 

@@ -17,8 +17,11 @@ The run is not stopped: a wait that completes later resets the watch, and a seco
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,7 +77,14 @@ def report(rows: list[dict], orchestrator: dict, stalled_s: float, timeout_s: fl
 
 
 def stack_dumps(rows: list[dict], logs: Path) -> list[str]:
-    """Ask every process of ours for its stacks (SIGUSR1) and return what each log gained meanwhile."""
+    """Ask every process of ours for its stacks (SIGUSR1) and return what each log gained meanwhile; with
+    ``--inline`` (every role a thread of this process) this process's threads, dumped here."""
+    if rows and all(r.get("pid") == os.getpid() for r in rows):
+        with tempfile.TemporaryFile("w+") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            f.seek(0)
+            return ["", "--- this process (--inline: every role is a thread, named by its worker id) ---",
+                    f.read().strip(), _thread_names()]
     targets = []  # (label, pid, log file)
     for r in rows:
         if r.get("pid") and r["role"] != "sglang":  # a server of another project: SIGUSR1 could kill it
@@ -99,3 +109,8 @@ def stack_dumps(rows: list[dict], logs: Path) -> list[str]:
             text = f.read().decode(errors="replace").strip()
         out += ["", f"--- {log.name} ---", text or "(nothing written)"]
     return out
+
+
+def _thread_names() -> str:
+    """faulthandler names threads by id only: the map from id to name (the worker ids, with --inline)."""
+    return "threads: " + ", ".join(f"{t.ident:#x}={t.name}" for t in threading.enumerate())

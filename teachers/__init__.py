@@ -7,6 +7,6 @@ One process per teacher checkpoint (``teachers/server.py``), serving the domains
 
 The orchestrator sends each group of a MOPD batch (one prompt, its n sampled responses) to the teacher of its
 domain as a ``TeacherRequest`` and gets back a ``TeacherLogprobs``: log π_teacher of every response token, at
-the sampling temperature, computed with the trainer's own log-prob code (``learner.policy.Policy``), so that
+the sampling temperature, computed with the trainer's own log-prob code (``modeling.policy.Policy``), so that
 a_t = log π_teacher − log π_θ compares like with like. Requests that arrive together share one forward.
 """

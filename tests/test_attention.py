@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cascade_rl.learner import attention
+from cascade_rl.modeling import attention
 from cascade_rl.modeling.attention import resolve_attn_impl, varlen_attention_forward
 from cascade_rl.modeling.packing import VARLEN_KWARGS, pack, packed_forward
 from cascade_rl.modeling.policy import Policy

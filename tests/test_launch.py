@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,26 @@ CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
 
 def cli(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, **kw)
+
+
+def read_ledger(run_dir: Path) -> dict[str, dict]:
+    """The ledger, checked rollout by rollout: every id has exactly one terminal fate, every duplicate line names
+    an attempt no newer than that fate's, and the trainer's ids (trained_ids.jsonl) are exactly, step by step, the
+    ledger's trained ids. Returns each id's terminal line."""
+    lines = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    by_id = defaultdict(list)
+    for r in lines:
+        by_id[r["id"]].append(r)
+    terminal = {}
+    for rid, rs in by_id.items():
+        fates = [r for r in rs if r["fate"] != "duplicate"]
+        assert len(fates) == 1 and fates[0]["fate"] in ("trained", "filtered", "stale"), (rid, rs)
+        terminal[rid] = fates[0]
+        assert all(r["attempt"] <= fates[0]["attempt"] for r in rs if r["fate"] == "duplicate"), (rid, rs)
+    trainer = sorted((r["step"], rid) for r in map(json.loads, (run_dir / "trained_ids.jsonl").read_text().splitlines())
+                     for rid in r["ids"])
+    assert trainer == sorted((r["step"], rid) for rid, r in terminal.items() if r["fate"] == "trained")
+    return terminal
 
 
 @pytest.mark.slow
@@ -60,6 +81,9 @@ def test_launch_tiny_end_to_end(tiny_model, math_data, tmp_path):
     assert books["lost"] == 0 and books["in_flight"] == 0
     assert books["dispatched"] == books["trained"] + books["filtered"] + books["stale"]
     assert books["trained"] == steps * groups * g
+    ledger = read_ledger(run_dir)  # one fate per id, the trainer's ids equal to the ledger's
+    assert len(ledger) == books["dispatched"] and books["trainer_ids"]["match"]
+    assert all(r["step"] - r["version"] == 0 for r in ledger.values())  # strictly on-policy: staleness 0
     assert 0.0 <= summary["heldout_accuracy_before"] <= 1.0
     assert {"heldout_accuracy_before", "heldout_accuracy_after", "steps", "wall_s", "books"} <= set(summary)
 
@@ -270,8 +294,10 @@ def test_faults_killed_workers_are_restarted_and_a_killed_trainer_resumes(tiny_m
     books = summary["books"]
     assert summary["restarts"]["sampler-0"] >= 1 and summary["restarts"]["verifier-0"] >= 1
     assert books["lost"] == 0 and books["in_flight"] == 0
-    assert books["dispatched"] == books["trained"] + books["filtered"] + books["stale"]
     assert books["trained"] == steps * 8 * 4
+    ledger = read_ledger(run_dir)  # rollout by rollout: exactly one fate each, the trainer's ids the ledger's
+    assert len(ledger) == books["dispatched"] and books["trainer_ids"]["match"]
+    assert sum(r["fate"] == "trained" for r in ledger.values()) == steps * 8 * 4
 
     # the trainer: killed mid-run, the run stops and says how to go on
     shutil.rmtree(run_dir)
@@ -285,6 +311,10 @@ def test_faults_killed_workers_are_restarted_and_a_killed_trainer_resumes(tiny_m
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from_step"] >= 4 and summary["policy_version"] == 12 and summary["books"]["lost"] == 0
+    # across the kill and the resume: the steps redone replaced the killed run's lines in both files
+    ledger = read_ledger(run_dir)
+    assert sorted({r["step"] for r in ledger.values() if r["fate"] == "trained"}) == list(range(12))
+    assert summary["books"]["trainer_ids"]["match"]
 
 
 @pytest.mark.slow
@@ -308,4 +338,61 @@ def test_async_mode_samples_up_to_k_batches_while_the_trainer_steps(k, tiny_mode
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     staleness = [m["staleness_max"] for m in metrics if "version" in m]
     assert staleness[0] == 0 and 0 < max(staleness) <= k, staleness  # measured here: k=2 reaches 2
+    trained = [r for r in read_ledger(run_dir).values() if r["fate"] == "trained"]
+    assert len(trained) == 6 * 8 * 4 and max(r["step"] - r["version"] for r in trained) == max(staleness)
     assert all(m["trainer/is_truncated_frac"] >= 0.0 for m in metrics if "version" in m)
+
+
+@pytest.mark.slow
+def test_inline_runs_every_role_in_one_process_to_the_same_books(tiny_model, math_data, tmp_path):
+    """`launch tiny --inline`: every role a thread of the supervisor's process (inproc sockets); the books, the
+    ledger and the trainer's ids are those of a launch of processes."""
+    run_dir = tmp_path / "run"
+    r = cli("launch", "tiny", "--inline", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
+            "supervisor.progress=plain", timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    books = summary["books"]
+    assert books["trained"] == 3 * 8 * 4 == books["dispatched"] and books["lost"] == 0
+    assert books["trainer_ids"]["match"] and len(read_ledger(run_dir)) == books["dispatched"]
+    pids = {w["pid"] for w in summary["workers"]}
+    assert len(pids) == 1 and {w["role"] for w in summary["workers"]} == {"orchestrator", "trainer", "sampler",
+                                                                            "verifier"}
+    log = (run_dir / "logs" / "inline.log").read_text()
+    assert "trainer-0 INFO" in log and "orchestrator INFO" in log  # one log, lines named by thread
+    assert not (run_dir / "auth.keys").exists()  # inproc: nothing to authenticate
+
+
+@pytest.mark.slow
+def test_a_hung_verifier_makes_the_run_explain_itself(tiny_model, tmp_path):
+    """A verifier that never returns (and a deadline far away): after orchestrator.stall_timeout_s the supervisor
+    writes stall.txt naming the verifier and what it holds, what the orchestrator waits for, and every
+    process's stack, the hung scoring function's among them."""
+    run_dir = tmp_path / "run"
+    data = tmp_path / "hang.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "domain": "test_hang", "answer": str(i + 1)}) + "\n"
+                            for i in range(20)))
+    plugin = Path(__file__).parent / "helpers" / "hostile_verifiers.py"
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
+    proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}",
+                             f"data.files=[{data}]", f"verifier.plugins=[{plugin}]", "orchestrator.eval_n=0",
+                             "orchestrator.eval_greedy=false", "orchestrator.verifier_timeout_s=600",
+                             "orchestrator.stall_timeout_s=4", "supervisor.progress=plain"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stall, report = run_dir / "stall.txt", ""
+    try:  # a slow start (no heartbeat yet within the 4 s) is a stall too: wait for the report of step 0's
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "step 0:" not in report and proc.poll() is None:
+            time.sleep(0.5)
+            report = stall.read_text() if stall.is_file() else ""
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    assert "waiting for: step 0: 0 of 8 groups sampled and scored" in report, report
+    verifier = next(line for line in report.splitlines() if line.strip().startswith("verifier"))
+    assert "verifier-0" in verifier and "holds 32 items" in verifier and "s0g" in verifier, verifier
+    sampler = next(line for line in report.splitlines() if line.strip().startswith("sampler"))
+    assert "holds nothing" in sampler
+    assert "--- verifier-0.log ---" in report and "--- orchestrator.log ---" in report and "--- trainer-0.log ---" in report
+    assert 'in hang' in report and "hostile_verifiers.py" in report  # the scoring process's stack: where it hangs
+    assert "stall.txt" in out  # and the supervisor said where to read it

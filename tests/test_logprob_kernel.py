@@ -26,7 +26,7 @@ if DEVICE == "cpu":
 triton = pytest.importorskip("triton")  # CPU torch wheels do not bring it
 
 from cascade_rl.kernels import logprob as kernel  # noqa: E402
-from cascade_rl.learner import logprobs as torch_paths  # noqa: E402
+from cascade_rl.modeling import logprobs as torch_paths  # noqa: E402
 
 assert DEVICE == "cuda" or kernel.INTERPRETED, (
     "kernels.logprob was imported before TRITON_INTERPRET=1 was set; without CUDA it must run interpreted")

@@ -13,9 +13,9 @@ from cascade_rl.learner.losses import (
     mismatch_stats,
     mopd_loss,
     mopd_stats,
-    token_logprobs,
     truncated_importance_weights,
 )
+from cascade_rl.modeling.logprobs import token_logprobs
 
 SQRT3 = math.sqrt(3.0)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import faulthandler
 import logging
 import multiprocessing as mp
@@ -110,6 +111,20 @@ def _child(conn: Connection, impls: dict[str, str], plugins: list[str], settings
         conn.send(score_group(req, impls) if isinstance(req, GroupScoreRequest) else [score_one(req, impls)])
 
 
+@contextlib.contextmanager
+def _sigusr1_ignored():
+    """SIGUSR1 ignored while a scoring process starts (main thread only; elsewhere a no-op); this process's own
+    stack dump (``worker_start``) registered again after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 class Pool:
     """``size`` scoring processes, each holding up to ``depth`` requests (scored one after another, so the
     next is already there when one finishes). A request's deadline runs from when its process starts on
@@ -125,7 +140,8 @@ class Pool:
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(target=_child, args=(child, self.impls, self.plugins, self.settings),
                                 daemon=True)
-        proc.start()
+        with _sigusr1_ignored():  # inherited through exec until the child registers its stack dump
+            proc.start()
         child.close()
         return {"proc": proc, "conn": parent, "queue": collections.deque(), "deadline": 0.0, "t0": 0.0}
 
