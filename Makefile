@@ -41,7 +41,7 @@ run: install
 test: install
 	$(VENV)/bin/pytest -q
 
-# Every benchmark in quick mode (DESIGN §9), one table at the end (bench/results/summary.md);
+# Every benchmark in quick mode (docs/ARCHITECTURE.md §9), one table at the end (bench/results/summary.md);
 # full figures: run a script without --quick, or bench/run_all.py without it.
 bench: install
 	$(VENV)/bin/python bench/run_all.py --quick

@@ -54,20 +54,29 @@ for sm90, the CUDA block sizes in ``CUDA_BLOCKS`` and all speed figures are pend
 a CPU tensor without the interpreter raises.
 """
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from .moe_triton import (  # noqa: F401  (re-exported: the kernels' side, for tests and benchmarks)
+    CUDA_BLOCKS,
+    INTERPRETED,
+    INTERPRETER_BLOCKS,
+    Blocks,
+    Plan,
+    _blocks,
+    combine,
+    combine_bwd,
+    gate_up_swiglu,
+    grouped_mm,
+    grouped_mm_swiglu_bwd,
+    grouped_wgrad,
+    plan_blocks,
+)
 
 Impl = Literal["triton", "torch"]
-
-# Kernels are JIT functions or interpreter functions depending on TRITON_INTERPRET when this module is imported.
-INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 # --- routing (torch, shared) -----------------------------------------------------------------------------------
@@ -109,321 +118,7 @@ def experts_torch(
     return (pair_out * topk_weights.unsqueeze(-1)).sum(dim=1)
 
 
-# --- block-padded layout -----------------------------------------------------------------------------------------
-
-
-class Plan(NamedTuple):
-    """Expert-major, block-padded layout of the N·k (token, slot) pairs; see the module docstring."""
-
-    sorted_pair: torch.Tensor  # [P] int32: pair id (token * top_k + slot) of each padded row, -1 for padding
-    block_expert: torch.Tensor  # [P / block_m] int32: expert owning each block of rows, -1 for unused blocks
-    expert_start: torch.Tensor  # [E + 1] int32: expert e owns padded rows [expert_start[e], expert_start[e + 1])
-    pair_row: torch.Tensor  # [N * top_k] int32: padded row of each pair (inverse of sorted_pair)
-    top_k: int
-    block_m: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.pair_row.numel() // self.top_k
-
-
-def plan_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Plan:
-    """moe_align_block_size in torch ops (sort, bincount, cumsum, scatter): O(S log S), no host sync."""
-    ids = topk_ids.reshape(-1).long()
-    pairs, dev = ids.numel(), ids.device
-    counts = torch.bincount(ids, minlength=num_experts)
-    padded_end = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
-    expert_start = F.pad(padded_end, (1, 0))
-    order = torch.argsort(ids, stable=True)
-    sorted_ids = ids[order]
-    rank = torch.arange(pairs, device=dev) - (counts.cumsum(0) - counts)[sorted_ids]
-    row = expert_start[sorted_ids] + rank
-    # Worst case over all routings of this size, so that no count has to reach the host.
-    rows = math.ceil((pairs + min(num_experts, pairs) * (block_m - 1)) / block_m) * block_m
-    sorted_pair = torch.full((rows,), -1, dtype=torch.int32, device=dev)
-    sorted_pair[row] = order.int()
-    pair_row = torch.empty(pairs, dtype=torch.int32, device=dev)
-    pair_row[order] = row.int()
-    block_first = torch.arange(0, rows, block_m, device=dev)
-    block_expert = torch.searchsorted(padded_end, block_first, right=True)
-    block_expert = torch.where(block_first < padded_end[-1], block_expert, -1).int()
-    return Plan(sorted_pair, block_expert, expert_start.int(), pair_row, topk_ids.shape[1], block_m)
-
-
-# --- Triton kernels ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Blocks:
-    m: int  # rows per block of the layout (the alignment unit) = M tile of the row GEMMs
-    n: int  # N tile of grouped_mm
-    gate_up_n: int  # N tile of gate_up_swiglu (two accumulators of this width)
-    k: int  # K tile of the row GEMMs, and row step of grouped_wgrad (must divide m)
-    wgrad_m: int  # output tiles of grouped_wgrad
-    wgrad_n: int
-    h: int  # columns per program of combine / combine_bwd
-    num_warps: int
-    num_stages: int
-
-
-# Interpreter: smallest tiles tl.dot takes, so that tiny test shapes cross tile edges. CUDA: vLLM-like bf16 tiles
-# for Hopper, not tuned (no GPU was available when this was written).
-INTERPRETER_BLOCKS = Blocks(m=16, n=16, gate_up_n=16, k=16, wgrad_m=16, wgrad_n=16, h=16, num_warps=1, num_stages=1)
-CUDA_BLOCKS = Blocks(m=64, n=128, gate_up_n=64, k=64, wgrad_m=128, wgrad_n=128, h=512, num_warps=8, num_stages=3)
-
-
-def _blocks(t: torch.Tensor) -> Blocks:
-    return CUDA_BLOCKS if t.is_cuda and not INTERPRETED else INTERPRETER_BLOCKS
-
-
-def _precision(t: torch.Tensor) -> str:
-    return "ieee" if t.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16 operands
-
-
-@triton.jit
-def _gate_up_swiglu_kernel(
-    x_ptr, w_ptr, h_ptr, act_ptr, sorted_pair_ptr, block_expert_ptr,
-    H, INTER, top_k,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn, stride_am, stride_an,
-    SAVE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    pair = tl.load(sorted_pair_ptr + rows)
-    real = pair >= 0
-    token = tl.where(real, pair // top_k, 0).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < INTER
-    w_base = w_ptr + expert * stride_we
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < H
-        xb = tl.load(x_ptr + token[:, None] * stride_xm + ks[None, :] * stride_xk,
-                     mask=real[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
-        w_up = tl.load(w_base + (cols[None, :] + INTER) * stride_wn + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
-        acc_gate = tl.dot(xb, w_gate, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(xb, w_up, acc_up, input_precision=PRECISION)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    mask = col_ok[None, :]
-    tl.store(act_ptr + rows[:, None] * stride_am + cols[None, :] * stride_an,
-             act.to(act_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-    if SAVE_H:
-        h_rows = h_ptr + rows[:, None] * stride_hm
-        tl.store(h_rows + cols[None, :] * stride_hn, acc_gate.to(h_ptr.dtype.element_ty), mask=mask)
-        tl.store(h_rows + (cols[None, :] + INTER) * stride_hn, acc_up.to(h_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _grouped_mm_kernel(
-    a_ptr, w_ptr, c_ptr, h_ptr, block_expert_ptr,
-    K, N,
-    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_cm, stride_cn, stride_hm, stride_hn,
-    SWIGLU_BWD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    """c[rows] = a[rows] @ w[e] ([K, N] through strides). SWIGLU_BWD: c is d_act, the epilogue writes dh = [dg, du]."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    w_base = w_ptr + expert * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak, mask=k_ok[None, :], other=0.0)
-        w = tl.load(w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    mask = col_ok[None, :]
-    if SWIGLU_BWD:  # N = I; h = [gate | up] pre-activations; act = silu(g) * u
-        h_rows = h_ptr + rows[:, None] * stride_hm
-        g = tl.load(h_rows + cols[None, :] * stride_hn, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h_rows + (cols[None, :] + N) * stride_hn, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        d_gate = acc * u * sig * (1.0 + g * (1.0 - sig))
-        d_up = acc * g * sig
-        c_rows = c_ptr + rows[:, None] * stride_cm
-        tl.store(c_rows + cols[None, :] * stride_cn, d_gate.to(c_ptr.dtype.element_ty), mask=mask)
-        tl.store(c_rows + (cols[None, :] + N) * stride_cn, d_up.to(c_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
-                 acc.to(c_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-
-
-@triton.jit
-def _grouped_wgrad_kernel(
-    a_ptr, b_ptr, dw_ptr, sorted_pair_ptr, expert_start_ptr,
-    M, N, top_k,
-    stride_ar, stride_am, stride_br, stride_bn, stride_de, stride_dm, stride_dn,
-    GATHER_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    """dw[e] = a[rows of e]ᵀ @ b[src rows]; src = token of the row's pair (GATHER_B) or the row itself."""
-    expert, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(expert_start_ptr + expert)
-    end = tl.load(expert_start_ptr + expert + 1)
-    cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cm_ok, cn_ok = cm < M, cn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_R):  # BLOCK_R divides the layout's block, so rows never leave [start, end)
-        rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-        a_t = tl.load(a_ptr + rows[None, :] * stride_ar + cm[:, None] * stride_am, mask=cm_ok[:, None], other=0.0)
-        if GATHER_B:
-            pair = tl.load(sorted_pair_ptr + rows)
-            real = pair >= 0
-            src = tl.where(real, pair // top_k, 0).to(tl.int64)
-        else:
-            real = rows >= 0
-            src = rows
-        b = tl.load(b_ptr + src[:, None] * stride_br + cn[None, :] * stride_bn,
-                    mask=real[:, None] & cn_ok[None, :], other=0.0)  # fmt: skip
-        acc = tl.dot(a_t, b, acc, input_precision=PRECISION)
-    tl.store(dw_ptr + expert.to(tl.int64) * stride_de + cm[:, None] * stride_dm + cn[None, :] * stride_dn,
-             acc.to(dw_ptr.dtype.element_ty), mask=cm_ok[:, None] & cn_ok[None, :])  # fmt: skip
-
-
-@triton.jit
-def _combine_kernel(
-    o_ptr, w_ptr, pair_row_ptr, y_ptr,
-    H, top_k,
-    stride_om, stride_oh, stride_wn, stride_wk, stride_yn, stride_yh,
-    HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
-    """y[n] = Σ_k w[n, k] · o[pair_row[n·top_k + k]] (w = 1 when not HAS_W), fp32 accumulation."""
-    token, pid_h = tl.program_id(0), tl.program_id(1)
-    cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in range(top_k):
-        row = tl.load(pair_row_ptr + token * top_k + k).to(tl.int64)
-        v = tl.load(o_ptr + row * stride_om + cols * stride_oh, mask=col_ok, other=0.0).to(tl.float32)
-        if HAS_W:
-            v *= tl.load(w_ptr + token * stride_wn + k * stride_wk).to(tl.float32)
-        acc += v
-    tl.store(y_ptr + token * stride_yn + cols * stride_yh, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
-def _combine_bwd_kernel(
-    dy_ptr, o_ptr, w_ptr, pair_row_ptr, do_ptr, dw_ptr,
-    H, top_k,
-    stride_dyn, stride_dyh, stride_om, stride_oh, stride_wn, stride_wk, stride_dom, stride_doh,
-    BLOCK_H: tl.constexpr,
-):  # fmt: skip
-    """Per pair p = (n, k): d_o[row] = w[n, k] · dy[n] and dw[p] = <o[row], dy[n]>."""
-    pair = tl.program_id(0)
-    token, k = pair // top_k, pair % top_k
-    row = tl.load(pair_row_ptr + pair).to(tl.int64)
-    w = tl.load(w_ptr + token * stride_wn + k * stride_wk).to(tl.float32)
-    dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        col_ok = cols < H
-        dy = tl.load(dy_ptr + token * stride_dyn + cols * stride_dyh, mask=col_ok, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + row * stride_om + cols * stride_oh, mask=col_ok, other=0.0).to(tl.float32)
-        dot += dy * o
-        tl.store(do_ptr + row * stride_dom + cols * stride_doh, (w * dy).to(do_ptr.dtype.element_ty), mask=col_ok)
-    tl.store(dw_ptr + pair, tl.sum(dot, axis=0))
-
-
-# --- launchers (Triton) and their torch twins (same signatures) --------------------------------------------------
-
-
-def gate_up_swiglu(
-    x: torch.Tensor, gate_up: torch.Tensor, plan: Plan, save_h: bool
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(h [P, 2I] pre-activations or None, act [P, I] = silu(gate) * up) for every padded row."""
-    b, (_, two_i, hidden) = _blocks(x), gate_up.shape
-    inter, rows = two_i // 2, plan.sorted_pair.numel()
-    act = x.new_empty(rows, inter)
-    h = x.new_empty(rows, two_i) if save_h else act  # act doubles as an unused pointer when h is not saved
-    grid = (rows // plan.block_m, triton.cdiv(inter, b.gate_up_n))
-    _gate_up_swiglu_kernel[grid](
-        x, gate_up, h, act, plan.sorted_pair, plan.block_expert, hidden, inter, plan.top_k,
-        *x.stride(), *gate_up.stride(), *h.stride(), *act.stride(),
-        SAVE_H=save_h, BLOCK_M=plan.block_m, BLOCK_N=b.gate_up_n, BLOCK_K=b.k, PRECISION=_precision(x),
-        num_warps=b.num_warps, num_stages=b.num_stages,
-    )  # fmt: skip
-    return (h if save_h else None), act
-
-
-def _grouped_mm_launch(a, w, plan, out_cols, h=None):
-    b, rows = _blocks(a), a.shape[0]
-    k_dim, n_dim = w.shape[1], w.shape[2]
-    c = a.new_empty(rows, out_cols)
-    grid = (rows // plan.block_m, triton.cdiv(n_dim, b.n))
-    _grouped_mm_kernel[grid](
-        a, w, c, c if h is None else h, plan.block_expert, k_dim, n_dim,
-        *a.stride(), *w.stride(), *c.stride(), *(c if h is None else h).stride(),
-        SWIGLU_BWD=h is not None, BLOCK_M=plan.block_m, BLOCK_N=b.n, BLOCK_K=b.k, PRECISION=_precision(a),
-        num_warps=b.num_warps, num_stages=b.num_stages,
-    )  # fmt: skip
-    return c
-
-
-def grouped_mm(a: torch.Tensor, w: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """c [P, N] = a[rows] @ w[e] per block of rows, w [E, K, N] with any strides (pass ``down.mT`` etc., no copy)."""
-    return _grouped_mm_launch(a, w, plan, w.shape[2])
-
-
-def grouped_mm_swiglu_bwd(d_o: torch.Tensor, down: torch.Tensor, h: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """dh [P, 2I] = SwiGLU'(h) applied to d_act = d_o @ down[e] (down [E, H, I])."""
-    return _grouped_mm_launch(d_o, down, plan, 2 * down.shape[2], h=h)
-
-
-def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, plan: Plan, num_experts: int, gather: bool) -> torch.Tensor:
-    """dw [E, M, N] = a[rows of e]ᵀ @ b[src]; src = token of each row (gather, b = x [N, H]) or the row (b [P, N])."""
-    blk, (m_dim, n_dim) = _blocks(a), (a.shape[1], b.shape[1])
-    assert plan.block_m % blk.k == 0, "the row step must divide the layout's block"
-    dw = a.new_empty(num_experts, m_dim, n_dim)
-    grid = (num_experts, triton.cdiv(m_dim, blk.wgrad_m), triton.cdiv(n_dim, blk.wgrad_n))
-    _grouped_wgrad_kernel[grid](
-        a, b, dw, plan.sorted_pair, plan.expert_start, m_dim, n_dim, plan.top_k,
-        *a.stride(), *b.stride(), *dw.stride(),
-        GATHER_B=gather, BLOCK_M=blk.wgrad_m, BLOCK_N=blk.wgrad_n, BLOCK_R=blk.k, PRECISION=_precision(a),
-        num_warps=blk.num_warps, num_stages=blk.num_stages,
-    )  # fmt: skip
-    return dw
-
-
-def combine(o: torch.Tensor, weights: torch.Tensor | None, plan: Plan) -> torch.Tensor:
-    """y [N, H] = Σ_k weights[n, k] · o[pair_row[n, k]] (weights None: plain sum)."""
-    b, hidden = _blocks(o), o.shape[1]
-    y = o.new_empty(plan.num_tokens, hidden)
-    w = o if weights is None else weights
-    _combine_kernel[(plan.num_tokens, triton.cdiv(hidden, b.h))](
-        o, w, plan.pair_row, y, hidden, plan.top_k, *o.stride(), *w.stride()[:2], *y.stride(),
-        HAS_W=weights is not None, BLOCK_H=b.h, num_warps=4 if o.is_cuda else 1,
-    )  # fmt: skip
-    return y
-
-
-def combine_bwd(
-    dy: torch.Tensor, o: torch.Tensor, weights: torch.Tensor, plan: Plan
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_o [P, H], zero on padding rows; dw [N, k] fp32) for y = combine(o, weights)."""
-    b, hidden = _blocks(o), o.shape[1]
-    d_o = torch.zeros_like(o)  # padding rows must be 0: the backward GEMMs read whole blocks
-    dw = torch.empty(plan.pair_row.numel(), dtype=torch.float32, device=o.device)
-    _combine_bwd_kernel[(plan.pair_row.numel(),)](
-        dy, o, weights, plan.pair_row, d_o, dw, hidden, plan.top_k,
-        *dy.stride(), *o.stride(), *weights.stride(), *d_o.stride(),
-        BLOCK_H=b.h, num_warps=4 if o.is_cuda else 1,
-    )  # fmt: skip
-    return d_o, dw.view(plan.num_tokens, plan.top_k)
+# --- the torch twins of the Triton launchers (kernels/moe_triton.py; same signatures) ----------------------------
 
 
 def _expert_rows(plan: Plan) -> list[tuple[int, int]]:

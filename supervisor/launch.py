@@ -9,19 +9,20 @@ tcp socket of the run admits only holders of ``<run_dir>/auth.keys``, mode 0600)
 ``<run_dir>/config.yaml`` (the key file's path, no key) and starts, each as its
 own OS process: the orchestrator, the trainer, the samplers, the
 verifiers and, for MOPD, one teacher server per distinct teacher checkpoint
-(``teachers``: domain -> checkpoint); with ``sampler.engine=sglang``, one
-SGLang server per sampler too. Each process sees exactly the GPUs the config's
+(``teacher.checkpoints``: domain -> checkpoint); with ``sampler.engine=sglang``, one
+SGLang server per sampler too (supervisor/procs.py). With ``--inline`` each role is a
+thread of this process instead (supervisor/inline.py). Each process sees exactly the GPUs the config's
 ``gpus`` section gives its role (supervisor/placement.py; ``CUDA_VISIBLE_DEVICES``,
 empty for CPU processes); a layout the machine cannot hold is refused before any
 process starts. It then serves heartbeats (PULL) and ``cascade-rl ctl`` requests
 (REP) until the orchestrator exits: 0 ends the run, anything else fails it.
 A crashed worker other than the orchestrator is restarted with exponential
-backoff up to ``supervisor.max_restarts`` times.
+backoff up to ``supervisor.max_restarts`` times; a run whose orchestrator stops
+completing its waits gets ``<run_dir>/stall.txt`` (supervisor/stall.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -47,110 +48,22 @@ from . import placement, stall
 from .config_errors import ConfigError
 from .display import Display
 from .inline import ThreadProc
+from .procs import (
+    MODULES,
+    SERVER_ROLES,
+    Proc,
+    _die_with_parent,
+    free_ports,
+    sampler_procs,
+    state_dir,
+    teacher_groups,
+)
 from .run_data import prepare_run_data
 from .stall import StallWatch
-
-MODULES = {
-    "orchestrator": "cascade_rl.orchestrator.main",
-    "trainer": "cascade_rl.learner.trainer",
-    "sampler": "cascade_rl.samplers.worker",
-    "verifier": "cascade_rl.verifiers.worker",
-    "teacher": "cascade_rl.teachers.server",
-}
-SERVER_ROLES = {"sglang"}  # processes that are not our workers: no heartbeats, watched by their exit alone
-
-
-def teacher_groups(teachers) -> dict[str, list[str]]:
-    """MOPD teachers by checkpoint: one teacher server per distinct checkpoint, serving its domains."""
-    by_path: dict[str, list[str]] = {}
-    for domain, path in sorted(teachers.items()):
-        by_path.setdefault(str(Path(path).resolve()), []).append(domain)
-    return by_path
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the supervisor dies, however it dies (Linux); and start with
-    SIGUSR1 ignored (an ignored signal stays ignored across exec), so a stall report's stack-dump request cannot
-    kill a process that has not yet registered its dump (``worker_start``)."""
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the supervisor's own SIGTERM handler still stops the workers
 
 
 def _interrupt(*_) -> None:
     raise KeyboardInterrupt
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` TCP ports free now (the OS picks them; held together so they differ)."""
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def state_dir() -> Path:
-    """Where the supervisor records the newest run (for ``ctl`` without --run-dir)."""
-    base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
-    return base / "cascade-rl"
-
-
-@dataclasses.dataclass
-class Proc:
-    role: str
-    worker_id: str
-    popen: subprocess.Popen | None = None
-    restarts: int = 0
-    restart_at: float = 0.0
-    last_beat: float = 0.0
-    state: str = "starting"
-    version: int = 0
-    counters: dict = dataclasses.field(default_factory=dict)
-    args: list[str] = dataclasses.field(default_factory=list)  # extra arguments (a verifier's --impl)
-    gpus: tuple[int, ...] = ()  # config ids of the GPUs it sees (supervisor/placement.py); () = the CPU
-    cmd: list[str] = dataclasses.field(default_factory=list)  # a server's own command (SERVER_ROLES)
-    serves: str = ""  # a server: the worker that uses it (restarted with it, so it reloads the weights)
-    slot: int = 0  # a sampler: its entry of gpus.samplers
-    replaced_by: list[str] = dataclasses.field(default_factory=list)  # a swap retires this once they run
-    draining: bool = False  # SIGTERM sent: it finishes what it holds and exits; never restarted
-
-    def row(self) -> dict:
-        return {
-            "role": self.role,
-            "id": self.worker_id,
-            "pid": self.popen.pid if self.popen else None,
-            "state": self.state,
-            "version": self.version,
-            "restarts": self.restarts,
-            "counters": self.counters,
-            "gpus": list(self.gpus),
-        }
-
-
-def sampler_procs(cfg, worker_id: str, slot: int, port: int | None = None) -> list[Proc]:
-    """The processes of one sampler on entry ``slot`` of gpus.samplers: the sampler on that GPU; with the
-    sglang engine (and no sampler.sglang.url), first an SGLang server on that GPU, and the sampler, which then
-    holds no model, on none, told the server's URL."""
-    gpus = placement.gpus_of(cfg, "sampler", slot)
-    sg = cfg.sampler.sglang
-    if cfg.sampler.engine != "sglang" or sg.url:
-        return [Proc("sampler", worker_id, gpus=gpus, slot=slot)]
-    from cascade_rl.samplers.sglang_engine import server_command
-
-    port = port or (sg.port + slot if sg.port else free_ports(1)[0])
-    server = Proc("sglang", f"sglang-{worker_id.split('-')[-1]}", gpus=gpus, cmd=server_command(cfg, port),
-                  serves=worker_id)
-    return [server, Proc("sampler", worker_id, args=["--engine-url", f"http://127.0.0.1:{port}"], slot=slot)]
 
 
 class Supervisor:

@@ -75,15 +75,15 @@ def test_trainer_trains_the_moe_to_the_same_losses_with_each_impl(micro_moe, tmp
 
 @pytest.mark.slow
 def test_the_tiny_demo_moe_trains_the_same_with_triton_experts(tiny_model, tmp_path, monkeypatch):
-    """The demo's own model (4 layers, d=128, 8 experts): two steps, torch vs triton experts (interpreter: slow,
-    so a small batch)."""
-    losses = {}
+    """The demo's own model (4 layers, d=128, 8 experts): one step, torch vs triton experts, the same loss and
+    gradient norm. One step: Triton's interpreter takes ~2 minutes for it on 2 cores (several steps are
+    covered on a smaller model above)."""
+    results = {}
     for impl in ("torch", "triton"):
         cfg = compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path / impl}", f"model.moe_impl={impl}",
                                "trainer.lr=1e-3"], check=False)
         policy, _, opt, _, _ = build(cfg, parallel.Ranks())
-        losses[impl] = [train_step(policy, opt, make_batch(groups=1, g=2, prompt=3, resp=3, seed=s), cfg.trainer,
-                                   s)["loss"] for s in range(2)]
-        batch = make_batch(groups=1, g=2, prompt=3, resp=3, seed=9)
-        losses[impl].append(train_step(policy, opt, batch, cfg.trainer, 2)["grad_norm"])
-    assert losses["triton"] == pytest.approx(losses["torch"], rel=1e-4, abs=1e-6)
+        metrics = train_step(policy, opt, make_batch(groups=1, g=2, prompt=3, resp=3, seed=0), cfg.trainer, 0)
+        results[impl] = [metrics["loss"], metrics["grad_norm"]]
+    assert results["torch"][1] > 0  # rewards [1, 0]: a real gradient to compare
+    assert results["triton"] == pytest.approx(results["torch"], rel=1e-4, abs=1e-6)
