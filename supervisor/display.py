@@ -58,7 +58,7 @@ class Display:
             for w in workers:
                 table.add_row(w["role"], w["id"], str(w["pid"]), w["state"], str(w["version"]), str(w["restarts"]),
                               str(w["counters"].get("device", "")))
-            books_line = " ".join(f"{k}={v}" for k, v in books.items() if not isinstance(v, dict))
+            books_line = " ".join(f"{k}={v}" for k, v in books.items() if not isinstance(v, (dict, list)))
             self.live.update(Group(self.progress, table, f"books: {books_line}"))
         elif self.mode == "plain" and last and last != self._last_printed:
             self._last_printed = last

@@ -262,8 +262,9 @@ def test_scaling_samplers_up_and_down_during_a_run(tiny_model, math_data, tmp_pa
 
 @pytest.mark.slow
 def test_faults_killed_workers_are_restarted_and_a_killed_trainer_resumes(tiny_model, math_data, tmp_path):
-    """SIGKILL a sampler and a verifier mid-run: they restart, the run completes, books balance with nothing
-    lost. SIGKILL the trainer: the run stops with how to resume; `resume=true` continues from the checkpoint."""
+    """SIGKILL a sampler, a verifier and a teacher mid-run (MOPD): they restart, the run completes, and every
+    dispatched rollout has exactly one fate, the trainer's ids the ledger's. SIGKILL the trainer: the run stops
+    with how to resume; `resume=true` continues from the checkpoint, and the ledger still matches."""
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     common = [f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data, "supervisor.progress=none",
@@ -283,21 +284,30 @@ def test_faults_killed_workers_are_restarted_and_a_killed_trainer_resumes(tiny_m
         raise AssertionError(f"version {v} never reached")
 
     steps = 10
-    proc = subprocess.Popen([*CLI, "launch", "tiny", *common, f"trainer.steps={steps}"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    t = wait_version(2)
-    os.kill(t["sampler-0"]["pid"], signal.SIGKILL)
-    os.kill(t["verifier-0"]["pid"], signal.SIGKILL)
+    proc = subprocess.Popen([*CLI, "launch", "tiny", *common, f"trainer.steps={steps}", "stage=mopd",
+                             f"+teacher.checkpoints.math={tiny_model}", "orchestrator.teacher_timeout_s=10"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_version(2)
+    for worker in ("sampler-0", "verifier-0", "teacher-0"):  # each killed while it holds work
+        pid = table()[worker]["pid"]
+        os.kill(pid, signal.SIGSTOP)  # frozen: what the orchestrator hands it stays in its hands
+        t_end = time.monotonic() + 90
+        while not table().get("orchestrator", {}).get("counters", {}).get("workers", {}).get(worker, {}).get("items"):
+            assert time.monotonic() < t_end, f"{worker} never held work"
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     books = summary["books"]
-    assert summary["restarts"]["sampler-0"] >= 1 and summary["restarts"]["verifier-0"] >= 1
+    assert books["redispatched"] > 0  # the sampler's groups went out again, under a new attempt
+    assert all(summary["restarts"][w] >= 1 for w in ("sampler-0", "verifier-0", "teacher-0"))
     assert books["lost"] == 0 and books["in_flight"] == 0
     assert books["trained"] == steps * 8 * 4
     ledger = read_ledger(run_dir)  # rollout by rollout: exactly one fate each, the trainer's ids the ledger's
     assert len(ledger) == books["dispatched"] and books["trainer_ids"]["match"]
     assert sum(r["fate"] == "trained" for r in ledger.values()) == steps * 8 * 4
+    assert any(r["attempt"] > 0 for r in ledger.values())  # trained on a later attempt: re-dispatched ids
 
     # the trainer: killed mid-run, the run stops and says how to go on
     shutil.rmtree(run_dir)
