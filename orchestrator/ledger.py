@@ -11,7 +11,8 @@ ends in exactly one fate, written as one line of ``<run_dir>/ledger.jsonl``:
 
 ``version`` is the policy version that sampled it (null if it never arrived). A reply that arrives for a rollout
 whose attempt was superseded (a re-dispatch) or that already has it is dropped and written as a line with fate
-``duplicate`` and that reply's attempt: an event, not the rollout's fate. ``books`` counts ids, not residuals:
+``duplicate`` and that reply's attempt: an event, not the rollout's fate (a teacher reply answers a whole group:
+it is written against the group's first rollout). ``books`` counts ids, not residuals:
 ``lost`` is the dispatched ids with neither a fate nor a place among the groups still in flight. The trainer
 writes the ids it actually trained to ``trained_ids.jsonl``; ``compare_trainer`` checks them against the
 ledger's ``trained`` lines, step by step.
