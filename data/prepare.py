@@ -44,7 +44,7 @@ MAX_LINES = 10_000  # bad-row lines a report keeps (every one is counted, and da
 FLUSH_ROWS = 1024  # rows rendered, measured and written at once
 SCHEMA = pa.schema([("id", pa.string()), ("messages", pa.string()), ("domain", pa.string()),
                     ("answer", pa.string()), ("metadata", pa.string()), ("source", pa.int32()),
-                    ("line", pa.int64()), ("tokens", pa.int32())])
+                    ("line", pa.int64()), ("tokens", pa.int32()), ("env", pa.string())])
 OVERLONG = "overlong prompt"
 
 
@@ -65,6 +65,7 @@ class Report:
 
     sources: dict[str, list[dict]] = dataclasses.field(default_factory=lambda: {"train": [], "eval": []})
     domains: dict[str, Counter] = dataclasses.field(default_factory=lambda: {"train": Counter(), "eval": Counter()})
+    envs: Counter = dataclasses.field(default_factory=Counter)  # environment named by rows (both splits) -> rows
     bad: Counter = dataclasses.field(default_factory=Counter)  # kind -> rows refused
     dropped: Counter = dataclasses.field(default_factory=Counter)  # reason -> valid rows not used
     bad_lines: list[BadLine] = dataclasses.field(default_factory=list)
@@ -83,6 +84,7 @@ class Report:
             "read": self.read,
             "rows": {split: sum(c.values()) for split, c in self.domains.items()},
             "domains": {split: dict(sorted(c.items())) for split, c in self.domains.items()},
+            "environments": dict(sorted(self.envs.items())),
             "sources": self.sources,
             "weighted": self.weighted,
             "bad_rows": dict(self.bad),
@@ -124,6 +126,8 @@ class _Split:
                 self.report.dropped["over data.eval_per_domain"] += 1
                 continue
             domains[row.domain] += 1
+            if row.env:
+                self.report.envs[row.env] += 1
             self.kept_per_source[source] += 1
             kept.append((row, source, line, n))
         if self.writer is not None and kept:
@@ -134,6 +138,7 @@ class _Split:
                 [r.answer for r, *_ in kept],
                 [json.dumps(r.metadata, ensure_ascii=False) for r, *_ in kept],
                 [s for _, s, _, _ in kept], [line for *_, line, _ in kept], [n for *_, n in kept],
+                [r.env for r, *_ in kept],
             ], schema=SCHEMA))
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ class PromptSet:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.table = pa.ipc.open_file(pa.memory_map(str(self.path))).read_all()  # zero-copy over the map
-        self._columns = {name: self.table.column(name) for name in ("id", "messages", "domain", "answer", "metadata")}
+        self._columns = {name: self.table.column(name) for name in ("id", "messages", "domain", "answer", "metadata", "env")}
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -35,7 +35,7 @@ class PromptSet:
         c = self._columns
         messages = tuple(json.loads(c["messages"][i].as_py()))
         return Row(c["id"][i].as_py(), messages, c["domain"][i].as_py(), c["answer"][i].as_py(),
-                   json.loads(c["metadata"][i].as_py()))
+                   json.loads(c["metadata"][i].as_py()), c["env"][i].as_py())
 
     def rows(self) -> list[Row]:
         return [self.row(i) for i in range(len(self))]

@@ -54,3 +54,45 @@ class PromptRenderer:
         if backend is not None:
             return [len(e) for e in backend.encode_batch(texts, add_special_tokens=False)]
         return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+class TurnRenderer:
+    """The chat template's side of multi-turn rollouts (orchestrator/turns.py), token-exact at every boundary.
+
+        turns = TurnRenderer(render)
+        text = turns.assistant_text(turn_ids)                         # the assistant message of a model turn
+        ids = turns.observation_ids(trajectory_ids, messages)         # what follows it: tool turn(s), next prompt
+
+    The model's tokens are kept as sampled. What follows a model turn is cut from the template's rendering of
+    the whole conversation (tool turns last, with the next generation prompt) after the text the trajectory's
+    ids decode to, and only that part is tokenised: whatever the template writes between the model's end of
+    turn and the tool turn (a newline, a role header) is in it, so no separator is dropped or doubled. A
+    template that does not render the conversation as an extension of the trajectory (one that rewrites an
+    earlier turn, such as dropping its reasoning) is refused with the place where they part.
+    """
+
+    def __init__(self, render: PromptRenderer) -> None:
+        self.render, self.tokenizer = render, render.tokenizer
+        eos = self.tokenizer.eos_token_id
+        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def assistant_text(self, turn_ids) -> str:
+        """The assistant message's content: what the generation prompt opened (``render.prefix``) and the turn's
+        text, its end-of-turn token left to the template."""
+        ids = list(turn_ids)
+        while ids and ids[-1] in self.eos_ids:
+            ids.pop()
+        return self.render.prefix + self.decode(ids)
+
+    def observation_ids(self, trajectory_ids, messages: Sequence[dict]) -> list[int]:
+        so_far = self.decode(trajectory_ids)
+        full = self.render.text(messages)
+        if not full.startswith(so_far):
+            at = next((k for k, (a, b) in enumerate(zip(so_far, full)) if a != b), min(len(so_far), len(full)))
+            raise ValueError(f"the chat template does not extend the trajectory: at character {at} the trajectory "
+                             f"has {so_far[at:at + 40]!r} and the template {full[at:at + 40]!r} (multi-turn needs a "
+                             f"template that renders earlier turns as they were generated)")
+        return self.tokenizer(full[len(so_far):], add_special_tokens=False)["input_ids"]

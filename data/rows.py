@@ -46,6 +46,9 @@ class Fields:
     """Optional stable id (derived from the content when absent)."""
     response: str = "response"
     """SFT only: the assistant turn to learn."""
+    env: str = "env"
+    """Optional: the registered environment whose tools the model may call mid-rollout (multi-turn; absent or
+    empty: the domain's default of ``environment.defaults``, else single-turn)."""
 
 
 class BadRow(ValueError):
@@ -66,6 +69,8 @@ class Row:
     domain: str
     answer: str
     metadata: dict[str, Any]
+    env: str = ""
+    """The environment of a multi-turn row ("" : the domain's default, or single-turn)."""
 
     @property
     def question(self) -> str:
@@ -189,7 +194,10 @@ def parse_row(raw: Any, fields: Fields = Fields(), default_domain: str = "", dro
         rid = row_id(messages, domain, answer)
     elif isinstance(rid, bool) or not isinstance(rid, str | int):
         raise BadRow("ill-typed field", f"field {_where(fields, 'id')} must be a string or an integer, got {_type(rid)}")
-    return Row(str(rid), messages, domain, answer, metadata)
+    _, env = _field(raw, fields, "env")
+    if env is not None and not isinstance(env, str):
+        raise BadRow("ill-typed field", f"field {_where(fields, 'env')} must be an environment's name, got {_type(env)}")
+    return Row(str(rid), messages, domain, answer, metadata, env or "")
 
 
 def parse_response(raw: dict, fields: Fields = Fields()) -> str:

@@ -6,6 +6,7 @@ import numpy as np
 
 from cascade_rl.protocol.messages import StepDone, TrainBatch
 
+from . import turns
 from .groups import Group, rewards
 
 
@@ -24,7 +25,7 @@ def build_batch(step: int, groups: list[Group], group_size: int, pad_id: int, mo
         p, n = len(r.prompt_ids), len(r.response_ids)
         input_ids[i, :p] = r.prompt_ids
         input_ids[i, p : p + n] = r.response_ids
-        response_mask[i, p : p + n] = True
+        response_mask[i, p : p + n] = True if r.loss_mask is None else r.loss_mask  # multi-turn: model tokens
         inf_logprobs[i, p : p + n] = r.inf_logprobs
         if teacher is not None:
             teacher_logprobs[i, p : p + n] = teacher[i]
@@ -60,6 +61,7 @@ def step_metrics(step: int, version: int, groups: list[Group], overlong_penalty:
         "staleness_mean": float(np.mean([step - r.policy_version for r in rollouts])),
         "staleness_max": max(step - r.policy_version for r in rollouts),  # <= orchestrator.max_staleness
         "gen_tokens_per_s": tokens / max(t_sample, 1e-9),
+        **{f"multi_turn/{k}": v for k, v in turns.summary([t for g in groups for t in g.trajectories.values()]).items()},
         "sample_s": t_sample,
         "step_s": t_step,
         **{f"trainer/{k}": v for k, v in done.metrics.items()},

@@ -13,6 +13,13 @@ domain (a group domain, GenRM, once the whole group is in), and under MOPD each 
 its domain. Every item a worker holds has a deadline; an item past it, or held by a worker that restarted or
 became unreachable, is sent again (a group with its attempt incremented, so the old attempt's late replies are
 recognised as duplicates). ``settle`` decides the fate of a completed batch round and writes it to the ledger.
+
+A multi-turn group (its rows name an environment) keeps each row as a trajectory (orchestrator/turns.py): after
+each model turn an environment worker runs the turn's tool calls, the core appends the observation's token ids
+(``Turns.observation_ids``: the chat template's, never re-tokenised model text) and a sampler continues the row
+(``PromptRequest.index``), until the trajectory ends; then it is scored like a single-turn rollout. An
+environment step or a later turn past its deadline, or held by a worker that is gone, is sent again with the
+same attempt: it carries its trajectory's state, so any worker can serve it (docs/ARCHITECTURE.md §12).
 """
 
 from __future__ import annotations
@@ -22,11 +29,14 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
 from cascade_rl.data.rows import Row
 from cascade_rl.protocol.messages import (
+    EnvReply,
+    EnvRequest,
     GroupScoreRequest,
     PromptRequest,
     Ready,
@@ -43,9 +53,11 @@ from cascade_rl.protocol.sockets import UNREACHABLE
 from cascade_rl.verifiers.registry import is_group_domain
 
 from . import groups as rules
+from . import turns
 from .groups import TEACHER, Group
 from .ledger import Ledger
 from .pool import Worker, WorkerPool
+from .turns import Phase, Trajectory
 
 log = logging.getLogger("orchestrator")
 
@@ -63,25 +75,41 @@ class Rules:
     overlong_penalty: bool = False
     mask_threshold: float | None = None
     mopd: bool = False
+    env_timeout_s: float = 60.0
+    max_turns: int = 4
+    max_total_tokens: int = 0  # 0: max_turns x the group's max_tokens
 
     @classmethod
     def from_config(cls, cfg) -> Rules:
         o = cfg.orchestrator
         return cls(o.max_inflight_groups, o.sampler_timeout_s, o.verifier_timeout_s, o.teacher_timeout_s,
                    o.max_staleness, o.dynamic_filtering, o.overlong_penalty, o.mask_threshold,
-                   cfg.trainer.algorithm == "mopd")
+                   cfg.trainer.algorithm == "mopd", o.env_timeout_s, o.max_turns, o.max_total_tokens)
+
+
+class Turns(Protocol):
+    """What the core needs of the tokenizer for multi-turn rows (data/render.py ``TurnRenderer``)."""
+
+    def assistant_text(self, turn_ids: np.ndarray) -> str:
+        """A model turn as the assistant message of the conversation (what the template re-renders)."""
+
+    def observation_ids(self, trajectory_ids: np.ndarray, messages: list[dict]) -> list[int]:
+        """The ids after a trajectory whose conversation, tool turns last, is ``messages``; raises ValueError
+        when the template does not extend the trajectory."""
 
 
 class Core:
     def __init__(self, rules_: Rules, decode: Callable[[np.ndarray], str], ledger: Ledger,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``decode``: response token ids -> the text a verifier scores (the whole assistant turn)."""
-        self.rules, self.decode, self.ledger, self.clock = rules_, decode, ledger, clock
+                 clock: Callable[[], float] = time.monotonic, turns_: Turns | None = None) -> None:
+        """``decode``: response token ids -> the text a verifier scores (the whole assistant turn); ``turns_``:
+        the chat template's side of multi-turn rows."""
+        self.rules, self.decode, self.ledger, self.clock, self.turns = rules_, decode, ledger, clock, turns_
         self.pool = WorkerPool()
         self.groups: dict[str, Group] = {}
         self.prompt_queue: deque[str] = deque()  # group ids waiting for a sampler
         self.score_queue: deque[tuple[str, int]] = deque()  # (group id, rollout index; -1: the whole group)
         self.teacher_queue: deque[str] = deque()  # MOPD: group ids waiting for a teacher
+        self.turn_queue: deque[str] = deque()  # multi-turn work keys waiting: environment steps and next turns
         self.outbox: list[tuple[bytes, object]] = []
         self.version = 0  # the newest trained version (StepDone)
         self.weights: WeightsReady | None = None  # the newest notice, for samplers that join late
@@ -91,7 +119,8 @@ class Core:
         self.stray_replies = 0  # replies naming no training rollout: late evaluation replies, unknown keys
         self._seq: Counter = Counter()  # groups made per step ("e": evaluation)
         self._handlers = {Ready: self._on_ready, Rollout: self._on_rollout, Score: self._on_score,
-                          TeacherLogprobs: self._on_teacher, WeightsReady: self._on_weights, StepDone: self._on_step}
+                          TeacherLogprobs: self._on_teacher, WeightsReady: self._on_weights, StepDone: self._on_step,
+                          EnvReply: self._on_env}
 
     # ------------------------------------------------------------------ input
 
@@ -108,12 +137,15 @@ class Core:
             self._requeue_worker(ident, w, "worker unreachable")
 
     def add_group(self, row: Row, prompt_ids: np.ndarray, n: int, sampling: SamplingParams, train: bool,
-                  step: int = -1) -> Group:
-        """A new group, queued for a sampler (training groups enter the ledger now: their ids are dispatched)."""
+                  step: int = -1, env: str = "") -> Group:
+        """A new group, queued for a sampler (training groups enter the ledger now: their ids are dispatched);
+        ``env``: its rows are multi-turn trajectories in that environment."""
+        if env and self.turns is None:
+            raise ValueError("a multi-turn group needs the core's Turns (the chat template)")
         scope = f"s{step}" if train else "e"
         self._seq[scope] += 1
         g = Group(f"{scope}g{self._seq[scope]}" if train else f"e{self._seq[scope]}", row, prompt_ids, n, sampling,
-                  self.version, train, step, needs_teacher=train and self.rules.mopd)
+                  self.version, train, step, needs_teacher=train and self.rules.mopd, env=env)
         self.groups[g.group_id] = g
         self.prompt_queue.append(g.group_id)
         if train:
@@ -128,6 +160,7 @@ class Core:
 
     def dispatch(self) -> None:
         self._dispatch_prompts()
+        self._dispatch_turns()
         self._dispatch_scores()
         self._dispatch_teachers()
 
@@ -188,6 +221,9 @@ class Core:
         log.info("%s joined as %s (%d slots, version %d)", ident.decode(), msg.role, msg.slots, msg.version)
 
     def _on_rollout(self, ident: bytes, r: Rollout) -> None:
+        if r.turn > 0:
+            self._on_next_turn(ident, r)
+            return
         g = self.groups.get(r.group_id)
         if g is None or r.attempt != g.attempt or g.worker != ident:
             self._dropped(f"{r.group_id}/{r.index}", r.attempt, "a rollout of an attempt already re-dispatched")
@@ -199,15 +235,94 @@ class Core:
             g.error = f"sampler_error: {r.error or 'unknown sampler error'}"
             self.pool.release(g.worker, g.group_id)
             return
-        if not 0 <= r.index < g.n or r.index in g.rollouts:
+        if not 0 <= r.index < g.n or r.index in g.rollouts or r.index in g.trajectories:
             self.malformed += 1
             return
+        if g.env:  # the first turn of a multi-turn row
+            g.trajectories[r.index] = Trajectory()
+            if len(g.trajectories) == g.n:
+                self.pool.release(g.worker, g.group_id)
+            self._took_turn(g, r.index, r)
+            return
+        self._rollout_done(g, r)
+
+    def _rollout_done(self, g: Group, r: Rollout) -> None:
         g.rollouts[r.index] = r
         if len(g.rollouts) == g.n:
-            self.pool.release(g.worker, g.group_id)
+            if not g.env:
+                self.pool.release(g.worker, g.group_id)
             if g.needs_teacher:
                 self.teacher_queue.append(g.group_id)
         self._queue_score(g, r.index)
+
+    # ------------------------------------------------------------------ multi-turn rows
+
+    def _took_turn(self, g: Group, i: int, r: Rollout) -> None:
+        """Model turn of row i in: the environment acts on it next, or the trajectory is done."""
+        t = g.trajectories[i]
+        t.add_turn(r, self.turns.assistant_text(r.response_ids))
+        limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
+        t.phase = turns.next_phase(t, self.rules.max_turns, limit)
+        if t.phase == Phase.env:
+            self.turn_queue.append(g.turn_key(i, "env", t.turn))
+        else:
+            self._rollout_done(g, t.rollout(g.prompt_ids))
+
+    def _on_next_turn(self, ident: bytes, r: Rollout) -> None:
+        """A later turn of a multi-turn row (``PromptRequest.index``), sent by any sampler."""
+        key = f"{r.group_id}/{r.index}:gen{r.turn}/{r.attempt}"
+        g, t = self._turn_reply(ident, key, "gen")
+        if g is None:
+            return
+        if r.finish_reason == "error":
+            g.error = f"sampler_error: {r.error or 'unknown sampler error'}"
+            return
+        self._took_turn(g, r.index, r)
+
+    def _on_env(self, ident: bytes, reply: EnvReply) -> None:
+        g, t = self._turn_reply(ident, reply.key, "env")
+        if g is None:
+            return
+        i = rules.parse_turn(rules.parse_key(reply.key)[1])[0]
+        if not reply.ok:
+            t.phase = Phase.done
+            g.error = f"env_error: {reply.error}"
+            return
+        if reply.done:
+            t.count(reply)
+            t.phase = Phase.done
+            self._rollout_done(g, t.rollout(g.prompt_ids))
+            return
+        messages = [*g.row.messages, *t.messages, *reply.tool_messages]
+        try:
+            ids = self.turns.observation_ids(np.concatenate([g.prompt_ids, t.ids()]), messages)
+        except ValueError as e:
+            t.phase = Phase.done
+            g.error = f"template_error: {e}"
+            return
+        t.add_observation(ids, reply)
+        limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
+        if t.tokens() >= limit:  # no room for another turn: the trajectory ends on the observation
+            t.phase = Phase.done
+            self._rollout_done(g, t.rollout(g.prompt_ids))
+        else:
+            t.phase = Phase.gen
+            self.turn_queue.append(g.turn_key(i, "gen", t.turn))
+
+    def _turn_reply(self, ident: bytes, key: str, kind: str) -> tuple[Group | None, Trajectory | None]:
+        """The group and trajectory a multi-turn reply answers, if it is the one they wait for; else counted as
+        a duplicate (a reply to a step sent again, or to an attempt already re-dispatched)."""
+        self.pool.release(ident, key)
+        parsed = rules.parse_key(key)
+        turn = rules.parse_turn(parsed[1]) if parsed else None
+        g = self.groups.get(parsed[0]) if parsed else None
+        t = g.trajectories.get(turn[0]) if g is not None and turn else None
+        if t is None or turn[1] != kind or parsed[2] != g.attempt or t.turn != turn[2] or t.phase != kind \
+                or g.error:
+            rid = f"{parsed[0]}/{turn[0]}" if turn else ""
+            self._dropped(rid, parsed[2] if parsed else -1, f"a second reply to {kind} step {key}")
+            return None, None
+        return g, t
 
     def _on_score(self, ident: bytes, s: Score) -> None:
         g, index, attempt = self._reply(ident, s.key)
@@ -281,6 +396,37 @@ class Core:
                                             g.attempt))
             inflight += 1
 
+    def _dispatch_turns(self) -> None:
+        """Multi-turn work: environment steps to an environment worker serving the row's environment, next turns
+        to any sampler (the whole trajectory as the prompt; the engine reuses its cached prefix)."""
+        while self.turn_queue:
+            key = self.turn_queue[0]
+            parsed = rules.parse_key(key)
+            i, kind, turn = rules.parse_turn(parsed[1])
+            g = self.groups.get(parsed[0])
+            t = g.trajectories.get(i) if g is not None and g.attempt == parsed[2] and not g.error else None
+            if t is None or t.turn != turn or t.phase != kind:
+                self.turn_queue.popleft()
+                continue
+            role, need = ("environment", 1) if kind == "env" else ("sampler", 1)
+            picked = self.pool.pick(role, need, g.env if kind == "env" else None)
+            if picked is None:
+                return
+            ident, _ = picked
+            self.turn_queue.popleft()
+            if kind == "env":
+                timeout_s = self.rules.env_timeout_s
+                msg = EnvRequest(key, g.env, g.row.domain, [*g.row.messages, *t.messages], t.state, g.row.metadata,
+                                 timeout_s)
+            else:
+                timeout_s = self.rules.sampler_timeout_s
+                limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
+                sampling = dataclasses.replace(g.sampling, max_tokens=min(g.sampling.max_tokens, limit - t.tokens()))
+                msg = PromptRequest(g.group_id, g.row.domain, np.concatenate([g.prompt_ids, t.ids()]), 1, sampling,
+                                    g.min_version, g.attempt, index=i, turn=turn)
+            self.pool.assign(ident, key, need, self.clock(), timeout_s)
+            self._send(ident, msg)
+
     def _queue_score(self, g: Group, index: int) -> None:
         """Rollout ``index`` to be scored; for a group domain (GenRM) the whole group once, when every rollout is
         in (index -1: every rollout still without a score)."""
@@ -303,7 +449,8 @@ class Core:
             ident, _ = picked
             self.score_queue.popleft()
             keys = [g.score_key(i) for i in indices]
-            texts = [self.decode(g.rollouts[i].response_ids) for i in indices]
+            texts = [g.trajectories[i].final_text() if g.env else self.decode(g.rollouts[i].response_ids)
+                     for i in indices]
             timeout_s = self.rules.verifier_timeout_s
             if index == -1:
                 req = GroupScoreRequest(keys, g.row.domain, g.row.question, texts, g.row.answer, g.row.metadata,
@@ -345,13 +492,15 @@ class Core:
             return  # its group is done, or was re-dispatched (the new attempt asks for itself)
         if parsed[1] == TEACHER:
             self.teacher_queue.append(g.group_id)
+        elif rules.parse_turn(parsed[1]) is not None:
+            self.turn_queue.append(key)  # its trajectory still waits for it (else the dispatch skips it)
         else:
             self._queue_score(g, int(parsed[1]))
 
     def _redispatch(self, g: Group) -> None:
         self.pool.release(g.worker, g.group_id)
         g.attempt += 1
-        g.worker, g.rollouts, g.scores, g.teacher, g.error = None, {}, {}, None, ""
+        g.worker, g.rollouts, g.scores, g.teacher, g.error, g.trajectories = None, {}, {}, None, "", {}
         if g.train:
             self.ledger.redispatch(g)
         self.prompt_queue.appendleft(g.group_id)
@@ -360,7 +509,7 @@ class Core:
         for key in list(w.held):
             g = self.groups.get(key)
             if g is not None:
-                if g.worker == ident and len(g.rollouts) < g.n and not g.error:
+                if g.worker == ident and g.first_turns() < g.n and not g.error:
                     log.warning("group %s: %s (%s); re-dispatching", key, why, ident.decode())
                     self._redispatch(g)
             else:

@@ -3,7 +3,8 @@
 Ids (docs/ARCHITECTURE.md §6, the ledger): a training group of step s is ``s{s}g{k}`` (k counts the step's
 groups, refills included), an evaluation group ``e{k}``; rollout i of a group is ``{group}/{i}`` for the
 whole of its life, whichever attempt (re-dispatch) produced it. Score requests are keyed
-``{group}/{i}/{attempt}``, teacher requests ``{group}/teacher/{attempt}``.
+``{group}/{i}/{attempt}``, teacher requests ``{group}/teacher/{attempt}``; a multi-turn row's environment
+steps ``{group}/{i}:env{t}/{attempt}`` and its later turns ``{group}/{i}:gen{t}/{attempt}`` (orchestrator/turns.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import numpy as np
 
 from cascade_rl.data.rows import Row
 from cascade_rl.protocol.messages import Rollout, SamplingParams, Score
+
+from .turns import Trajectory
 
 TEACHER = "teacher"  # the index part of a teacher request's key
 
@@ -38,6 +41,8 @@ class Group:
     masked: bool = False  # trained with its loss masked (no rollout scored above orchestrator.mask_threshold)
     needs_teacher: bool = False  # MOPD: a training group needs its teacher's log-probs
     teacher: list[np.ndarray] | None = None  # per rollout, the teacher's log-prob of each response token
+    env: str = ""  # multi-turn: the environment of its rows ("": single-turn)
+    trajectories: dict[int, Trajectory] = dataclasses.field(default_factory=dict)  # multi-turn rows so far
 
     @property
     def complete(self) -> bool:
@@ -55,6 +60,14 @@ class Group:
     def teacher_key(self) -> str:
         return f"{self.group_id}/{TEACHER}/{self.attempt}"
 
+    def turn_key(self, index: int, kind: str, turn: int) -> str:
+        """A multi-turn row's environment step (``kind`` "env") or next turn ("gen") after model turn ``turn``."""
+        return f"{self.group_id}/{index}:{kind}{turn}/{self.attempt}"
+
+    def first_turns(self) -> int:
+        """Rows whose first turn the sampler of the group sent (it holds the group until all have come)."""
+        return len(self.trajectories) if self.env else len(self.rollouts)
+
 
 def parse_key(key: str) -> tuple[str, str, int] | None:
     """(group id, index part, attempt) of a score or teacher key; None for a key that is not one."""
@@ -62,6 +75,15 @@ def parse_key(key: str) -> tuple[str, str, int] | None:
     if len(parts) != 3 or not parts[2].isdigit():
         return None
     return parts[0], parts[1], int(parts[2])
+
+
+def parse_turn(part: str) -> tuple[int, str, int] | None:
+    """(row, "env" | "gen", turn) of a multi-turn key's index part ("3:env1"); None for any other."""
+    index, _, rest = part.partition(":")
+    kind, turn = rest[:3], rest[3:]
+    if not index.isdigit() or kind not in ("env", "gen") or not turn.isdigit():
+        return None
+    return int(index), kind, int(turn)
 
 
 def rewards(g: Group, overlong_penalty: bool) -> np.ndarray:

@@ -29,13 +29,23 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from cascade_rl.data.promptset import PromptSet, PromptStream
-from cascade_rl.data.render import PromptRenderer
+from cascade_rl.data.render import PromptRenderer, TurnRenderer
 from cascade_rl.learner import checkpoint
-from cascade_rl.protocol.messages import Ready, Rollout, SamplingParams, Score, StepDone, TeacherLogprobs, WeightsReady
+from cascade_rl.protocol.messages import (
+    EnvReply,
+    Ready,
+    Rollout,
+    SamplingParams,
+    Score,
+    StepDone,
+    TeacherLogprobs,
+    WeightsReady,
+)
 from cascade_rl.protocol.sockets import RouterLink
 from cascade_rl.protocol.worker_main import worker_start
 
 from . import evaluate as evaluation
+from . import turns
 from .batch import build_batch, mismatch_summary, step_metrics
 from .core import Core, Rules
 from .groups import Group
@@ -43,7 +53,7 @@ from .ledger import LEDGER_FILE, Ledger, compare_trainer
 from .report import MetricsLog, live_metrics, write_summary
 
 log = logging.getLogger("orchestrator")
-INBOUND = (Ready, Rollout, Score, TeacherLogprobs, StepDone, WeightsReady)
+INBOUND = (Ready, Rollout, Score, TeacherLogprobs, StepDone, WeightsReady, EnvReply)
 
 
 class Orchestrator:
@@ -59,7 +69,8 @@ class Orchestrator:
         self.data_report = json.loads((data_dir / "data.json").read_text())
         # --- resume, rules and ledger, the IO thread
         self.start_step = self._resume()
-        self.core = Core(Rules.from_config(cfg), self._decode, Ledger(self.run_dir / LEDGER_FILE, self.start_step))
+        self.core = Core(Rules.from_config(cfg), self._decode, Ledger(self.run_dir / LEDGER_FILE, self.start_step),
+                         turns_=TurnRenderer(self.render))
         self.core.version = self.start_step
         self.metrics = MetricsLog(self.run_dir, cfg.orchestrator.tensorboard)
         self.status = {"state": "starting", "step": self.start_step, "steps": cfg.trainer.steps, "progress": 0}
@@ -70,12 +81,14 @@ class Orchestrator:
         self.per_question: dict[str, np.ndarray] = {}  # the latest evaluation, per held-out question
         self.mismatch: list[dict[str, float]] = []  # per step: engine vs trainer log-probs
         self.trainer_window, self.trainer_busy_s = [0.0, 0.0], 0.0  # first batch sent, last StepDone
+        self.trajectories: list = []  # multi-turn: every trained trajectory's counts (summary.json multi_turn)
 
     # ------------------------------------------------------------------ the stage, top to bottom
 
     def run(self) -> dict:
         t_start, o, steps = time.perf_counter(), self.cfg.orchestrator, self.cfg.trainer.steps
-        roles = ["trainer", "sampler", "verifier"] + (["teacher"] if self.core.rules.mopd else [])
+        roles = ["trainer", "sampler", "verifier"] + (["teacher"] if self.core.rules.mopd else []) + (
+            ["environment"] if self.cfg.environment.serve else [])
         self.pump(lambda: all(self.core.pool.have(r) for r in roles), "workers: " + ", ".join(roles))
         if self.start_step:  # resumed: the trainer publishes the checkpoint's weights before anything samples
             self.pump(lambda: self.core.weights is not None and self.core.weights.version >= self.start_step,
@@ -112,7 +125,7 @@ class Orchestrator:
             trainer_busy_frac=self.trainer_busy_s / max(1e-9, self.trainer_window[1] - self.trainer_window[0]),
             policy_version=self.core.version, wall_s=time.perf_counter() - t_start, books=books,
             eval={"n": o.eval_n, "questions": len(self.heldout), "temperature": o.eval_temperature},
-            mismatch=mismatch_summary(self.mismatch),
+            mismatch=mismatch_summary(self.mismatch), multi_turn=turns.summary(self.trajectories),
             malformed_messages=self.core.malformed + self.link.malformed, data=self.data_report,
             checkpoint=self.core.last_step.checkpoint if self.core.last_step else "")
         self.status["state"] = "done"
@@ -130,7 +143,8 @@ class Orchestrator:
             for _ in range(wanted - len(kept)):
                 row = self.prompts.next()  # rendered when drawn, never kept: a file may hold millions
                 ids = np.array(self.render.ids(row.messages), np.int32)
-                batch.append(self.core.add_group(row, ids, t.group_size, sampling, train=True, step=step))
+                batch.append(self.core.add_group(row, ids, t.group_size, sampling, train=True, step=step,
+                                                 env=self.env_of(row)))
             self.pump(lambda batch=batch: all(g.complete for g in batch),
                       lambda batch=batch: f"step {step}: {sum(g.complete for g in batch)} of {len(batch)} groups "
                                           f"sampled and scored")
@@ -149,6 +163,7 @@ class Orchestrator:
                             self.core.rules.mopd, o.overlong_penalty, {"examples_drawn": self.prompts.drawn})
         self.link.send((self.core.pool.first("trainer"), batch))
         self.core.trained(groups)
+        self.trajectories += [t for g in groups for t in g.trajectories.values()]
         self.trainer_window[0] = self.trainer_window[0] or time.perf_counter()
 
     def finish_step(self, step: int, groups: list[Group], t0: float, t_sample: float) -> None:
@@ -174,7 +189,7 @@ class Orchestrator:
         if not self.heldout:  # no held-out prompts (no data.eval_files, no data.heldout_fraction)
             return {}
         self.status["state"] = "eval"
-        groups = {name: [self.core.add_group(row, ids, n, sampling, train=False)
+        groups = {name: [self.core.add_group(row, ids, n, sampling, train=False, env=self.env_of(row))
                          for row, ids in zip(self.heldout, self.heldout_ids)]
                   for name, (sampling, n) in evaluation.modes(o.eval_n, o.eval_temperature, o.eval_greedy,
                                                                self.cfg.sampling.max_tokens).items()}
@@ -232,6 +247,10 @@ class Orchestrator:
     def _log(self, metrics: dict) -> None:
         self.status["last"] = live_metrics(self.metrics.log(metrics))
         self._beat(force=True)
+
+    def env_of(self, row) -> str:
+        """The environment of a multi-turn row: its own, else its domain's default ("": single-turn)."""
+        return row.env or self.cfg.environment.defaults.get(row.domain, "")
 
     def _decode(self, response_ids: np.ndarray) -> str:
         """What a verifier scores: the whole assistant turn, with what the chat template opened it with."""

@@ -36,10 +36,10 @@ class Ready:
     """worker → orchestrator: I am up, on ``version``, with ``slots`` free work slots."""
 
     worker_id: str
-    role: str  # sampler | verifier | trainer | teacher
+    role: str  # sampler | verifier | trainer | teacher | environment
     slots: int
     version: int = 0
-    domains: list[str] = field(default_factory=list)  # verifiers/teachers: domains served
+    domains: list[str] = field(default_factory=list)  # verifiers/teachers: domains served; environments: names
     draining: bool = False  # no more work for me: I finish what I hold, then exit (a swap retiring me)
 
     def validate(self) -> str:
@@ -57,6 +57,12 @@ class PromptRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     min_version: int = 0
     attempt: int = 0
+    index: int = -1  # >= 0: continue row ``index`` of the group (a multi-turn trajectory): n is 1, the rollout
+    # that answers carries this index; prompt_ids is the whole trajectory so far (docs/ARCHITECTURE.md §12)
+    turn: int = 0  # which turn of that row this continues (a reply to an older turn is a duplicate)
+
+    def validate(self) -> str:
+        return "a continuation (index >= 0) samples n=1" if self.index >= 0 and self.n != 1 else ""
 
 
 @message("rollout")
@@ -75,12 +81,17 @@ class Rollout:
     t_gen: float = 0.0
     attempt: int = 0
     error: str = ""
+    turn: int = 0  # the request's ``turn`` (multi-turn continuations)
+    loss_mask: np.ndarray | None = array("bool", default=None)  # [R] True for model tokens; None: all are.
+    # A multi-turn trajectory's observation tokens are False: no loss, no gradient, no mismatch metric
 
     def validate(self) -> str:
         if self.finish_reason not in ("stop", "length", "error"):
             return f"finish_reason {self.finish_reason!r}"
         if self.finish_reason != "error" and len(self.response_ids) != len(self.inf_logprobs):
             return f"{len(self.response_ids)} response ids but {len(self.inf_logprobs)} log-probs"
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.response_ids):
+            return f"{len(self.response_ids)} response ids but a loss mask of {len(self.loss_mask)}"
         return ""
 
 
@@ -128,6 +139,45 @@ class Score:
     reason: str = ""
     t_verify: float = 0.0
     worker_id: str = ""
+
+
+@message("env_request")
+class EnvRequest:
+    """orchestrator → environment: the model's last turn of a multi-turn trajectory; run its tool calls.
+    ``messages`` is the whole conversation so far (the row's prompt, then assistant and tool turns, the new
+    assistant turn last, as text); ``state`` is what the environment returned last time for this trajectory
+    (opaque to the orchestrator: any environment worker can serve any step)."""
+
+    key: str  # {group}/{i}:env{turn}/{attempt}
+    env: str  # the environment's registered name
+    domain: str
+    messages: list[dict[str, Any]]
+    state: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # the row's
+    deadline_s: float = 60.0  # the whole step (every tool call of the turn)
+
+    def validate(self) -> str:
+        if not self.messages or self.messages[-1].get("role") != "assistant":
+            return "messages must end with the assistant turn to act on"
+        return "" if math.isfinite(self.deadline_s) and self.deadline_s > 0 else f"deadline_s {self.deadline_s}"
+
+
+@message("env_reply")
+class EnvReply:
+    """environment → orchestrator: the tool turn(s) that answer the assistant turn of ``key``, or ``done``: the
+    turn made no tool call, the episode ends and its final turn is scored by the domain's verifier."""
+
+    key: str
+    done: bool
+    tool_messages: list[dict[str, Any]] = field(default_factory=list)  # {"role": "tool", "content": ...}, in order
+    state: dict[str, Any] = field(default_factory=dict)  # handed back with the next step of this trajectory
+    tool_calls: int = 0
+    tool_errors: int = 0  # calls that failed: a bad call, an exception, a crash, a timeout
+    timeouts: int = 0  # calls killed at their deadline (counted in tool_errors too)
+    ok: bool = True  # False: the environment could not act (unknown env, it raised): the trajectory fails
+    error: str = ""
+    worker_id: str = ""
+    t_env: float = 0.0
 
 
 @message("teacher_request")

@@ -71,8 +71,8 @@ WEIGHT_LOADERS = {"safetensors": load_safetensors, cuda_ipc.FORMAT: load_cuda_ip
 
 def error_rollout(req: PromptRequest, worker_id: str, version: int, reason: str) -> Rollout:
     empty_i, empty_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
-    return Rollout(req.group_id, -1, req.domain, req.prompt_ids, empty_i, empty_f, "error", version,
-                   worker_id, 0.0, req.attempt, reason)
+    return Rollout(req.group_id, req.index, req.domain, req.prompt_ids, empty_i, empty_f, "error", version,
+                   worker_id, 0.0, req.attempt, reason, turn=req.turn)
 
 
 class Sampler:
@@ -132,9 +132,11 @@ class Sampler:
             """Request i's rollouts to the orchestrator: from inside generate as soon as they are done (engines
             that stream groups), so scoring overlaps the rest of the batch; else after it."""
             req, t_gen = batch[i].request, time.perf_counter() - t0
-            for k, s in enumerate(samples):
-                reply(batch[i], Rollout(req.group_id, k, req.domain, req.prompt_ids, s.response_ids, s.logprobs,
-                                        s.finish_reason, self.engine.version, self.worker_id, t_gen, req.attempt))
+            for k, s in enumerate(samples):  # a multi-turn row's next turn keeps the row's index
+                index = req.index if req.index >= 0 else k
+                reply(batch[i], Rollout(req.group_id, index, req.domain, req.prompt_ids, s.response_ids, s.logprobs,
+                                        s.finish_reason, self.engine.version, self.worker_id, t_gen, req.attempt,
+                                        turn=req.turn))
                 self.counters["rollouts"] += 1
                 self.counters["tokens"] += len(s.response_ids)
             sent.add(i)

@@ -169,6 +169,8 @@ class Supervisor:
             self.add_sampler(f"sampler-{i}", i)
         for i in range(self.cfg.verifier.count):
             self.add(Proc("verifier", f"verifier-{i}"))
+        for i in range(self.cfg.environment.count if self.cfg.environment.serve else 0):
+            self.add(Proc("environment", f"environment-{i}"))
         for i, (path, domains) in enumerate(teacher_groups(self.cfg.teacher.checkpoints).items()):
             self.add(Proc("teacher", f"teacher-{i}", args=["--model", path, "--domains", ",".join(domains)],
                           gpus=placement.gpus_of(self.cfg, "teacher", i)))

@@ -20,6 +20,7 @@ MODULES = {
     "sampler": "cascade_rl.samplers.worker",
     "verifier": "cascade_rl.verifiers.worker",
     "teacher": "cascade_rl.teachers.server",
+    "environment": "cascade_rl.environments.worker",
 }
 SERVER_ROLES = {"sglang"}  # processes that are not our workers: no heartbeats, watched by their exit alone
 

@@ -77,6 +77,7 @@ def prepare_run_data(cfg: DictConfig) -> Report:
     if (judged := sorted(set(v.domains) & JUDGED_DOMAINS)) and not v.judge.model:
         raise ConfigError(f"domains {judged} are scored by a judge model: set verifier.judge.model (and "
                           f"verifier.judge.base_url, its OpenAI-compatible endpoint, e.g. a vLLM server)")
+    cfg.environment.serve = environments_of(cfg, report, used)
     if cfg.trainer.algorithm == "mopd":
         trained = set(report.domains["train"])
         if untaught := sorted(trained - set(cfg.teacher.checkpoints)):
@@ -87,6 +88,23 @@ def prepare_run_data(cfg: DictConfig) -> Report:
     if cfg.supervisor.progress != "none":
         print(describe(report), flush=True)
     return report
+
+
+def environments_of(cfg: DictConfig, report: Report, domains: list[str]) -> list[str]:
+    """The environments the data's multi-turn rows use (their ``env``, else ``environment.defaults`` of their
+    domain), each registered (built-ins, or ``environment.plugins``)."""
+    e = cfg.environment
+    e.plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in e.plugins]
+    wanted = sorted(set(report.envs) | {e.defaults[d] for d in domains if e.defaults.get(d)})
+    if not wanted:
+        return []
+    from cascade_rl.environments.registry import ENVIRONMENTS, load_environments
+
+    load_environments(list(e.plugins))
+    if unknown := [name for name in wanted if name not in ENVIRONMENTS]:
+        raise ConfigError(f"the data names environments {unknown} that are not registered (registered: "
+                          f"{sorted(ENVIRONMENTS)}; a module of yours can add one: environment.plugins)")
+    return wanted
 
 
 def describe(report: Report) -> str:

@@ -164,6 +164,15 @@ class OrchestratorConfig:
     """A score not back within this deadline is re-requested."""
     teacher_timeout_s: float = 120.0
     """MOPD: teacher log-probs of a group not back within this deadline are re-requested."""
+    env_timeout_s: float = 60.0
+    """Multi-turn: an environment step (one turn's tool calls) not back within this deadline is sent again, to
+    any environment worker (steps carry their trajectory's state)."""
+    max_turns: int = 4
+    """Multi-turn: assistant turns per trajectory; the last may not call a tool (paper at evaluation: 100 tool
+    calls)."""
+    max_total_tokens: int = 0
+    """Multi-turn: tokens after the prompt (model and observation) per trajectory; a turn samples at most what
+    is left, and a trajectory with no room for another turn ends. 0: max_turns x sampling.max_tokens."""
     eval_every: int = 0
     """Evaluate on the held-out set every k steps (0: only before and after)."""
     eval_n: int = 4
@@ -290,6 +299,38 @@ class VerifierConfig:
     every verifier worker; they register verifiers with ``@register_verifier`` (verifiers/registry.py)."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """The judge endpoint for model-judged domains (genrm, llm_judge)."""
+
+
+@dataclass
+class EnvironmentConfig:
+    """The environment processes (environments/worker.py) of multi-turn rollouts: the model's tool calls in,
+    the tool turns out (docs/ARCHITECTURE.md §12). Started only when some row of the data has an environment."""
+
+    count: int = 1
+    """Environment processes at launch."""
+    slots: int = 16
+    """Steps (one assistant turn's tool calls) the orchestrator may have at one environment worker."""
+    threads: int = 4
+    """Steps an environment worker runs at once (each tool call runs in its own sandboxed processes)."""
+    batch_window_s: float = 0.0
+    """After the first request of a burst, how long a worker waits for the rest before serving them."""
+    defaults: dict[str, str] = field(default_factory=dict)
+    """Domain -> the environment of its rows that name none (``+environment.defaults.tool_use=python``)."""
+    serve: list[str] = field(default_factory=list)
+    """Filled by the supervisor: the environments the data's rows use (none: no environment process starts)."""
+    plugins: list[str] = field(default_factory=list)
+    """Your environment modules: dotted module names or paths to .py files; they register environments with
+    ``@register_environment`` (environments/registry.py)."""
+    tool_timeout_s: float = 5.0
+    """Wall-clock limit of one tool call; past it the call is killed and answered with an error observation."""
+    memory_mb: int = 512
+    """Memory limit of one python tool call (RLIMIT_AS of its sandbox)."""
+    max_processes: int = 32
+    """Processes and threads one python tool call may have (a fork bomb hits it and fails)."""
+    max_output_chars: int = 2000
+    """A tool's output beyond this is cut, with a marker."""
+    max_calls_per_turn: int = 4
+    """Tool calls executed per assistant turn; the rest are answered with an error observation."""
 
 
 @dataclass
@@ -430,6 +471,8 @@ class LaunchConfig:
     """The verifier processes: domains, scoring pool, your reward modules, the judge endpoint."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """MOPD's teacher servers: which checkpoint teaches each domain, and how they batch."""
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """The environment processes of multi-turn rows: their tools and limits."""
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     """The supervisor: heartbeats, restarts, the live display, draining, the run's time limit."""
 

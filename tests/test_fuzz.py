@@ -207,6 +207,16 @@ def _fix_deadline(draw, kw: dict) -> None:
     kw["deadline_s"] = draw(st.floats(min_value=0.001, max_value=1e6))
 
 
+def _fix_prompt_request(draw, kw: dict) -> None:  # a multi-turn row's next turn samples one sequence
+    if kw.get("index", -1) >= 0:
+        kw["n"] = 1
+
+
+def _fix_env_request(draw, kw: dict) -> None:
+    kw["messages"] = [*kw.get("messages", []), {"role": "assistant", "content": draw(st.text(max_size=6))}]
+    _fix_deadline(draw, kw)
+
+
 def _fix_group_score_request(draw, kw: dict) -> None:
     kw["keys"] = draw(st.lists(st.text(max_size=6), min_size=1, max_size=3))
     kw["texts"] = draw(st.lists(st.text(max_size=6), min_size=len(kw["keys"]), max_size=len(kw["keys"])))
@@ -252,6 +262,8 @@ def _fix_weights_refused(draw, kw: dict) -> None:
 FIXUPS = {
     "ready": _fix_ready,
     "rollout": _fix_rollout,
+    "prompt_request": _fix_prompt_request,
+    "env_request": _fix_env_request,
     "group_score_request": _fix_group_score_request,
     "score_request": _fix_deadline,
     "teacher_request": _fix_teacher_request,

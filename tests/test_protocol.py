@@ -19,6 +19,8 @@ from cascade_rl.protocol.codec import MAX_HEADER_BYTES, PROTOCOL_VERSION, Protoc
 from cascade_rl.protocol.messages import (
     Control,
     ControlReply,
+    EnvReply,
+    EnvRequest,
     GroupScoreRequest,
     Heartbeat,
     PromptRequest,
@@ -112,6 +114,17 @@ def sample_messages() -> list[Any]:
         _rollout(n_resp=0, finish_reason="error", error="CUDA OOM"),  # 0-length arrays
         _rollout(n_resp=3, finish_reason="error", inf_logprobs=np.zeros(0, dtype=np.float32), error="killed"),
         _rollout(inf_logprobs=np.array([-np.inf, -0.0, np.nan, 1e-30, -1e30], dtype=np.float32)),  # special floats
+        _rollout(turn=2, loss_mask=np.array([True, True, False, False, True])),  # a multi-turn trajectory
+        PromptRequest(group_id="g-1", domain="tool_use", prompt_ids=np.arange(12, dtype=np.int32), n=1, attempt=1,
+                      index=3, turn=2),  # a multi-turn row's next turn
+        EnvRequest(key="g-1/3:env1/0", env="python", domain="tool_use",
+                   messages=[{"role": "user", "content": "2*3?"},
+                             {"role": "assistant", "content": '<tool_call>{"name": "python"}</tool_call>'}],
+                   state={"cells": ["x = 1"]}, metadata={"k": 1}, deadline_s=30.0),
+        EnvReply(key="g-1/3:env1/0", done=False, tool_messages=[{"role": "tool", "content": "6\n"}],
+                 state={"cells": ["x = 1", "print(2*3)"]}, tool_calls=1, worker_id="environment-0", t_env=0.2),
+        EnvReply(key="g-1/3:env2/0", done=True),
+        EnvReply(key="g-1/3:env2/1", done=False, ok=False, error="no environment 'pythn'"),
         ScoreRequest(
             key="g-1/3",
             domain="math",

@@ -1,0 +1,120 @@
+"""Multi-turn trajectories: one row of a group, turn by turn, from its first model turn to the rollout trained on.
+
+A row whose data names an environment (``Row.env``, or ``environment.defaults`` for its domain) is a
+trajectory (docs/ARCHITECTURE.md §12): the sampler samples a model turn, an environment runs the turn's tool
+calls, the observation is appended as the token ids the chat template gives the tool turn, and the sampler
+continues the whole trajectory, until a turn calls no tool, ``orchestrator.max_turns`` or the token budget.
+The finished trajectory is one ``Rollout`` whose ``loss_mask`` is True on the model's tokens only: GRPO,
+MOPD's teacher log-probs and the mismatch metrics see those, never the observations. Pure state, no IO.
+
+Keys of the work a trajectory hands out (``groups.parse_key`` reads them): ``{group}/{i}:env{t}/{attempt}``
+(the environment step after model turn t) and ``{group}/{i}:gen{t}/{attempt}`` (the sampler's turn t + 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from enum import StrEnum
+
+import numpy as np
+
+from cascade_rl.protocol.messages import EnvReply, Rollout
+
+
+class Phase(StrEnum):
+    gen = "gen"  # a sampler holds its next turn (or it waits for one)
+    env = "env"  # an environment runs the last turn's tool calls (or it waits for one)
+    done = "done"  # ended: no tool call, max_turns, the token budget, or a truncated turn
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """Row i of a multi-turn group after its prompt: model and observation segments, the conversation as text."""
+
+    segments: list[np.ndarray] = dataclasses.field(default_factory=list)  # token ids, model and observation
+    model: list[bool] = dataclasses.field(default_factory=list)  # per segment: sampled by the model?
+    logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)  # per segment (0 for observations)
+    messages: list[dict] = dataclasses.field(default_factory=list)  # assistant and tool turns, as text
+    state: dict = dataclasses.field(default_factory=dict)  # the environment's, handed back at its next step
+    versions: list[int] = dataclasses.field(default_factory=list)  # policy version of each model turn
+    turn: int = 0  # model turns so far
+    phase: Phase = Phase.gen
+    finish_reason: str = "stop"
+    tool_calls: int = 0
+    tool_errors: int = 0
+    timeouts: int = 0
+    first: Rollout | None = None  # the first turn's rollout (sampler, prompt)
+
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+    def observation_tokens(self) -> int:
+        return sum(len(s) for s, m in zip(self.segments, self.model) if not m)
+
+    def ids(self) -> np.ndarray:
+        return np.concatenate(self.segments).astype(np.int32) if self.segments else np.zeros(0, np.int32)
+
+    def add_turn(self, r: Rollout, text: str) -> None:
+        """Model turn ``turn + 1``: its tokens (EOS included), log-probs and text (the assistant message)."""
+        self.first = self.first or r
+        self.segments.append(np.asarray(r.response_ids, np.int32))
+        self.logprobs.append(np.asarray(r.inf_logprobs, np.float32))
+        self.model.append(True)
+        self.messages.append({"role": "assistant", "content": text})
+        self.versions.append(r.policy_version)
+        self.finish_reason = r.finish_reason
+        self.turn += 1
+
+    def add_observation(self, ids: list[int], reply: EnvReply) -> None:
+        """The tool turn(s) answering the last model turn, as the template's token ids."""
+        self.segments.append(np.asarray(ids, np.int32))
+        self.logprobs.append(np.zeros(len(ids), np.float32))
+        self.model.append(False)
+        self.messages.extend(reply.tool_messages)
+        self.state = dict(reply.state)
+        self.count(reply)
+
+    def count(self, reply: EnvReply) -> None:
+        self.tool_calls += reply.tool_calls
+        self.tool_errors += reply.tool_errors
+        self.timeouts += reply.timeouts
+
+    def final_text(self) -> str:
+        """What the domain's verifier scores: the last assistant turn."""
+        return next(m["content"] for m in reversed(self.messages) if m["role"] == "assistant")
+
+    def rollout(self, prompt_ids: np.ndarray) -> Rollout:
+        """The finished trajectory as one rollout: everything after the prompt, the loss on the model's tokens.
+        Its policy version is its oldest turn's (staleness counts from there)."""
+        r = self.first
+        mask = np.concatenate([np.full(len(s), m, bool) for s, m in zip(self.segments, self.model)])
+        return Rollout(r.group_id, r.index, r.domain, prompt_ids, self.ids(),
+                       np.concatenate(self.logprobs).astype(np.float32), self.finish_reason, min(self.versions),
+                       r.sampler_id, r.t_gen, r.attempt, turn=self.turn, loss_mask=mask)
+
+
+def next_phase(t: Trajectory, max_turns: int, budget: int) -> Phase:
+    """After a model turn: the environment acts on it, or the trajectory ends. A turn cut at its token limit
+    ends it (its tool call, if any, is incomplete); so do the last allowed turn and an exhausted budget."""
+    if t.finish_reason != "stop" or t.turn >= max_turns or t.tokens() >= budget:
+        return Phase.done
+    return Phase.env
+
+
+def budget(max_total_tokens: int, max_turns: int, max_tokens: int) -> int:
+    """Tokens after the prompt a trajectory may have (``orchestrator.max_total_tokens``, 0: one full turn each)."""
+    return max_total_tokens or max_turns * max_tokens
+
+
+def summary(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Per-step multi-turn metrics (and, summed over steps, ``summary.json`` ``multi_turn``)."""
+    if not trajectories:
+        return {}
+    tokens = sum(t.tokens() for t in trajectories)
+    return {
+        "turns_mean": float(np.mean([t.turn for t in trajectories])),
+        "tool_calls_mean": float(np.mean([t.tool_calls for t in trajectories])),
+        "tool_errors": int(sum(t.tool_errors for t in trajectories)),
+        "tool_timeouts": int(sum(t.timeouts for t in trajectories)),
+        "observation_token_frac": sum(t.observation_tokens() for t in trajectories) / max(1, tokens),
+    }
