@@ -1,0 +1,188 @@
+"""Environment worker: EnvRequests in (the model's last turn), EnvReplies out (the tool turns, or done).
+
+    python -m cascade_rl.environments.worker --config RUN_DIR/config.yaml --worker-id environment-0
+
+Started by the supervisor when some row of the data has an environment. It serves the environments of
+``environment.serve`` (filled by the supervisor: those the data uses; empty: every registered one, the
+built-in ones of environments/builtin.py and those of ``environment.plugins``) and announces their names as
+its ``Ready.domains``. Steps run concurrently in ``environment.threads`` threads: a tool runs
+in its own sandboxed processes (the python tool) or is cheap (the calculator), so threads suffice, and a
+hanging tool is killed by the sandbox at ``environment.tool_timeout_s``, so no thread hangs for ever.
+
+- The model's mistakes (a bad call, a failing, crashing or hanging tool) are observations in an ``ok`` reply,
+  counted in ``tool_errors``/``timeouts``.
+- An environment that raises, or returns what cannot be sent, fails the trajectory: ``EnvReply(ok=False)``
+  with the reason; so does an unknown environment name (the reply names the registered ones). The worker
+  lives on.
+
+It runs on the worker runtime (protocol/runtime.py): Ready with its slots (``environment.slots``), heartbeats
+with the counters steps, tool_calls, tool_errors, timeouts, failed and env_s, error replies, and SIGTERM
+drains (no new work, finish what it holds, exit 0). Nothing is lost when a worker dies: a trajectory's state
+travels in its requests, so the orchestrator can send the step again to another worker.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from cascade_rl.protocol.codec import encode
+from cascade_rl.protocol.messages import EnvReply, EnvRequest, Ready
+from cascade_rl.protocol.runtime import Pending, WorkerRuntime
+from cascade_rl.protocol.worker_main import worker_start
+
+from .base import Environment, EnvSettings, StepResult
+from .registry import ENVIRONMENTS, PluginError, build_environment, load_environments
+
+log = logging.getLogger("environment")
+
+POLL_S = 0.005  # how long ``poll`` waits for a step to finish: a request arriving meanwhile waits at most this
+
+
+def _invalid(result: Any) -> str:
+    """Why an environment's ``step`` result cannot become a reply ("" when it can)."""
+    if not isinstance(result, StepResult):
+        return f"step returned {type(result).__name__}, not a StepResult"
+    if not isinstance(result.state, dict):
+        return f"step returned a state of type {type(result.state).__name__}, not a dict"
+    for m in result.tool_messages:
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
+            return f"step returned a tool message that is not {{'role': str, 'content': str}}: {m!r:.200}"
+    return ""
+
+
+def run_step(env: Environment, req: EnvRequest, worker_id: str = "", arrived: float | None = None) -> EnvReply:
+    """One step of ``req`` in ``env``, as the reply to send; never raises. A step not started within
+    ``req.deadline_s`` of ``arrived`` (``time.monotonic()``; it waited for a thread) is not run: the orchestrator
+    has given up on it."""
+    t0 = time.perf_counter()
+
+    def failed(reason: str) -> EnvReply:
+        log.warning("%s: %s", req.key, reason)
+        return EnvReply(req.key, done=False, ok=False, error=reason, worker_id=worker_id,
+                        t_env=time.perf_counter() - t0)
+
+    if arrived is not None and time.monotonic() - arrived > req.deadline_s:
+        return failed(f"not started within its deadline of {req.deadline_s:g}s (all threads were busy)")
+    try:
+        r = env.step(req.messages, req.state, req.metadata)
+    except Exception as e:  # not the model's fault (a tool that cannot run, a bug): the trajectory fails
+        return failed(f"environment {req.env!r} failed: {type(e).__name__}: {e}")
+    reason = _invalid(r)
+    if reason:
+        return failed(f"environment {req.env!r}: {reason}")
+    reply = EnvReply(req.key, bool(r.done), list(r.tool_messages), r.state, int(r.tool_calls), int(r.tool_errors),
+                     int(r.timeouts), worker_id=worker_id, t_env=time.perf_counter() - t0)
+    try:
+        encode(reply)  # here, not in the IO thread: a state that is not plain data fails this step only
+    except Exception as e:
+        return failed(f"environment {req.env!r} returned what cannot be sent: {type(e).__name__}: {e}")
+    return reply
+
+
+class EnvironmentService:
+    """The environment's ``Service`` (protocol/runtime.py): steps run in a thread pool; replies come from
+    ``poll``."""
+
+    role = "environment"
+
+    def __init__(self, worker_id: str, envs: dict[str, Environment], slots: int, threads: int) -> None:
+        self.worker_id, self.envs, self.slots = worker_id, envs, slots
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"{worker_id}-step")
+        self.running: dict[Future, EnvRequest] = {}
+        self.counters = {"steps": 0, "tool_calls": 0, "tool_errors": 0, "timeouts": 0, "failed": 0, "env_s": 0.0}
+
+    def hello(self, draining: bool = False) -> Ready:
+        return Ready(self.worker_id, self.role, slots=0 if draining else self.slots, domains=sorted(self.envs),
+                     draining=draining)
+
+    def status(self) -> dict:
+        return {"state": "running", "counters": dict(self.counters, running=len(self.running))}
+
+    def accept(self, msg) -> bool:
+        return False
+
+    def take(self, pending: collections.deque[Pending]) -> list[Pending]:
+        # all of them: the pool queues what its threads cannot start yet (the orchestrator sends at most `slots`)
+        return [pending.popleft() for _ in range(len(pending))]
+
+    def check(self, item: Pending) -> str:
+        name = item.request.env
+        if name in self.envs:
+            return ""
+        return f"unknown environment {name!r}; this worker serves: {', '.join(sorted(self.envs)) or 'none'}"
+
+    def serve(self, batch: list[Pending], reply) -> None:
+        for item in batch:
+            req = item.request
+            self.running[self.pool.submit(run_step, self.envs[req.env], req, self.worker_id, item.arrived)] = req
+
+    def poll(self, reply) -> None:
+        done, _ = wait(list(self.running), timeout=POLL_S, return_when=FIRST_COMPLETED)
+        for fut in done:
+            req = self.running.pop(fut)
+            msg = fut.result() if fut.exception() is None else EnvReply(
+                req.key, False, ok=False, error=f"environment error: {fut.exception()!r}", worker_id=self.worker_id)
+            self._count(msg)
+            reply(None, msg)
+
+    def busy(self) -> int:
+        return len(self.running)
+
+    def error_reply(self, req: EnvRequest, reason: str) -> list[EnvReply]:
+        msg = EnvReply(req.key, False, ok=False, error=reason, worker_id=self.worker_id)
+        self._count(msg)
+        return [msg]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _count(self, msg: EnvReply) -> None:
+        c = self.counters
+        c["steps"] += 1
+        c["failed"] += not msg.ok
+        c["tool_calls"] += msg.tool_calls
+        c["tool_errors"] += msg.tool_errors
+        c["timeouts"] += msg.timeouts
+        c["env_s"] += msg.t_env
+
+
+def build_environments(names: list[str], settings: EnvSettings) -> dict[str, Environment]:
+    """One instance of each environment of ``names`` (all registered ones if empty; load the plugins first);
+    ValueError names one that is not registered or fails to build."""
+    if unknown := sorted(set(names) - set(ENVIRONMENTS)):
+        raise ValueError(f"environment.serve names {unknown}, which are not registered (registered: "
+                         f"{sorted(ENVIRONMENTS)}; a module of yours can add one: environment.plugins)")
+    envs = {}
+    for name in sorted(names or ENVIRONMENTS):
+        try:
+            envs[name] = build_environment(name, settings)
+        except Exception as e:
+            raise ValueError(f"environment {name!r} could not be built: {type(e).__name__}: {e}") from e
+    return envs
+
+
+def main(argv: list[str] | None = None) -> None:
+    # --- config: the environment section (a key missing from an older config: its default)
+    args, cfg = worker_start(__doc__.splitlines()[0], argv)
+    section = cfg.get("environment") or {}
+    try:
+        load_environments(list(section.get("plugins") or []))
+        settings = EnvSettings.from_config(section)
+        envs = build_environments(list(section.get("serve") or []), settings)
+    except (PluginError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+
+    # --- serve on the worker runtime
+    threads = int(section.get("threads", 4))
+    service = EnvironmentService(args.worker_id, envs, slots=int(section.get("slots", 16)), threads=threads)
+    log.info("serving environments %s in %d threads", sorted(envs), threads)
+    WorkerRuntime(service, cfg, args.worker_id, batch_window_s=float(section.get("batch_window_s", 0.0)),
+                  expect=(EnvRequest,)).run()
+
+
+if __name__ == "__main__":
+    main()
