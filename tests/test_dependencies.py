@@ -19,6 +19,9 @@ ALLOWED = {
     "data": {"protocol", "verifiers"},  # row checks are the verifiers'
     "samplers": {"protocol", "kernels"},
     "teachers": {"protocol", "modeling"},  # never the trainer's package
+    "environments": {"protocol", "verifiers"},  # the sandbox and the plugin loader are the verifiers'
+    "supervisor": {"protocol", "data", "verifiers", "samplers", "learner", "orchestrator", "modeling", "kernels",
+                   "teachers", "environments", "configs"},
     # samplers: offline evaluation's engine; learner: the checkpoint's data cursor (learner/checkpoint.py)
     "orchestrator": {"protocol", "data", "verifiers", "samplers", "learner"},
     "learner": {"protocol", "kernels", "modeling", "data"},
