@@ -6,7 +6,17 @@ as a user's data is trained from.
 
 Each member task of NAME (a task or a mixture of data/tasks.py) gets one
 JSONL file per split, in the row schema of data/rows.py plus ``response``
-(the worked solution, for SFT). Splits are question-disjoint within a task,
+(the worked solution, for SFT). Rows of a multi-turn task (``tools``'s
+``tool_arithmetic``) name their environment (``"env": "python"``), and their
+``response`` is the trace after the prompt, a list of messages::
+
+    {"id": ..., "prompt": "Calculate 48 * 95 * 59. Use the python tool. ...", "domain": "tool_use",
+     "answer": "269040", "metadata": {}, "env": "python",
+     "response": [{"role": "assistant", "content": "<think>\\n\\n</think>\\n\\n<tool_call>...</tool_call>"},
+                  {"role": "tool", "content": "269040\\n"},
+                  {"role": "assistant", "content": "<think>\\n\\n</think>\\n\\n\\\\boxed{269040}"}]}
+
+(learner/sft.py learns its assistant turns). Splits are question-disjoint within a task,
 and no RL or SFT row of any task asks a question that any task holds out
 (data/tasks.py ``held_out_questions``), so a held-out file measures
 generalisation whichever files a stage trains on.
@@ -21,8 +31,13 @@ from cascade_rl.data.tasks import SPLITS, Example, held_out_questions, load_task
 
 
 def example_row(ex: Example, row_id: str) -> dict:
-    return {"id": row_id, "prompt": ex.prompt, "domain": ex.domain, "answer": ex.answer, "metadata": ex.metadata,
-            "response": ex.solution}
+    """One row: a single-turn task's ``response`` is its solution (the text after the generation prompt), a
+    multi-turn task's the messages of its trace; ``env`` only where the task has one."""
+    row = {"id": row_id, "prompt": ex.prompt, "domain": ex.domain, "answer": ex.answer, "metadata": ex.metadata}
+    if ex.env:
+        row["env"] = ex.env
+    row["response"] = [dict(m) for m in ex.turns] if ex.turns else ex.solution
+    return row
 
 
 def write_task_files(name: str, out: str | Path, sizes: dict[str, int], seed: int = 0) -> dict[str, dict[str, str]]:

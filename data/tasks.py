@@ -14,6 +14,10 @@ RL prompts, SFT data) are question-disjoint.
 A miniature of the paper's cascade for the tiny model: every task is small
 +/- arithmetic (reasoning-gym basic_arithmetic, 3-4 terms of 0-10), asked in
 the format of one reward domain. Each task draws its own expression stream.
+The tool tasks are the miniature of tool-integrated reasoning: 3-term
+arithmetic of 2-3 digits with multiplication, which the tiny model cannot do in
+its head, asked with a python tool (``tool_arithmetic``) and without one
+(``tool_arithmetic_direct``), on the same questions.
 
 | task | domain | the prompt asks for | reference | metadata |
 | --- | --- | --- | --- | --- |
@@ -21,6 +25,8 @@ the format of one reward domain. Each task draws its own expression stream.
 | arithmetic_mcqa | mcqa | the letter of (A)-(D) in ``\\boxed{}`` | the letter | ``{"options": ["A", "B", "C", "D"]}`` |
 | arithmetic_json | structured_output | ``{"KEY": N}``, KEY of ``JSON_KEYS`` | the schema | ``{"schema": ...}`` |
 | arithmetic_if | instruction_following | ``\\boxed{}`` + one IFEval instruction | the value | IFEval ids, kwargs |
+| tool_arithmetic | tool_use | a python tool call, then the value in ``\\boxed{}`` | the value | — |
+| tool_arithmetic_direct | math | the value in ``\\boxed{}`` (no tool) | the value | — |
 
 The MCQA options are four consecutive values in order, the answer's place
 uniform. The JSON schema admits exactly ``{KEY: value}`` (``const``), so a
@@ -30,17 +36,31 @@ text), so a caller that drops the metadata still scores correctly.
 the reward checks the instruction only, not the value. Worked solutions need
 at most ~60 tokens of the tiny tokenizer (``</think>`` and EOS included).
 
-Mixtures (``MIXES``) combine tasks by weight: ``cascade`` is every domain (the
-SFT warm start and the held-out set evaluated after every stage),
-``multi_domain`` the paper's multi-domain RL stage (MCQA and structured
-output; tool calling has no miniature here) plus math. See ``load_mixture``
-for how a mixture's splits are drawn.
+``tool_arithmetic`` is multi-turn (rows of environment ``"python"``, the
+row's ``env``): its SFT trace (``Example.turns``) is the model's tool call
+(an empty think, then ``<tool_call>{"name": "python", "arguments": {"code":
+"print(EXPR)"}}</tool_call>``, Hermes/Qwen3 style), the tool's turn (the
+program's stdout, ``"4116\\n"``) and the model's final answer (an empty think,
+then ``\\boxed{4116}``), which the strict math check scores. Its value is
+Python's (the usual precedence, as the tool computes it). ``tool_arithmetic_direct``
+asks the same questions (the same stream: the same held-out questions)
+without the tool, and answers at once: the same model is evaluated with and
+without tools on the same questions. Tasks sharing a stream ask the same
+questions in every split, so a mixture of both trains on some questions in
+both forms.
+
+Mixtures (``MIXES``) combine tasks by weight: ``cascade`` is every domain of
+the single-turn cascade (the SFT warm start and the held-out set evaluated
+after every stage), ``multi_domain`` the paper's multi-domain RL stage (MCQA
+and structured output) plus math, ``tools`` the tool task with its direct
+twin. See ``load_mixture`` for how a mixture's splits are drawn.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import random
 import re
 from collections.abc import Callable, Mapping
@@ -55,6 +75,13 @@ MCQA_LETTERS = ("A", "B", "C", "D")
 JSON_KEYS = ("result", "value", "answer", "total", "sum")
 END_PHRASES = ("That is all.", "Any other questions?", "Hope this helps.")
 TITLE = "<<Result>>"
+# The tool tasks: the prompt names the tool (the tiny model learns the call's form from SFT), and the environment
+# of their rows (the ``env`` field; environments/) runs the code and answers with its stdout.
+TOOL_INSTRUCTION = "Use the python tool. Put the final answer in \\boxed{}."
+PYTHON_ENV = "python"
+# What the thinking-mode generation prompt opens the assistant turn with (data/render.py ``prefix``): an assistant
+# message of a trace holds it, as the chat template renders the model's earlier turns in the conversation.
+TURN_PREFIX = "<think>\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +93,19 @@ class Example:
     domain: str
     """Reward domain: the verifier of verifiers/registry.py that scores it."""
     solution: str
-    """Worked solution for SFT: the reasoning, ``</think>``, then the final answer."""
+    """Worked solution for SFT: the reasoning, ``</think>``, then the final answer (the text after the generation
+    prompt: the model's turn, which the verifier scores)."""
     instruction: str = BOXED_INSTRUCTION
     """What follows the question in the prompt: options, answer format, verifiable instructions."""
     metadata: dict = dataclasses.field(default_factory=dict, hash=False)
     """What the domain's verifier gets as metadata (a dict: left out of the hash, so Examples stay hashable)."""
+    turns: tuple[dict, ...] = dataclasses.field(default=(), hash=False)
+    """A multi-turn task's SFT trace: the messages after the prompt, ``{"role": "assistant" | "tool", "content"}``,
+    each assistant content the whole turn as the template renders it in the conversation (``TURN_PREFIX`` and
+    what the model generated after it); ``solution`` is then the last turn's generated text. Empty for single-turn
+    tasks (left out of the hash, as ``metadata``)."""
+    env: str = ""
+    """The environment whose tools the model calls mid-rollout (the rows' ``env``); "" for single-turn tasks."""
 
     @property
     def prompt(self) -> str:
@@ -79,7 +114,7 @@ class Example:
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """One +/- arithmetic item: its question, left-to-right worked steps and value."""
+    """One arithmetic item: its question, left-to-right worked steps (none for the tool tasks) and value."""
 
     question: str
     expression: str
@@ -91,13 +126,17 @@ class Problem:
         return random.Random(f"{seed}/{self.expression}")
 
 
+_OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
 def _arithmetic_steps(expression: str) -> list[str]:
-    """Left-to-right worked steps for a +/- expression: '7 + 5 - 3' -> ['7 + 5 = 12', '12 - 3 = 9']."""
+    """Left-to-right worked steps for an expression: '7 + 5 - 3' -> ['7 + 5 = 12', '12 - 3 = 9'] (for +/- the
+    value; with * reasoning-gym's left-to-right answer, not the usual precedence)."""
     tokens = expression.split()
     acc = int(tokens[0])
     steps = []
     for op, term in zip(tokens[1::2], tokens[2::2]):
-        value = acc + int(term) if op == "+" else acc - int(term)
+        value = _OPERATORS[op](acc, int(term))
         steps.append(f"{acc} {op} {term} = {value}")
         acc = value
     return steps
@@ -129,6 +168,38 @@ def _problems(size: int, seed: int, **params) -> list[Problem]:
         if steps[-1].split(" = ")[1] != str(item["answer"]):
             raise ValueError(f"worked steps disagree with reasoning-gym on {expression!r}")
         out.append(Problem(item["question"], expression, tuple(steps), int(item["answer"])))
+    return out
+
+
+def _tool_problems(size: int, seed: int, **params) -> list[Problem]:
+    """``size`` problems of the tool tasks: 3 terms of up to 2-3 digits (0-100 or 0-1000) with at least one ``*``
+    (an item without one is skipped), no worked steps.
+
+    reasoning-gym's simple expressions fold left to right (its answer to '47 + 83 * 2' is 260); the question means
+    the usual precedence, which is what the python tool prints (213). So the value is Python's, and reasoning-gym's
+    answer is checked against a left-to-right fold: an expression read otherwise than it was built is refused."""
+    cfg = dict(min_terms=3, max_terms=3, min_digits=2, max_digits=3, operators=("+", "-", "*"))
+    cfg.update(params)
+    cfg.update(allow_parentheses=False, allow_negation=False, format_style="simple", whitespace="single")
+    if "*" not in cfg["operators"] or set(cfg["operators"]) - set(_OPERATORS):
+        raise ValueError(f"the tool tasks ask for multiplication: operators must include '*' and be of "
+                         f"{sorted(_OPERATORS)}, got {cfg['operators']}")
+    ds = reasoning_gym.create_dataset("basic_arithmetic", size=4 * size + 64, seed=seed, **cfg)
+    out = []
+    for item in ds:
+        if len(out) == size:
+            break
+        expression = item["metadata"]["expression"]
+        if not re.fullmatch(r"\d+( [-+*] \d+)+", expression):
+            raise ValueError(f"unexpected expression form {expression!r}")
+        if "*" not in expression:
+            continue
+        if _arithmetic_steps(expression)[-1].split(" = ")[1] != str(item["answer"]):
+            raise ValueError(f"a left-to-right fold disagrees with reasoning-gym on {expression!r}")
+        value = eval(expression, {"__builtins__": {}})  # digits, spaces, + - * only (matched above)
+        out.append(Problem(item["question"], expression, (), value))
+    if len(out) < size:
+        raise ValueError(f"only {len(out)} of {len(ds)} expressions have a '*', {size} wanted")
     return out
 
 
@@ -215,6 +286,26 @@ def _arithmetic_if(p: Problem, seed: int) -> Example:
                    f"{BOXED_INSTRUCTION} {text}", metadata)
 
 
+def tool_call(name: str, arguments: dict) -> str:
+    """One Hermes/Qwen3-style call in the assistant's text (environments/tool_calls.py reads it)."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def _tool_arithmetic(p: Problem, seed: int) -> Example:
+    # the trace a rollout has: the model's call (the code prints the question's expression as written), the
+    # tool's turn (what the program prints) and the model's answer, each model turn after an empty think
+    call = _think([], tool_call("python", {"code": f"print({p.expression})"}))
+    final = worked_solution([], str(p.value))
+    turns = ({"role": "assistant", "content": TURN_PREFIX + call},
+             {"role": "tool", "content": f"{p.value}\n"},
+             {"role": "assistant", "content": TURN_PREFIX + final})
+    return Example(p.question, str(p.value), "tool_use", final, TOOL_INSTRUCTION, turns=turns, env=PYTHON_ENV)
+
+
+def _tool_arithmetic_direct(p: Problem, seed: int) -> Example:
+    return Example(p.question, str(p.value), "math", worked_solution([], str(p.value)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     render: Callable[[Problem, int], Example]
@@ -223,7 +314,9 @@ class Task:
     """The reward domain of its Examples."""
     stream: int
     """Offset of its reasoning-gym seed: tasks draw different expression streams (item i is seeded
-    ``seed + i``, so the offsets lie far apart)."""
+    ``seed + i``, so the offsets lie far apart); tasks of one stream ask the same questions."""
+    problems: Callable[..., list[Problem]] = _problems
+    """(size, stream seed, **params) -> the stream's first ``size`` problems."""
 
 
 TASKS: dict[str, Task] = {
@@ -231,14 +324,19 @@ TASKS: dict[str, Task] = {
     "arithmetic_mcqa": Task(_arithmetic_mcqa, "mcqa", 1 << 40),
     "arithmetic_json": Task(_arithmetic_json, "structured_output", 2 << 40),
     "arithmetic_if": Task(_arithmetic_if, "instruction_following", 3 << 40),
+    # one stream: the same questions with the tool and without
+    "tool_arithmetic": Task(_tool_arithmetic, "tool_use", 4 << 40, _tool_problems),
+    "tool_arithmetic_direct": Task(_tool_arithmetic_direct, "math", 4 << 40, _tool_problems),
 }
 
 MIXES: dict[str, dict[str, float]] = {
     # every domain of the miniature cascade: the SFT warm start, and the held-out set of every stage
     "cascade": {"arithmetic": 1, "arithmetic_mcqa": 1, "arithmetic_json": 1, "arithmetic_if": 1},
-    # the paper's multi-domain RL stage (STEM MCQA, structured output; no tool calling here), plus math,
-    # which has no RL stage of its own in the miniature
+    # the paper's multi-domain RL stage (STEM MCQA, structured output), plus math, which has no RL stage of its
+    # own in the miniature
     "multi_domain": {"arithmetic": 1, "arithmetic_mcqa": 1, "arithmetic_json": 1},
+    # tool-integrated reasoning: mostly with the python tool, some answered at once (the same questions)
+    "tools": {"tool_arithmetic": 3, "tool_arithmetic_direct": 1},
 }
 
 SPLITS = ("heldout", "rl", "sft")
@@ -299,7 +397,7 @@ def load_task(name: str, sizes: Mapping[str, int], seed: int = 0, **params) -> d
     out: dict[str, list[Example]] = {split: [] for split in SPLITS}
     seen: set[str] = set()
     stream_seed = seed * 1_000_003 + task.stream
-    for p in _problems(sum(wanted.values()) * 2, stream_seed, **params):
+    for p in task.problems(sum(wanted.values()) * 2, stream_seed, **params):
         if p.question in seen:
             continue
         seen.add(p.question)
@@ -330,7 +428,8 @@ def held_out_questions(heldout: int, seed: int = 0, **params) -> set[str]:
     Tasks draw their own streams, but the question space is small (~5,000 three-term
     expressions), so a question held out by one task is often an RL or SFT question of
     another: without this, ~15 % of each domain's 64 held-out questions were SFT data of the
-    cascade mixture, in another format.
+    cascade mixture, in another format. (The tool tasks' questions all multiply: never
+    questions of the others.)
     """
     return {ex.question for t in TASKS for ex in load_task(t, {"heldout": heldout}, seed, **params)["heldout"]}
 

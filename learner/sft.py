@@ -10,14 +10,29 @@ sequence is the prompt in the model's chat template (thinking mode) followed
 by the response and the end-of-turn token, with the loss on the response
 tokens only. A bad row stops SFT with its ``FILE:LINE: reason``. It deliberately stops early (a few hundred steps): the point is a
 policy with non-zero but improvable accuracy, which RL then raises.
+
+A multi-turn row's ``response`` is the trace after the prompt, a list of
+messages: assistant turns, with tool turns between them, the last an
+assistant's (``make-data tools``). Each assistant content is the whole turn as
+the template renders it in the conversation: from the generation prompt's
+``<think>\\n`` on. The sequence is then the token ids a rollout has
+(orchestrator/turns.py): the template's text up to each generation prompt,
+tokenised piece by piece, and after each one the turn the model generates
+and its end-of-turn token; the loss is on those generated tokens only, never
+on a tool turn or the template's own (role headers, the generation prompt).
+For the tiny model's template the ids equal the template's rendering of the
+whole conversation tokenised at once, up to the last end-of-turn token
+(tests/test_tool_task.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -29,6 +44,8 @@ from cascade_rl.data.rows import BadRow, Fields, parse_messages, parse_response
 from cascade_rl.data.sources import DataError, read_records
 from cascade_rl.modeling.logprobs import token_logprobs
 
+TRACE_ROLES = ("assistant", "tool")
+
 
 @dataclasses.dataclass
 class SFTConfig:
@@ -38,7 +55,8 @@ class SFTConfig:
     """Output HF directory."""
     files: list = dataclasses.field(default_factory=list)
     """Data files of rows with a prompt and a response (JSONL, JSONL.gz, Parquet, save_to_disk directories);
-    the miniature's: ``cascade-rl make-data cascade --out DIR`` writes DIR/sft/*.jsonl."""
+    the miniature's: ``cascade-rl make-data cascade --out DIR`` writes DIR/sft/*.jsonl (``make-data tools``:
+    multi-turn rows, whose response is a list of assistant and tool messages)."""
     fields: Fields = dataclasses.field(default_factory=Fields)
     """Where prompt and response are in the rows (``fields.response=completion``)."""
     steps: int = 400
@@ -53,8 +71,49 @@ class SFTConfig:
     """Seed of data order and initialisation."""
 
 
-def read_sft_rows(files: list[str], fields: Fields) -> list[tuple[tuple[dict, ...], str]]:
-    """(conversation, response) of every row; raises DataError listing each bad row as FILE:LINE: reason."""
+class SFTRow(NamedTuple):
+    messages: tuple[dict, ...]
+    """The prompt: the conversation up to the model's (first) turn."""
+    response: str | tuple[dict, ...]
+    """The assistant turn to learn (the text after the generation prompt), or a multi-turn trace: the
+    assistant and tool messages after the prompt."""
+    where: str = ""
+    """FILE:LINE, for errors found when the row is encoded."""
+
+
+def parse_trace(value: list, where: str) -> tuple[dict, ...]:
+    """A multi-turn ``response``: {role, content} messages of the assistant and tools, the first and the last
+    the assistant's, and a tool turn between any two assistant turns (a turn that calls no tool ends a rollout)."""
+    if not value:
+        raise BadRow("empty response", f"field {where} is an empty list of messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadRow("bad message", f"field {where}, message {i}: must be an object with string 'role' and "
+                                        f"'content', got {json.dumps(m, ensure_ascii=False)[:80]}")
+        if m["role"] not in TRACE_ROLES:
+            raise BadRow("bad message", f"field {where}, message {i}: role {m['role']!r} is not one of "
+                                        f"{', '.join(TRACE_ROLES)} (the prompt holds the system and user turns)")
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise BadRow("bad message", f"field {where}, message {i}: the assistant turn is empty")
+        if m["role"] == "assistant" and out and out[-1]["role"] == "assistant":
+            raise BadRow("bad message", f"field {where}, message {i}: two assistant turns in a row; a tool turn "
+                                        f"answers the first one's calls")
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[0]["role"] != "assistant" or out[-1]["role"] != "assistant":
+        raise BadRow("bad message", f"field {where}: a trace starts and ends with an assistant turn, got "
+                                    f"{out[0]['role']} ... {out[-1]['role']}")
+    return tuple(out)
+
+
+def _response(raw: dict, fields: Fields) -> str | tuple[dict, ...]:
+    value = raw.get(fields.response)
+    return parse_trace(value, f"'{fields.response}'") if isinstance(value, list) else parse_response(raw, fields)
+
+
+def read_sft_rows(files: list[str], fields: Fields) -> list[SFTRow]:
+    """(conversation, response, FILE:LINE) of every row; raises DataError listing each bad row as FILE:LINE:
+    reason."""
     rows, bad = [], []
     for path in files:
         for line, raw in read_records(path):
@@ -64,7 +123,8 @@ def read_sft_rows(files: list[str], fields: Fields) -> list[tuple[tuple[dict, ..
                 if not isinstance(raw, dict):
                     raise BadRow("not an object", "a row must be a JSON object")
                 prompt = raw.get(fields.prompt)
-                rows.append((parse_messages(prompt, f"'{fields.prompt}'"), parse_response(raw, fields)))
+                rows.append(SFTRow(parse_messages(prompt, f"'{fields.prompt}'"), _response(raw, fields),
+                                   f"{path}:{line}"))
             except BadRow as e:
                 bad.append(str(BadLine(str(path), line, e.kind, e.detail)))
     if bad:
@@ -74,26 +134,84 @@ def read_sft_rows(files: list[str], fields: Fields) -> list[tuple[tuple[dict, ..
     return rows
 
 
-def encode_examples(tokenizer, rows: list[tuple[tuple[dict, ...], str]]) -> list[tuple[list[int], int]]:
-    """(token ids, prompt length) per row; the response ends with the end-of-turn token."""
+def _template(render: PromptRenderer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return render.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                tokenize=False, enable_thinking=render.thinking)
+
+
+def _parting(a: str, b: str) -> str:
+    """Where two texts part: the first differing character and a little of each from there."""
+    at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"at character {at} {a[at:at + 30]!r} vs {b[at:at + 30]!r}"
+
+
+def encode_trace(render: PromptRenderer, prompt: tuple[dict, ...], trace: tuple[dict, ...]
+                 ) -> tuple[list[int], list[bool]]:
+    """(token ids, loss mask) of a multi-turn row, as a rollout has them: for each assistant turn, the template's
+    text since the last generated token (tool turns, role headers, the generation prompt) tokenised as one
+    piece, masked out, then the text the model generates (the content after the generation prompt) and the
+    end-of-turn token, learned. Raises BadRow where the template does not render a turn as the continuation of
+    its generation prompt (an assistant content that does not start with ``render.prefix``)."""
+    tokenizer = render.tokenizer
+    eos_text, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    ids: list[int] = []
+    mask: list[bool] = []
+    text = ""  # what ``ids`` hold, as text
+    history = list(prompt)
+    for i, turn in enumerate(trace):
+        if turn["role"] != "assistant":
+            history.append(turn)
+            continue
+        context = _template(render, history, add_generation_prompt=True)
+        if not context.startswith(text):
+            raise BadRow("bad trace", f"response message {i}: the chat template renders the conversation before it "
+                                      f"otherwise than the turns so far ({_parting(text, context)})")
+        piece = tokenizer(context[len(text):], add_special_tokens=False)["input_ids"]
+        history.append(turn)
+        rendered = _template(render, history, add_generation_prompt=False)
+        end = rendered.rfind(eos_text)
+        if not rendered.startswith(context) or end < len(context):
+            raise BadRow("bad trace", f"response message {i}: the assistant content must be the whole turn, from "
+                                      f"the generation prompt's {render.prefix!r} on: the template renders it "
+                                      f"{_parting(context, rendered)}")
+        generated = rendered[len(context):end]
+        turn_ids = tokenizer(generated, add_special_tokens=False)["input_ids"] + [eos_id]
+        ids += piece + turn_ids
+        mask += [False] * len(piece) + [True] * len(turn_ids)
+        text = context + generated + eos_text
+    return ids, mask
+
+
+def encode_examples(tokenizer, rows: list[SFTRow]) -> list[tuple[list[int], list[bool]]]:
+    """(token ids, loss mask) per row (``SFTRow``s, or (messages, response) pairs). A single-turn row: the prompt,
+    then the response and the end-of-turn token, learned; a multi-turn row: ``encode_trace``. Raises DataError
+    listing each row the template cannot render as FILE:LINE: reason."""
     render = PromptRenderer(tokenizer, thinking=True)
-    out = []
-    for messages, response in rows:
-        p_ids = render.ids(messages)
-        r_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        out.append((p_ids + r_ids, len(p_ids)))
+    out, bad = [], []
+    for row in (SFTRow(*r) for r in rows):
+        if not isinstance(row.response, str):
+            try:
+                out.append(encode_trace(render, tuple(row.messages), tuple(row.response)))
+            except BadRow as e:
+                bad.append(f"{row.where or 'a row'}: {e.detail}")
+            continue
+        p_ids = render.ids(row.messages)
+        r_ids = tokenizer(row.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        out.append((p_ids + r_ids, [False] * len(p_ids) + [True] * len(r_ids)))
+    if bad:
+        raise DataError("SFT data has bad rows:\n" + "\n".join(bad))
     return out
 
 
-def collate(batch: list[tuple[list[int], int]], pad_id: int):
+def collate(batch: list[tuple[list[int], list[bool]]], pad_id: int):
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(batch), width), dtype=torch.long)
     loss_mask = torch.zeros((len(batch), width), dtype=torch.bool)
-    for i, (ids, p) in enumerate(batch):
+    for i, (ids, mask) in enumerate(batch):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attention[i, : len(ids)] = 1
-        loss_mask[i, p : len(ids)] = True
+        loss_mask[i, : len(ids)] = torch.tensor(mask)
     return input_ids, attention, loss_mask
 
 

@@ -5,8 +5,10 @@
 
 The tokenizer is a byte-level BPE trained here (``tokenizers``) on the task's
 own text (a task or mixture of data/tasks.py; ``cascade`` covers every
-domain), with digits split one per token (as Qwen does; it makes arithmetic
-learnable). The chat template follows the paper: a generation prompt in
+domain of the single-turn cascade, ``tools`` the python tool's traces), with
+digits split one per token (as Qwen does; it makes arithmetic learnable).
+``<think>``, ``</think>``, ``<tool_call>`` and ``</tool_call>`` are single
+added tokens that decoding keeps. The chat template follows the paper: a generation prompt in
 thinking mode ends with ``<think>\\n``; non-thinking mode (``enable_thinking
 =False``) emits an empty ``<think>\\n\\n</think>\\n\\n`` block. The output is a
 plain HF directory that ``transformers`` and vLLM load. Embeddings are tied by
@@ -39,6 +41,7 @@ from cascade_rl.data.tasks import load_task
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 THINK, END_THINK = "<think>", "</think>"
+TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -86,9 +89,10 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    # <think> tags are ordinary added tokens (as in Qwen3): decoding keeps them, so a verifier can
-    # tell the reasoning from the final answer even with skip_special_tokens=True
-    tok.add_tokens([AddedToken(THINK, special=False), AddedToken(END_THINK, special=False)])
+    # <think> and <tool_call> tags are ordinary added tokens (as in Qwen3): decoding keeps them, so a verifier
+    # can tell the reasoning from the final answer, and an environment find the calls, even with
+    # skip_special_tokens=True
+    tok.add_tokens([AddedToken(t, special=False) for t in (THINK, END_THINK, TOOL_CALL, END_TOOL_CALL)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, bos_token=None, unk_token=None
     )
@@ -96,12 +100,17 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     return fast
 
 
+def chat_text(messages: list[dict]) -> str:
+    """A conversation as ``CHAT_TEMPLATE`` renders it (no generation prompt)."""
+    return "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+
+
 def corpus(task: str, size: int) -> list[str]:
-    """Text the tokenizer is trained on: chat-formatted prompts and worked solutions of a task or mixture."""
+    """Text the tokenizer is trained on: chat-formatted prompts and worked solutions of a task or mixture (the
+    whole trace of a multi-turn task: its tool calls, the tool's turns and the answer)."""
     train = load_task(task, {"sft": size})["sft"]
-    return [
-        f"{IM_START}user\n{ex.prompt}{IM_END}\n{IM_START}assistant\n{THINK}\n{ex.solution}{IM_END}\n" for ex in train
-    ]
+    return [chat_text([{"role": "user", "content": ex.prompt},
+                       *(ex.turns or [{"role": "assistant", "content": f"{THINK}\n{ex.solution}"}])]) for ex in train]
 
 
 def model_config(arch: str, size: str, vocab_size: int, pad_id: int, eos_id: int, max_len: int,

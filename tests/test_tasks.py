@@ -152,7 +152,9 @@ def test_json_and_if_draw_every_key_and_instruction():
 
 def test_tasks_draw_different_streams_and_are_deterministic():
     first = {name: [ex.question for ex in load_task(name, {"heldout": 64})["heldout"]] for name in TASKS}
-    assert all(len(set(first[a]) & set(first[b])) < 8 for a in TASKS for b in TASKS if a < b)
+    pairs = [(a, b) for a in TASKS for b in TASKS if a < b]
+    assert all(len(set(first[a]) & set(first[b])) < 8 for a, b in pairs if TASKS[a].stream != TASKS[b].stream)
+    assert all(first[a] == first[b] for a, b in pairs if TASKS[a].stream == TASKS[b].stream)  # the tool tasks
     again = load_task("arithmetic_if", {"heldout": 64})["heldout"]
     assert again == load_task("arithmetic_if", {"heldout": 64})["heldout"]
     assert [ex.question for ex in again] == first["arithmetic_if"]
@@ -170,6 +172,7 @@ def test_domains_of_tasks_and_mixtures():
     assert domains("arithmetic") == ["math"]
     assert domains("cascade") == ["math", "mcqa", "structured_output", "instruction_following"]
     assert domains("multi_domain") == ["math", "mcqa", "structured_output"]
+    assert domains("tools") == ["tool_use", "math"]
     with pytest.raises(KeyError):
         domains("nope")
 
@@ -206,7 +209,8 @@ def test_mixture_splits_are_disjoint_sized_and_proportional():
         assert not questions["rl"] & questions["sft"]
     # no question held out by any task (in any format) is trained on
     held_out = {ex.question for ex in mix["heldout"]}
-    assert held_out == held_out_questions(SIZES["heldout"])
+    assert held_out == held_out_questions(SIZES["heldout"]) - {  # the tool tasks' questions multiply
+        ex.question for ex in load_task("tools", {"heldout": SIZES["heldout"]})["heldout"]}
     assert not held_out & {ex.question for ex in mix["rl"] + mix["sft"]}
     assert not held_out & {ex.question for ex in load_task("multi_domain", SIZES)["sft"]}
 

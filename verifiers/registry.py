@@ -1,7 +1,7 @@
 """Reward functions by domain, registered by name, and the checks of data rows.
 
 A row's ``domain`` names the verifier that scores its rollouts. Built in: math, mcqa,
-instruction_following, structured_output, code, tool_call, llm_judge, genrm (group).
+instruction_following, structured_output, code, tool_call, tool_use, llm_judge, genrm (group).
 Add your own in a module listed in ``verifier.plugins``, by module name
 (``mypkg.rewards``: importable by the verifier workers, which do not have the cwd on
 ``sys.path``) or by path to a ``.py`` file (``/data/rewards.py``, or relative to the
@@ -247,6 +247,10 @@ def _math(response: str, reference: str, metadata: dict[str, Any]) -> float:
 
     return score_math(response, reference)
 
+
+# Tool-integrated reasoning (data/tasks.py ``tool_arithmetic``): the trajectory's final assistant turn, after the
+# python tool's turns, is scored by the strict math check, as math is.
+register_verifier("tool_use", check=_nonempty_answer("tool_use"))(_math)
 
 # Each domain's module is imported when that domain is first scored (nltk, jsonschema ... only where used).
 
