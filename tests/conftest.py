@@ -53,3 +53,25 @@ def prepared():
         return cfg
 
     return prepare
+
+
+@pytest.fixture(scope="session")
+def tools_data(tmp_path_factory):
+    """The tool miniature as data files (``cascade-rl make-data tools``): {split: {task: path}}."""
+    from cascade_rl.data.builtin import write_task_files
+
+    return write_task_files("tools", tmp_path_factory.mktemp("tools-data"), {"heldout": 16, "rl": 300, "sft": 400})
+
+
+@pytest.fixture(scope="session")
+def tools_model(tmp_path_factory, tools_data) -> str:
+    """A tiny model SFT'd briefly on the tool traces (it calls the python tool, mostly in the right form):
+    what multi-turn tests sample from. About a minute on 2 cores."""
+    from cascade_rl.learner.sft import SFTConfig, run_sft
+    from cascade_rl.learner.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tools-models")
+    base = make_tiny_model(root / "tools", task="tools")
+    files = [str(tools_data["sft"]["tool_arithmetic"]), str(tools_data["sft"]["tool_arithmetic_direct"])]
+    run_sft(SFTConfig(model=str(base), out=str(root / "tools-sft"), files=files, steps=120))
+    return str(root / "tools-sft")
