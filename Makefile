@@ -46,7 +46,7 @@ tools: install
 	test -f $(TOOLS_DATA)/manifest.json || $(CLI) make-data tools --out $(TOOLS_DATA)
 	test -f models/tools/config.json || $(CLI) make-tiny-model --out models/tools --task tools
 	test -f models/tools-sft/config.json || $(CLI) sft model=models/tools out=models/tools-sft \
-		"files=[$(TOOLS_DATA)/sft/tool_arithmetic.jsonl,$(TOOLS_DATA)/sft/tool_arithmetic_direct.jsonl]" steps=150
+		"files=[$(TOOLS_DATA)/sft/tool_arithmetic.jsonl,$(TOOLS_DATA)/sft/tool_arithmetic_direct.jsonl]" steps=500
 	rm -rf runs/tools
 	$(CLI) launch tools run_dir=runs/tools
 

@@ -27,12 +27,10 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from cascade_rl.data.render import PromptRenderer
 from cascade_rl.data.rows import Row
-from cascade_rl.protocol.messages import SamplingParams, ScoreRequest
-from cascade_rl.samplers.engine import ENGINES, GenerationRequest, register_builtin_engines
+from cascade_rl.protocol.messages import SamplingParams
+from cascade_rl.samplers.engine import ENGINES, register_builtin_engines
 from cascade_rl.verifiers.registry import VERIFIERS
-from cascade_rl.verifiers.worker import score_one
 
 
 def modes(eval_n: int, temperature: float, greedy: bool, max_tokens: int) -> dict[str, tuple[SamplingParams, int]]:
@@ -58,34 +56,68 @@ def paired_gain(after: np.ndarray, before: np.ndarray) -> dict[str, float]:
     return {"delta": float(d.mean()), "ci95_low": float(d.mean() - half), "ci95_high": float(d.mean() + half)}
 
 
+def interval(per_question: np.ndarray) -> list[float]:
+    """A 95 % interval of a mean accuracy over questions (normal approximation over the per-question means)."""
+    m = float(per_question.mean())
+    half = 1.96 * float(per_question.std(ddof=1)) / np.sqrt(len(per_question)) if len(per_question) > 1 else float("nan")
+    return [m - half, m + half]
+
+
+def domain_intervals(per_question: dict[str, np.ndarray], rows: list[Row]) -> dict[str, list[float]]:
+    """``{"MODE/DOMAIN": [low, high]}``: the 95 % interval of each domain's held-out accuracy in each mode."""
+    by = np.array([r.domain for r in rows])
+    return {f"{mode}/{d}": interval(pq[by == d]) for mode, pq in per_question.items() for d in sorted(set(by.tolist()))}
+
+
+def domain_gains(after: dict[str, np.ndarray], before: dict[str, np.ndarray], rows: list[Row]) -> dict[str, dict]:
+    """``{"MODE/DOMAIN": paired_gain}``: each domain's change over the stage, with its paired 95 % interval."""
+    by = np.array([r.domain for r in rows])
+    return {f"{mode}/{d}": paired_gain(after[mode][by == d], b[by == d])
+            for mode, b in before.items() if mode in after for d in sorted(set(by.tolist()))}
+
+
 def evaluate_checkpoint(path: str, heldout: list[Row], n: int = 4, temperature: float = 1.0,
                         max_tokens: int = 64, seed: int = 0, thinking: bool = True, engine: str = "torch",
-                        device: str = "cpu") -> dict:
+                        device: str = "cpu", env_defaults: dict[str, str] | None = None, max_turns: int = 4,
+                        environment: dict | None = None) -> dict:
     """``{"accuracy": mean over questions, "domains": {domain: accuracy}, "questions": {domain: count},
-    "errors": {reason: count}, "seconds": wall time}``."""
+    "errors": {reason: count}, "seconds": wall time}``. Multi-turn rows (their ``env``, else ``env_defaults``
+    of their domain) are sampled with their environment's tools (settings: the ``environment`` section), up to
+    ``max_turns`` turns, through the same rules as a stage (orchestrator/offline.py)."""
+    from cascade_rl.environments.base import EnvSettings
+    from cascade_rl.environments.registry import build_environment
+
+    from .core import Rules
+    from .offline import offline_core, run_in_process
+
     unknown = sorted({row.domain for row in heldout} - set(VERIFIERS))
     if unknown:
         raise ValueError(f"no per-response verifier for {unknown}: evaluate those with a judge-backed run")
     register_builtin_engines()
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    render = PromptRenderer(tokenizer, thinking)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     sampler = ENGINES[engine](path, device=device)
-    requests = [GenerationRequest(f"q{i}", np.array(render.ids(row.messages), np.int32), n, temperature, 1.0,
-                                  max_tokens, [], seed + i) for i, row in enumerate(heldout)]
+    envs = [row.env or (env_defaults or {}).get(row.domain, "") for row in heldout]
+    settings = EnvSettings.from_config(environment or {})
+    environments = {name: build_environment(name, settings) for name in sorted(set(envs) - {""})}
+    core = offline_core(tokenizer, thinking, Rules(max_turns=max_turns), sorted({r.domain for r in heldout}),
+                        sorted(environments))
+    groups = [core.add_group(row, np.array(core.render.ids(row.messages), np.int32), n,
+                             SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i),
+                             train=False, env=env)
+              for i, (row, env) in enumerate(zip(heldout, envs))]
     with torch.inference_mode():
-        groups = sampler.generate(requests)
+        run_in_process(core, sampler, environments)
     errors: Counter = Counter()
     rewards = []
-    for row, samples in zip(heldout, groups):
-        scores = [score_one(ScoreRequest("", row.domain, render.prefix + tokenizer.decode(s.response_ids,
-                                                                                       skip_special_tokens=True),
-                                         row.answer, {"question": row.question, **row.metadata}))
-                  for s in samples]
-        errors.update(f"{row.domain}: {s.reason.split(':')[0]}" for s in scores if not s.ok)
-        rewards.append([s.reward for s in scores])
+    for g in groups:
+        scores = [g.scores[i] for i in sorted(g.scores)]
+        errors.update(f"{g.row.domain}: {s.reason.split(':')[0]}" for s in scores if not s.ok)
+        if g.error:
+            errors[f"{g.row.domain}: {g.error.split(':')[0]}"] += 1
+        rewards.append([g.scores[i].reward if i in g.scores else 0.0 for i in range(g.n)])
     per_question, domains = accuracy([row.domain for row in heldout], rewards)
     return {
         "accuracy": float(per_question.mean()) if len(heldout) else float("nan"),

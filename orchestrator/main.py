@@ -120,6 +120,8 @@ class Orchestrator:
         summary = write_summary(
             self.run_dir, before, after,
             heldout_gain={k: evaluation.paired_gain(self.per_question[k], b) for k, b in per_question_before.items()},
+            heldout_domain_gain=evaluation.domain_gains(self.per_question, per_question_before, self.heldout),
+            heldout_ci95=evaluation.domain_intervals(self.per_question, self.heldout),
             steps=steps, resumed_from_step=self.start_step, max_staleness=o.max_staleness,
             loop_s=loop_s,  # the training steps alone (no evaluations before and after)
             trainer_busy_frac=self.trainer_busy_s / max(1e-9, self.trainer_window[1] - self.trainer_window[0]),

@@ -134,6 +134,7 @@ class Cascade:
         # held-out rows too, and its prompts are rendered the same way
         common = compose(self.cfg.run or None, list(self.cfg.overrides), check=False)
         self.thinking = common.data.thinking
+        self.common = common  # multi-turn rows are evaluated with the stages' environments and turn limit
         data = OmegaConf.structured(DataConfig(eval_files=list(e.files), eval_per_domain=e.per_domain,
                                                thinking=self.thinking))
         out = self.run_dir / "eval_data"
@@ -222,8 +223,10 @@ class Cascade:
         from cascade_rl.orchestrator.evaluate import evaluate_checkpoint
 
         e = self.cfg.eval
+        c = self.common
         result = evaluate_checkpoint(path, self.heldout, e.n, e.temperature, e.max_tokens, e.seed, self.thinking,
-                                     e.engine, e.device)
+                                     e.engine, e.device, dict(c.environment.defaults), c.orchestrator.max_turns,
+                                     OmegaConf.to_container(c.environment))
         print(f"cascade: {path}: " + ", ".join(f"{d} {a:.3f}" for d, a in result["domains"].items()))
         return {"path": str(Path(path).resolve()), "step": step, **result}
 

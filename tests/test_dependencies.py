@@ -23,7 +23,7 @@ ALLOWED = {
     "supervisor": {"protocol", "data", "verifiers", "samplers", "learner", "orchestrator", "modeling", "kernels",
                    "teachers", "environments", "configs"},
     # samplers: offline evaluation's engine; learner: the checkpoint's data cursor (learner/checkpoint.py)
-    "orchestrator": {"protocol", "data", "verifiers", "samplers", "learner"},
+    "orchestrator": {"protocol", "data", "verifiers", "samplers", "learner", "environments"},
     "learner": {"protocol", "kernels", "modeling", "data"},
 }
 

@@ -1,8 +1,8 @@
 """Multi-turn rollouts through real engines (torch, vLLM) and the real python environment, token-exact.
 
-The orchestrator's rules (orchestrator/core.py) are driven in this process with the real parts in place of the
-sockets: a sampler engine answers its PromptRequests, the python environment (sandboxed) its EnvRequests, the
-domain's verifier its ScoreRequests. The model is the tiny model SFT'd on the tool traces (it calls the tool).
+The orchestrator's rules (orchestrator/core.py) run in this process with the real parts in place of the sockets
+(orchestrator/offline.py): a sampler engine answers its PromptRequests, the python environment (sandboxed) its
+EnvRequests, the domain's verifier its ScoreRequests. The model is the tiny model SFT'd on the tool traces (it calls the tool).
 Checked: every trajectory is, at every assistant -> tool and tool -> assistant boundary, what the chat template
 renders for the same conversation; the trainer's log-probs of the model tokens equal the engine's; observation
 tokens carry no loss and no gradient.
@@ -18,21 +18,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cascade_rl.data.render import PromptRenderer, TurnRenderer
 from cascade_rl.data.rows import parse_row
 from cascade_rl.environments.registry import build_environment
-from cascade_rl.environments.worker import run_step
 from cascade_rl.learner.objectives import OBJECTIVES, Terms
 from cascade_rl.learner.trainer import Batch
 from cascade_rl.modeling.policy import Policy
 from cascade_rl.orchestrator.batch import build_batch
-from cascade_rl.orchestrator.core import Core, Rules
-from cascade_rl.orchestrator.ledger import Ledger
-from cascade_rl.protocol.messages import EnvRequest, PromptRequest, Ready, Rollout, SamplingParams, ScoreRequest
+from cascade_rl.orchestrator.core import Rules
+from cascade_rl.orchestrator.offline import offline_core, run_in_process
+from cascade_rl.protocol.messages import SamplingParams
 from cascade_rl.samplers.engine import ENGINES, register_builtin_engines
-from cascade_rl.samplers.worker import to_generation
 from cascade_rl.verifiers.sandbox import isolation_available
-from cascade_rl.verifiers.worker import score_one
 
 pytestmark = pytest.mark.skipif(not isolation_available(), reason="the python tool's sandbox needs root on Linux")
 GROUPS, N = 6, 2
@@ -56,43 +52,18 @@ def engine(request, tools_model):
     torch.set_num_threads(threads)
 
 
-def drive(core: Core, engine, env) -> None:
-    """Deliver every message the core sends to the real part that serves it, until nothing is left to do."""
-    while True:
-        core.dispatch()
-        out = core.take_outbox()
-        if not out:
-            return
-        prompts = [m for _, m in out if isinstance(m, PromptRequest)]
-        for req, samples in zip(prompts, engine.generate([to_generation(r) for r in prompts])):
-            for k, s in enumerate(samples):
-                index = req.index if req.index >= 0 else k
-                core.receive(b"sampler-0", Rollout(req.group_id, index, req.domain, req.prompt_ids, s.response_ids,
-                                                   s.logprobs, s.finish_reason, 0, "sampler-0", 0.0, req.attempt,
-                                                   turn=req.turn))
-        for _, m in out:
-            if isinstance(m, EnvRequest):
-                core.receive(b"environment-0", run_step(env, m))
-            elif isinstance(m, ScoreRequest):
-                core.receive(b"verifier-0", score_one(m))
-
-
 @pytest.fixture(scope="module")
 def episodes(engine, tools_model, tools_data, tmp_path_factory):
     """GROUPS held-out tool questions x N trajectories each, greedy (the SFT'd model's tokens re-encode as sampled)
     and sampled, through the engine, the python environment and the verifier."""
     tok = AutoTokenizer.from_pretrained(tools_model)
-    turns = TurnRenderer(PromptRenderer(tok, thinking=True))
-    core = Core(Rules(max_turns=3), decode=lambda ids: "", ledger=Ledger(tmp_path_factory.mktemp("l") / "ledger.jsonl"),
-                turns_=turns)
-    for ident, role, domains in ((b"sampler-0", "sampler", []), (b"verifier-0", "verifier", ["tool_use"]),
-                                 (b"environment-0", "environment", ["python"])):
-        core.receive(ident, Ready(ident.decode(), role, 256, 0, domains))
+    core = offline_core(tok, True, Rules(max_turns=3), ["tool_use"], ["python"])
+    turns = core.turns
     rows = [parse_row(json.loads(line)) for line in open(tools_data["heldout"]["tool_arithmetic"])][:GROUPS]
     groups = [core.add_group(row, np.array(turns.render.ids(row.messages), np.int32), N,
                              SamplingParams(temperature=t, max_tokens=48), train=True, step=0, env=row.env)
               for row in rows for t in (0.0, 1.0)]
-    drive(core, engine, build_environment("python"))
+    run_in_process(core, engine, {"python": build_environment("python")})
     assert all(g.complete and not g.error for g in groups), [g.error for g in groups]
     return SimpleNamespace(tok=tok, turns=turns, groups=groups, model=tools_model)
 

@@ -55,13 +55,16 @@ BUILTIN_DOMAINS = {"arithmetic": "math", "arithmetic_mcqa": "mcqa", "arithmetic_
 
 
 @pytest.fixture(scope="module")
-def layout(tmp_path_factory, tiny_model, tiny_data) -> Path:
-    """A directory as ``make run`` leaves it: models/tiny-sft, runs/data/cascade (make-data), and WRITTEN files."""
+def layout(tmp_path_factory, tiny_model, tiny_data, tools_data) -> Path:
+    """A directory as ``make run`` and ``make tools`` leave it: models/tiny-sft and models/tools-sft (any tiny
+    model: a dry run only renders prompts), runs/data/cascade and runs/data/tools (make-data), WRITTEN files."""
     root = tmp_path_factory.mktemp("presets")
     (root / "models").mkdir()
     (root / "models" / "tiny-sft").symlink_to(tiny_model)
+    (root / "models" / "tools-sft").symlink_to(tiny_model)
     (root / "runs" / "data").mkdir(parents=True)
     (root / "runs" / "data" / "cascade").symlink_to(Path(tiny_data["rl"]["arithmetic"]).parent.parent)
+    (root / "runs" / "data" / "tools").symlink_to(Path(tools_data["rl"]["tool_arithmetic"]).parent.parent)
     (root / "written").mkdir()
     for domain, rows in WRITTEN.items():
         (root / "written" / f"{domain}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -1,0 +1,78 @@
+"""The orchestrator's rules run in one process with the real parts answering in place of the sockets.
+
+    core = offline_core(tokenizer, thinking=True)
+    groups = [core.add_group(row, ids, n, sampling, train=False, env=row.env) for ...]
+    run_in_process(core, engine, environments={"python": build_environment("python")})
+
+``run_in_process`` delivers every message the core sends to what serves it here: PromptRequests (first
+turns and multi-turn rows' next turns) to a sampler engine, EnvRequests to the environment of that name
+(environments/registry.py), ScoreRequests to the domain's verifier (``verifiers.worker.score_one``); their
+replies go back to the core, until it has nothing left to send. The rules are the ones a launch runs
+(orchestrator/core.py), so an offline evaluation of a checkpoint (orchestrator/evaluate.py) samples
+multi-turn rows exactly as a stage does, and a test can drive real engines without sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from cascade_rl.data.render import PromptRenderer, TurnRenderer
+from cascade_rl.protocol.messages import EnvRequest, GroupScoreRequest, PromptRequest, Ready, Rollout, ScoreRequest
+from cascade_rl.samplers.worker import to_generation
+from cascade_rl.verifiers.worker import score_group, score_one
+
+from .core import Core, Rules
+from .ledger import Ledger
+
+SAMPLER, VERIFIER, ENVIRONMENT = b"sampler-0", b"verifier-0", b"environment-0"
+
+
+def offline_core(tokenizer, thinking: bool = True, rules: Rules | None = None, domains: list[str] = (),
+                 environments: list[str] = ()) -> Core:
+    """A core with one in-process sampler, verifier (of ``domains``) and environment worker (of ``environments``)
+    joined, and no ledger file."""
+    render = PromptRenderer(tokenizer, thinking)
+    core = Core(rules or Rules(), decode=lambda ids: render.prefix + tokenizer.decode(ids, skip_special_tokens=True),
+                ledger=Ledger(None), turns_=TurnRenderer(render))
+    core.render = render
+    for ident, role, served in ((SAMPLER, "sampler", []), (VERIFIER, "verifier", list(domains)),
+                                (ENVIRONMENT, "environment", list(environments))):
+        core.receive(ident, Ready(ident.decode(), role, 1 << 20, 0, served))
+    return core
+
+
+def run_in_process(core: Core, engine, environments: Mapping[str, object] = {}) -> None:
+    """Serve everything ``core`` sends, here, until it sends nothing more (every group complete)."""
+    from cascade_rl.environments.worker import run_step  # environments import the verifiers: loaded when needed
+
+    while True:
+        core.dispatch()
+        out = core.take_outbox()
+        if not out:
+            return
+        prompts = [m for _, m in out if isinstance(m, PromptRequest)]
+        groups = engine.generate([to_generation(r) for r in prompts]) if prompts else []
+        for req, samples in zip(prompts, groups):
+            for k, s in enumerate(samples):
+                core.receive(SAMPLER, Rollout(req.group_id, req.index if req.index >= 0 else k, req.domain,
+                                              req.prompt_ids, s.response_ids, s.logprobs, s.finish_reason,
+                                              engine.version, SAMPLER.decode(), 0.0, req.attempt, turn=req.turn))
+        for _, m in out:
+            if isinstance(m, EnvRequest):
+                core.receive(ENVIRONMENT, run_step(environments[m.env], m) if m.env in environments else
+                             run_step(_Missing(m.env, sorted(environments)), m))
+            elif isinstance(m, ScoreRequest):
+                core.receive(VERIFIER, score_one(m))
+            elif isinstance(m, GroupScoreRequest):
+                for score in score_group(m):
+                    core.receive(VERIFIER, score)
+
+
+class _Missing:
+    """An environment this process does not have: every step fails with the names it has."""
+
+    def __init__(self, name: str, have: list[str]) -> None:
+        self.reason = f"no environment {name!r} here (have: {have})"
+
+    def step(self, messages, state, metadata):
+        raise LookupError(self.reason)
