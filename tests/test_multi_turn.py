@@ -243,3 +243,45 @@ def test_a_truncated_turn_or_the_last_turn_ends_the_trajectory(world, tokenizer)
         if turn == 1:
             (_, step), = sent(core, EnvRequest)
     assert not sent(core, EnvRequest) and g.trajectories[1].turn == 3 and 1 in g.rollouts
+
+
+@pytest.mark.skipif(not __import__("cascade_rl.verifiers.sandbox", fromlist=["x"]).isolation_available(),
+                    reason="the python tool's sandbox needs root on Linux")
+def test_hanging_crashing_and_fork_bombing_tools_fail_closed_and_the_trajectory_goes_on(tokenizer, turns, tmp_path):
+    """The real python environment (sandboxed) answers each hostile call with an error observation and the reason;
+    the model's next turn still comes, the rollout is trained, and the ledger has exactly one fate for each."""
+    from cascade_rl.environments.base import EnvSettings
+    from cascade_rl.environments.registry import build_environment
+    from cascade_rl.environments.worker import run_step
+
+    hostile = {"hang": "while True: pass", "crash": "import os; os.kill(os.getpid(), 9)",
+               "fork bomb": "import os\\nwhile True: os.fork()"}
+    env = build_environment("python", EnvSettings(tool_timeout_s=2.0, max_processes=16))
+    clock = Clock()
+    core = make(clock, turns, tmp_path, max_turns=2, env_timeout_s=30.0)
+    join(core, S0, "sampler", ())
+    join(core, V0, "verifier")
+    join(core, E0, "environment", ("python",))
+    g = core.add_group(Row("r0", USER, "tool_use", "3901", {}), np.array(turns.render.ids(USER), np.int32),
+                       len(hostile), SamplingParams(max_tokens=64), train=True, step=0, env="python")
+    (s, req), = sent(core, PromptRequest)
+    for i, code in enumerate(hostile.values()):
+        call = f'</think>\n\n<tool_call>{{"name": "python", "arguments": {{"code": "{code}"}}}}</tool_call>'
+        core.receive(s, turn_rollout(req, i, model_turn(tokenizer, call)))
+    observations = {}
+    for _, step in sent(core, EnvRequest):
+        reply = run_step(env, step)
+        assert reply.ok and reply.tool_errors == 1, reply
+        observations[int(step.key.split("/")[1].split(":")[0])] = reply.tool_messages[0]["content"]
+        core.receive(E0, reply)
+    assert "timed out" in observations[0] and "killed by signal 9" in observations[1], observations
+    assert "Resource temporarily unavailable" in observations[2] or "timed out" in observations[2], observations
+    for s2, cont in sent(core, PromptRequest):  # the model recovers: its next turn answers
+        core.receive(s2, turn_rollout(cont, cont.index, model_turn(tokenizer, "</think>\n\n\\boxed{3901}")))
+    for v, r in sent(core, ScoreRequest):
+        core.receive(v, Score(r.key, 1.0, True))
+    assert g.complete and not g.error
+    assert [g.trajectories[i].tool_errors for i in range(3)] == [1, 1, 1] and g.trajectories[0].timeouts == 1
+    core.trained(core.settle([g]))
+    fates = [(x["id"], x["fate"]) for x in records.read(tmp_path / "ledger.jsonl")]
+    assert sorted(fates) == [(f"{g.group_id}/{i}", "trained") for i in range(3)] and core.books()["lost"] == 0
