@@ -239,7 +239,7 @@ class Core:
             self.malformed += 1
             return
         if g.env:  # the first turn of a multi-turn row
-            g.trajectories[r.index] = Trajectory()
+            g.trajectories[r.index] = Trajectory(sampler=ident)
             if len(g.trajectories) == g.n:
                 self.pool.release(g.worker, g.group_id)
             self._took_turn(g, r.index, r)
@@ -277,6 +277,7 @@ class Core:
         if r.finish_reason == "error":
             g.error = f"sampler_error: {r.error or 'unknown sampler error'}"
             return
+        t.sampler = ident
         self._took_turn(g, r.index, r)
 
     def _on_env(self, ident: bytes, reply: EnvReply) -> None:
@@ -393,7 +394,7 @@ class Core:
             g.worker = ident
             self.pool.assign(ident, g.group_id, g.n, self.clock(), self.rules.sampler_timeout_s)
             self._send(ident, PromptRequest(g.group_id, g.row.domain, g.prompt_ids, g.n, g.sampling, g.min_version,
-                                            g.attempt))
+                                            g.attempt, keep=bool(g.env)))
             inflight += 1
 
     def _dispatch_turns(self) -> None:
@@ -409,7 +410,8 @@ class Core:
                 self.turn_queue.popleft()
                 continue
             role, need = ("environment", 1) if kind == "env" else ("sampler", 1)
-            picked = self.pool.pick(role, need, g.env if kind == "env" else None)
+            picked = self.pool.pick(role, need, g.env if kind == "env" else None,
+                                    prefer=t.sampler if kind == "gen" else None)  # its KV prefix lives there
             if picked is None:
                 return
             ident, _ = picked
@@ -423,7 +425,7 @@ class Core:
                 limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
                 sampling = dataclasses.replace(g.sampling, max_tokens=min(g.sampling.max_tokens, limit - t.tokens()))
                 msg = PromptRequest(g.group_id, g.row.domain, np.concatenate([g.prompt_ids, t.ids()]), 1, sampling,
-                                    g.min_version, g.attempt, index=i, turn=turn)
+                                    g.min_version, g.attempt, index=i, turn=turn, keep=True)
             self.pool.assign(ident, key, need, self.clock(), timeout_s)
             self._send(ident, msg)
 

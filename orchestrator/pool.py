@@ -58,8 +58,13 @@ class WorkerPool:
     def first(self, role: str) -> bytes | None:
         return next((i for i, w in self.workers.items() if w.role == role), None)
 
-    def pick(self, role: str, need: int, domain: str | None = None) -> tuple[bytes, Worker] | None:
-        """The least loaded worker of ``role`` (serving ``domain``) with room for ``need``."""
+    def pick(self, role: str, need: int, domain: str | None = None,
+             prefer: bytes | None = None) -> tuple[bytes, Worker] | None:
+        """The least loaded worker of ``role`` (serving ``domain``) with room for ``need``; ``prefer`` first when it
+        is one (a multi-turn row's next turn goes where its earlier turns' KV is cached)."""
+        w = self.workers.get(prefer) if prefer is not None else None
+        if w is not None and w.role == role and (domain is None or domain in w.domains) and w.fits(need):
+            return prefer, w
         free = [(i, w) for i, w in self.workers.items()
                 if w.role == role and (domain is None or domain in w.domains) and w.fits(need)]
         return min(free, key=lambda iw: iw[1].load) if free else None

@@ -44,6 +44,7 @@ class Trajectory:
     tool_errors: int = 0
     timeouts: int = 0
     first: Rollout | None = None  # the first turn's rollout (sampler, prompt)
+    sampler: bytes | None = None  # the sampler of its last turn: its next turn goes there first (prefix reuse)
 
     def tokens(self) -> int:
         return sum(len(s) for s in self.segments)

@@ -60,6 +60,7 @@ class PromptRequest:
     index: int = -1  # >= 0: continue row ``index`` of the group (a multi-turn trajectory): n is 1, the rollout
     # that answers carries this index; prompt_ids is the whole trajectory so far (docs/ARCHITECTURE.md §12)
     turn: int = 0  # which turn of that row this continues (a reply to an older turn is a duplicate)
+    keep: bool = False  # multi-turn: the engine may keep each row's K/V for its next turn (prefix reuse)
 
     def validate(self) -> str:
         return "a continuation (index >= 0) samples n=1" if self.index >= 0 and self.n != 1 else ""

@@ -26,6 +26,9 @@ class GenerationRequest:
     max_tokens: int
     stop: list[str]
     seed: int | None = None
+    prefix_keys: list[str] = dataclasses.field(default_factory=list)
+    """Multi-turn: one key per row. An engine that keeps K/V across calls may keep each row's under its key when
+    the row stops, and reuse it for a later request whose row has that key and whose prompt extends it."""
 
 
 @dataclasses.dataclass

@@ -40,7 +40,7 @@ ops (1.75x).
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 import numpy as np
@@ -117,6 +117,7 @@ class Run:
     any_stop_strings: bool
     active: int = 0  # running slots: 0..active-1
     left: list[int] = dataclasses.field(default_factory=list)  # rows of each request still running
+    first_row: list[int] = dataclasses.field(default_factory=list)  # each request's first row
     finished: list[int] = dataclasses.field(default_factory=list)  # requests whose rows all finished this step
 
     @classmethod
@@ -126,7 +127,8 @@ class Run:
         return cls(requests, row_request, deque(range(n)), Slots.empty(n_slots, device),
                    torch.zeros((n, width), dtype=torch.long, device=device),
                    torch.zeros((n, width), dtype=torch.float32, device=device), [0] * n, ["length"] * n,
-                   any(r.stop for r in requests), left=[r.n for r in requests])
+                   any(r.stop for r in requests), left=[r.n for r in requests],
+                   first_row=np.cumsum([0] + [r.n for r in requests[:-1]]).tolist())
 
 
 @register_engine("torch")
@@ -141,13 +143,14 @@ class TorchEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 256,
                  prefill_tokens: int = 8192, moe_impl: str | None = None, ignore_eos: bool = False,
-                 cpu_kernels: bool | None = None) -> None:
+                 cpu_kernels: bool | None = None, prefix_cache_tokens: int = 1 << 18) -> None:
         """``max_batch``: decode slots (rows sampled at once); ``prefill_tokens``: most padded prompt tokens
         in one prefill pass; ``moe_impl``: "grouped" or "dense" (samplers/torch_model.py) without the C++
         kernels, by default grouped on CPU and dense elsewhere (CUDA's ``_grouped_mm`` wants bf16 on recent
         GPUs; untested here); ``ignore_eos``: rows run to ``max_tokens`` (benchmarks); ``cpu_kernels``: the
         C++ kernels (kernels/cpu_decode.cpp: MoE, RMS norm, decode attention), by default on for fp32 on CPU
-        when they build."""
+        when they build; ``prefix_cache_tokens``: most tokens of multi-turn rows' K/V kept between their turns
+        (0: none kept, every turn prefills its whole trajectory)."""
         self.device, self.dtype = torch.device(device), torch_dtype(dtype)
         fits = self.device.type == "cpu" and self.dtype == torch.float32
         if cpu_kernels and not fits:
@@ -167,6 +170,10 @@ class TorchEngine:
         self.max_batch, self.prefill_tokens, self.ignore_eos = max_batch, prefill_tokens, ignore_eos
         self.cache: KVCache | None = None
         self.version = 0
+        # multi-turn rows' K/V between their turns (GenerationRequest.prefix_keys): key -> (token ids, K/V)
+        self.prefixes: OrderedDict[str, tuple[np.ndarray, tuple[Tensor, Tensor]]] = OrderedDict()
+        self.prefix_tokens, self.prefix_cache_tokens = 0, prefix_cache_tokens
+        self.counters = Counter()  # prefix_hits, prefix_tokens_reused
 
     def check(self, request: GenerationRequest) -> str:
         return check_request(request, self.vocab_size, self.max_context)
@@ -179,6 +186,8 @@ class TorchEngine:
         reuses later): copied into this model's parameters, nothing kept of them."""
         self.model.load_hf_state_dict(tensors)
         self.version = version
+        self.prefixes.clear()  # K/V computed by the old weights
+        self.prefix_tokens = 0
 
     streams_groups = True  # generate(..., on_done=) reports each request as soon as its rows are done
 
@@ -234,9 +243,72 @@ class TorchEngine:
         s.temperature[a:b] = torch.tensor([q.temperature for q in reqs], dtype=torch.float32, device=dev)
         s.top_p[a:b] = torch.tensor([q.top_p for q in reqs], dtype=torch.float32, device=dev)
         run.active = b
-        src_t = torch.tensor(src, device=dev)
-        logits = self._prefill([run.requests[g].prompt_ids for g in groups], torch.arange(a, b, device=dev), src_t)
-        return logits[src_t]
+        kept = {j: hit for j, r in enumerate(take) if (hit := self._kept_prefix(run, r)) is not None}
+        if not kept:
+            src_t = torch.tensor(src, device=dev)
+            return self._prefill([run.requests[g].prompt_ids for g in groups], torch.arange(a, b, device=dev),
+                                 src_t)[src_t]
+        # rows whose earlier turns' K/V is kept prefill only what follows it; the others as usual
+        logits = torch.empty((len(take), self.vocab_size), device=dev)
+        fresh = [j for j in range(len(take)) if j not in kept]
+        if fresh:
+            order = list(dict.fromkeys(src[j] for j in fresh))
+            src_t = torch.tensor([order.index(src[j]) for j in fresh], device=dev)
+            logits[fresh] = self._prefill([run.requests[groups[g]].prompt_ids for g in order],
+                                          torch.tensor([a + j for j in fresh], device=dev), src_t)[src_t].float()
+        rows = list(kept)
+        for j in rows:
+            self.cache.restore(a + j, kept[j][1])
+        logits[rows] = self._extend([reqs[j].prompt_ids[len(kept[j][0]):] for j in rows],
+                                    torch.tensor([a + j for j in rows], device=dev),
+                                    torch.tensor([len(kept[j][0]) for j in rows], device=dev))
+        return logits
+
+    # --- multi-turn: K/V kept across calls ---
+
+    def _kept_prefix(self, run: Run, r: int) -> tuple[np.ndarray, tuple[Tensor, Tensor]] | None:
+        """The kept K/V of row ``r``'s earlier turns, if its request names it and its prompt extends them (taken:
+        the row keeps it again when it stops)."""
+        req = run.requests[run.row_request[r]]
+        if not req.prefix_keys:
+            return None
+        key = req.prefix_keys[r - run.first_row[run.row_request[r]]]
+        hit = self.prefixes.pop(key, None)
+        if hit is None:
+            return None
+        self.prefix_tokens -= len(hit[0])
+        ids, kv = hit
+        if len(ids) >= len(req.prompt_ids) or not np.array_equal(req.prompt_ids[: len(ids)], ids):
+            return None
+        self.counters["prefix_hits"] += 1
+        self.counters["prefix_tokens_reused"] += len(ids)
+        return hit
+
+    def _keep(self, run: Run, slot: int, r: int) -> None:
+        """Row ``r`` stopped in ``slot``: keep its K/V under its key for its next turn (least recently kept
+        dropped first beyond ``prefix_cache_tokens``)."""
+        req = run.requests[run.row_request[r]]
+        if not req.prefix_keys or not self.prefix_cache_tokens:
+            return
+        n = int(run.slots.pos[slot])  # in the cache: the prompt and every sampled token but the last
+        ids = np.concatenate([req.prompt_ids, run.tokens[r, : n - len(req.prompt_ids)].to(torch.int32).cpu().numpy()])
+        key = req.prefix_keys[r - run.first_row[run.row_request[r]]]
+        self.prefixes[key] = (ids, self.cache.save(slot, n))
+        self.prefix_tokens += n
+        while self.prefix_tokens > self.prefix_cache_tokens and self.prefixes:
+            old_ids, _ = self.prefixes.pop(next(iter(self.prefixes)))
+            self.prefix_tokens -= len(old_ids)
+
+    def _extend(self, suffixes: list[np.ndarray], slots: Tensor, starts: Tensor) -> Tensor:
+        """Last-position logits of continuations whose slots already hold ``starts`` tokens."""
+        width = max(len(x) for x in suffixes)
+        tokens = torch.full((len(suffixes), width), self.pad_id, dtype=torch.long)
+        for i, x in enumerate(suffixes):
+            tokens[i, : len(x)] = torch.from_numpy(x.astype(np.int64))
+        positions = starts[:, None] + torch.arange(width, device=self.device)
+        lengths = torch.tensor([len(x) for x in suffixes], device=self.device)
+        logits = self.model(tokens.to(self.device), positions, self.cache.extend(slots, starts), last=lengths - 1)
+        return logits.float()
 
     def _prefill(self, prompts: list[np.ndarray], slots: Tensor, src: Tensor) -> Tensor:
         """Last-position logits of each prompt; slot ``slots[j]`` gets the K/V of prompt ``src[j]``."""
@@ -268,8 +340,11 @@ class TorchEngine:
         if run.any_stop_strings:
             stopped |= self._stop_strings(run)
         done = stopped | (n >= s.max_tokens[:b])
-        for r, length, stop in zip(rows[done].tolist(), n[done].tolist(), stopped[done].tolist()):
+        slots = done.nonzero().flatten().tolist()
+        for slot, r, length, stop in zip(slots, rows[done].tolist(), n[done].tolist(), stopped[done].tolist()):
             run.length[r], run.finish[r] = length, "stop" if stop else "length"
+            if stop:
+                self._keep(run, slot, r)
             i = run.row_request[r]
             run.left[i] -= 1
             if run.left[i] == 0:

@@ -158,6 +158,36 @@ class KVCache(nn.Module):
 
         return attend
 
+    def extend(self, slots: Tensor, starts: Tensor) -> Attend:
+        """Attention of right-padded continuations ``[G, T]`` of slots ``slots`` whose cache already holds
+        ``starts[g]`` tokens (a multi-turn row's earlier turns, restored with ``restore``): token t of row g is
+        written at ``starts[g] + t`` and attends to its slot's positions up to its own. Padding writes past a
+        row's end, which decoding masks and then overwrites."""
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            g, t = q.shape[:2]
+            pos = (starts[:, None] + torch.arange(t, device=starts.device)).clamp_(max=self.max_len - 1)  # [G, T]
+            self.k[layer][slots[:, None], :, pos] = k  # [G, T, kv_heads, hd] into (slot, position) pairs
+            self.v[layer][slots[:, None], :, pos] = v
+            kv_len = int(pos.max()) + 1
+            visible = torch.arange(kv_len, device=pos.device)[None, None, :] <= pos[:, :, None]  # [G, T, kv_len]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[layer, slots, :, :kv_len],
+                                                 self.v[layer, slots, :, :kv_len], attn_mask=visible[:, None],
+                                                 enable_gqa=True)
+            return out.transpose(1, 2).reshape(g, t, -1)
+
+        return attend
+
+    def save(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        """A copy of slot ``slot``'s K/V at positions ``< length``: ``[layers, kv_heads, length, hd]`` each."""
+        return self.k[:, slot, :, :length].clone(), self.v[:, slot, :, :length].clone()
+
+    def restore(self, slot: int, kv: tuple[Tensor, Tensor]) -> None:
+        """Put a saved K/V back, into slot ``slot`` (positions from 0)."""
+        n = kv[0].shape[2]
+        self.k[:, slot, :, :n] = kv[0]
+        self.v[:, slot, :, :n] = kv[1]
+
     def decode(self, positions: Tensor, kv_len: int) -> Attend:
         """Attention of one new token per slot ``0..B-1``, written at ``positions[b]``; slot b attends to its
         positions ``0..positions[b]`` (``kv_len`` > every position: the part of the cache read at all)."""

@@ -38,6 +38,7 @@ log = logging.getLogger("sampler")
 
 def to_generation(req: PromptRequest) -> GenerationRequest:
     s = req.sampling
+    rows = [req.index] if req.index >= 0 else range(req.n)
     return GenerationRequest(
         key=req.group_id,
         prompt_ids=np.asarray(req.prompt_ids, dtype=np.int32),
@@ -47,6 +48,7 @@ def to_generation(req: PromptRequest) -> GenerationRequest:
         max_tokens=s.max_tokens,
         stop=list(s.stop),
         seed=s.seed,
+        prefix_keys=[f"{req.group_id}/{i}/{req.attempt}" for i in rows] if req.keep else [],
     )
 
 

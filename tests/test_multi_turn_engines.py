@@ -65,7 +65,7 @@ def episodes(engine, tools_model, tools_data, tmp_path_factory):
               for row in rows for t in (0.0, 1.0)]
     run_in_process(core, engine, {"python": build_environment("python")})
     assert all(g.complete and not g.error for g in groups), [g.error for g in groups]
-    return SimpleNamespace(tok=tok, turns=turns, groups=groups, model=tools_model)
+    return SimpleNamespace(tok=tok, turns=turns, groups=groups, model=tools_model, engine=engine)
 
 
 def test_trajectories_are_the_templates_rendering_at_every_boundary(episodes):
@@ -102,6 +102,9 @@ def test_trajectories_are_the_templates_rendering_at_every_boundary(episodes):
             whole = tok(rendered, add_special_tokens=False)["input_ids"]
             assert ids.tolist() == whole[: len(ids)], (g.group_id, i)
     assert multi >= 2 and exact >= 1, (multi, exact)
+    counters = getattr(episodes.engine, "counters", None)
+    if counters is not None:  # the torch engine: later turns continued on the K/V kept from the earlier ones
+        assert counters["prefix_hits"] >= multi and counters["prefix_tokens_reused"] > 0, counters
 
 
 def test_trainer_logprobs_of_model_tokens_equal_the_engines_and_observations_get_no_gradient(episodes):
