@@ -24,6 +24,10 @@ qwen2, ...) is refused at construction, before any weight is read, with an
 - decode: one forward pass for the B running slots, each at its own position,
   attention masked to each slot's own length.
 
+Multi-turn rows (``GenerationRequest.prefix_keys``): a row that stops keeps its K/V under its key;
+its next turn, a request whose prompt extends the kept tokens, restores it into its slot and
+prefills only the new tokens (the observation) with ``KVCache.extend``.
+
 Log-probs are those of the sampled token under the temperature-scaled
 distribution before top-p truncation (what the trainer recomputes at the same
 temperature); temperature 0 is greedy (log-prob at T=1). The response
