@@ -17,6 +17,7 @@ from cascade_rl.verifiers.sandbox import isolation_available
 pytestmark = pytest.mark.skipif(not isolation_available(), reason="the python tool's sandbox needs root on Linux")
 
 
+@pytest.mark.slow
 def test_tools_launch_with_an_environment_worker_killed_mid_trajectory(tools_model, tools_data, tmp_path):
     run_dir, steps = tmp_path / "run", 6
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
