@@ -14,7 +14,8 @@ its domain. Every item a worker holds has a deadline; an item past it, or held b
 became unreachable, is sent again (a group with its attempt incremented, so the old attempt's late replies are
 recognised as duplicates). ``settle`` decides the fate of a completed batch round and writes it to the ledger.
 
-A multi-turn group (its rows name an environment) keeps each row as a trajectory (orchestrator/turns.py): after
+A multi-turn group (its rows name an environment) keeps each row as a trajectory (orchestrator/turns.py; its rules in
+orchestrator/trajectories.py, mixed in): after
 each model turn an environment worker runs the turn's tool calls, the core appends the observation's token ids
 (``Turns.observation_ids``: the chat template's, never re-tokenised model text) and a sampler continues the row
 (``PromptRequest.index``), until the trajectory ends; then it is scored like a single-turn rollout. An
@@ -29,14 +30,12 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 
 from cascade_rl.data.rows import Row
 from cascade_rl.protocol.messages import (
     EnvReply,
-    EnvRequest,
     GroupScoreRequest,
     PromptRequest,
     Ready,
@@ -53,11 +52,11 @@ from cascade_rl.protocol.sockets import UNREACHABLE
 from cascade_rl.verifiers.registry import is_group_domain
 
 from . import groups as rules
-from . import turns
 from .groups import TEACHER, Group
 from .ledger import Ledger
 from .pool import Worker, WorkerPool
-from .turns import Phase, Trajectory
+from .trajectories import TrajectoryRules, Turns
+from .turns import Trajectory
 
 log = logging.getLogger("orchestrator")
 
@@ -87,18 +86,7 @@ class Rules:
                    cfg.trainer.algorithm == "mopd", o.env_timeout_s, o.max_turns, o.max_total_tokens)
 
 
-class Turns(Protocol):
-    """What the core needs of the tokenizer for multi-turn rows (data/render.py ``TurnRenderer``)."""
-
-    def assistant_text(self, turn_ids: np.ndarray) -> str:
-        """A model turn as the assistant message of the conversation (what the template re-renders)."""
-
-    def observation_ids(self, trajectory_ids: np.ndarray, messages: list[dict]) -> list[int]:
-        """The ids after a trajectory whose conversation, tool turns last, is ``messages``; raises ValueError
-        when the template does not extend the trajectory."""
-
-
-class Core:
+class Core(TrajectoryRules):
     def __init__(self, rules_: Rules, decode: Callable[[np.ndarray], str], ledger: Ledger,
                  clock: Callable[[], float] = time.monotonic, turns_: Turns | None = None) -> None:
         """``decode``: response token ids -> the text a verifier scores (the whole assistant turn); ``turns_``:
@@ -255,76 +243,6 @@ class Core:
                 self.teacher_queue.append(g.group_id)
         self._queue_score(g, r.index)
 
-    # ------------------------------------------------------------------ multi-turn rows
-
-    def _took_turn(self, g: Group, i: int, r: Rollout) -> None:
-        """Model turn of row i in: the environment acts on it next, or the trajectory is done."""
-        t = g.trajectories[i]
-        t.add_turn(r, self.turns.assistant_text(r.response_ids))
-        limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
-        t.phase = turns.next_phase(t, self.rules.max_turns, limit)
-        if t.phase == Phase.env:
-            self.turn_queue.append(g.turn_key(i, "env", t.turn))
-        else:
-            self._rollout_done(g, t.rollout(g.prompt_ids))
-
-    def _on_next_turn(self, ident: bytes, r: Rollout) -> None:
-        """A later turn of a multi-turn row (``PromptRequest.index``), sent by any sampler."""
-        key = f"{r.group_id}/{r.index}:gen{r.turn}/{r.attempt}"
-        g, t = self._turn_reply(ident, key, "gen")
-        if g is None:
-            return
-        if r.finish_reason == "error":
-            g.error = f"sampler_error: {r.error or 'unknown sampler error'}"
-            return
-        t.sampler = ident
-        self._took_turn(g, r.index, r)
-
-    def _on_env(self, ident: bytes, reply: EnvReply) -> None:
-        g, t = self._turn_reply(ident, reply.key, "env")
-        if g is None:
-            return
-        i = rules.parse_turn(rules.parse_key(reply.key)[1])[0]
-        if not reply.ok:
-            t.phase = Phase.done
-            g.error = f"env_error: {reply.error}"
-            return
-        if reply.done:
-            t.count(reply)
-            t.phase = Phase.done
-            self._rollout_done(g, t.rollout(g.prompt_ids))
-            return
-        messages = [*g.row.messages, *t.messages, *reply.tool_messages]
-        try:
-            ids = self.turns.observation_ids(np.concatenate([g.prompt_ids, t.ids()]), messages)
-        except ValueError as e:
-            t.phase = Phase.done
-            g.error = f"template_error: {e}"
-            return
-        t.add_observation(ids, reply)
-        limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
-        if t.tokens() >= limit:  # no room for another turn: the trajectory ends on the observation
-            t.phase = Phase.done
-            self._rollout_done(g, t.rollout(g.prompt_ids))
-        else:
-            t.phase = Phase.gen
-            self.turn_queue.append(g.turn_key(i, "gen", t.turn))
-
-    def _turn_reply(self, ident: bytes, key: str, kind: str) -> tuple[Group | None, Trajectory | None]:
-        """The group and trajectory a multi-turn reply answers, if it is the one they wait for; else counted as
-        a duplicate (a reply to a step sent again, or to an attempt already re-dispatched)."""
-        self.pool.release(ident, key)
-        parsed = rules.parse_key(key)
-        turn = rules.parse_turn(parsed[1]) if parsed else None
-        g = self.groups.get(parsed[0]) if parsed else None
-        t = g.trajectories.get(turn[0]) if g is not None and turn else None
-        if t is None or turn[1] != kind or parsed[2] != g.attempt or t.turn != turn[2] or t.phase != kind \
-                or g.error:
-            rid = f"{parsed[0]}/{turn[0]}" if turn else ""
-            self._dropped(rid, parsed[2] if parsed else -1, f"a second reply to {kind} step {key}")
-            return None, None
-        return g, t
-
     def _on_score(self, ident: bytes, s: Score) -> None:
         g, index, attempt = self._reply(ident, s.key)
         if g is None:
@@ -396,38 +314,6 @@ class Core:
             self._send(ident, PromptRequest(g.group_id, g.row.domain, g.prompt_ids, g.n, g.sampling, g.min_version,
                                             g.attempt, keep=bool(g.env)))
             inflight += 1
-
-    def _dispatch_turns(self) -> None:
-        """Multi-turn work: environment steps to an environment worker serving the row's environment, next turns
-        to any sampler (the whole trajectory as the prompt; the engine reuses its cached prefix)."""
-        while self.turn_queue:
-            key = self.turn_queue[0]
-            parsed = rules.parse_key(key)
-            i, kind, turn = rules.parse_turn(parsed[1])
-            g = self.groups.get(parsed[0])
-            t = g.trajectories.get(i) if g is not None and g.attempt == parsed[2] and not g.error else None
-            if t is None or t.turn != turn or t.phase != kind:
-                self.turn_queue.popleft()
-                continue
-            role, need = ("environment", 1) if kind == "env" else ("sampler", 1)
-            picked = self.pool.pick(role, need, g.env if kind == "env" else None,
-                                    prefer=t.sampler if kind == "gen" else None)  # its KV prefix lives there
-            if picked is None:
-                return
-            ident, _ = picked
-            self.turn_queue.popleft()
-            if kind == "env":
-                timeout_s = self.rules.env_timeout_s
-                msg = EnvRequest(key, g.env, g.row.domain, [*g.row.messages, *t.messages], t.state, g.row.metadata,
-                                 timeout_s)
-            else:
-                timeout_s = self.rules.sampler_timeout_s
-                limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
-                sampling = dataclasses.replace(g.sampling, max_tokens=min(g.sampling.max_tokens, limit - t.tokens()))
-                msg = PromptRequest(g.group_id, g.row.domain, np.concatenate([g.prompt_ids, t.ids()]), 1, sampling,
-                                    g.min_version, g.attempt, index=i, turn=turn, keep=True)
-            self.pool.assign(ident, key, need, self.clock(), timeout_s)
-            self._send(ident, msg)
 
     def _queue_score(self, g: Group, index: int) -> None:
         """Rollout ``index`` to be scored; for a group domain (GenRM) the whole group once, when every rollout is

@@ -1,0 +1,134 @@
+"""The orchestrator's rules for multi-turn rows, part of the state machine of orchestrator/core.py (``Core``
+mixes them in): a row's model turn in, its environment step out; the step's reply in, its next turn out, until
+the trajectory ends and is scored like a single-turn rollout (docs/ARCHITECTURE.md §12). No sockets, no tokenizer:
+the chat template's side is the ``Turns`` the core is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+from cascade_rl.protocol.messages import EnvReply, EnvRequest, PromptRequest, Rollout
+
+from . import groups as rules
+from . import turns
+from .groups import Group
+from .turns import Phase, Trajectory
+
+
+class Turns(Protocol):
+    """What the core needs of the tokenizer for multi-turn rows (data/render.py ``TurnRenderer``)."""
+
+    def assistant_text(self, turn_ids: np.ndarray) -> str:
+        """A model turn as the assistant message of the conversation (what the template re-renders)."""
+
+    def observation_ids(self, trajectory_ids: np.ndarray, messages: list[dict]) -> list[int]:
+        """The ids after a trajectory whose conversation, tool turns last, is ``messages``; raises ValueError
+        when the template does not extend the trajectory."""
+
+
+class TrajectoryRules:
+    """Handlers and dispatch of multi-turn work; the state (groups, pool, queues, rules) is the ``Core``'s."""
+
+    def _took_turn(self, g: Group, i: int, r: Rollout) -> None:
+        """Model turn of row i in: the environment acts on it next, or the trajectory is done."""
+        t = g.trajectories[i]
+        t.add_turn(r, self.turns.assistant_text(r.response_ids))
+        limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
+        t.phase = turns.next_phase(t, self.rules.max_turns, limit)
+        if t.phase == Phase.env:
+            self.turn_queue.append(g.turn_key(i, "env", t.turn))
+        else:
+            self._rollout_done(g, t.rollout(g.prompt_ids))
+
+    def _on_next_turn(self, ident: bytes, r: Rollout) -> None:
+        """A later turn of a multi-turn row (``PromptRequest.index``), sent by any sampler."""
+        key = f"{r.group_id}/{r.index}:gen{r.turn}/{r.attempt}"
+        g, t = self._turn_reply(ident, key, "gen")
+        if g is None:
+            return
+        if r.finish_reason == "error":
+            g.error = f"sampler_error: {r.error or 'unknown sampler error'}"
+            return
+        t.sampler = ident
+        self._took_turn(g, r.index, r)
+
+    def _on_env(self, ident: bytes, reply: EnvReply) -> None:
+        g, t = self._turn_reply(ident, reply.key, "env")
+        if g is None:
+            return
+        i = rules.parse_turn(rules.parse_key(reply.key)[1])[0]
+        if not reply.ok:
+            t.phase = Phase.done
+            g.error = f"env_error: {reply.error}"
+            return
+        if reply.done:
+            t.count(reply)
+            t.phase = Phase.done
+            self._rollout_done(g, t.rollout(g.prompt_ids))
+            return
+        messages = [*g.row.messages, *t.messages, *reply.tool_messages]
+        try:
+            ids = self.turns.observation_ids(np.concatenate([g.prompt_ids, t.ids()]), messages)
+        except ValueError as e:
+            t.phase = Phase.done
+            g.error = f"template_error: {e}"
+            return
+        t.add_observation(ids, reply)
+        limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
+        if t.tokens() >= limit:  # no room for another turn: the trajectory ends on the observation
+            t.phase = Phase.done
+            self._rollout_done(g, t.rollout(g.prompt_ids))
+        else:
+            t.phase = Phase.gen
+            self.turn_queue.append(g.turn_key(i, "gen", t.turn))
+
+    def _turn_reply(self, ident: bytes, key: str, kind: str) -> tuple[Group | None, Trajectory | None]:
+        """The group and trajectory a multi-turn reply answers, if it is the one they wait for; else counted as
+        a duplicate (a reply to a step sent again, or to an attempt already re-dispatched)."""
+        self.pool.release(ident, key)
+        parsed = rules.parse_key(key)
+        turn = rules.parse_turn(parsed[1]) if parsed else None
+        g = self.groups.get(parsed[0]) if parsed else None
+        t = g.trajectories.get(turn[0]) if g is not None and turn else None
+        if t is None or turn[1] != kind or parsed[2] != g.attempt or t.turn != turn[2] or t.phase != kind \
+                or g.error:
+            rid = f"{parsed[0]}/{turn[0]}" if turn else ""
+            self._dropped(rid, parsed[2] if parsed else -1, f"a second reply to {kind} step {key}")
+            return None, None
+        return g, t
+
+    def _dispatch_turns(self) -> None:
+        """Multi-turn work: environment steps to an environment worker serving the row's environment, next turns
+        to any sampler (the whole trajectory as the prompt; the engine reuses its cached prefix)."""
+        while self.turn_queue:
+            key = self.turn_queue[0]
+            parsed = rules.parse_key(key)
+            i, kind, turn = rules.parse_turn(parsed[1])
+            g = self.groups.get(parsed[0])
+            t = g.trajectories.get(i) if g is not None and g.attempt == parsed[2] and not g.error else None
+            if t is None or t.turn != turn or t.phase != kind:
+                self.turn_queue.popleft()
+                continue
+            role, need = ("environment", 1) if kind == "env" else ("sampler", 1)
+            picked = self.pool.pick(role, need, g.env if kind == "env" else None,
+                                    prefer=t.sampler if kind == "gen" else None)  # its KV prefix lives there
+            if picked is None:
+                return
+            ident, _ = picked
+            self.turn_queue.popleft()
+            if kind == "env":
+                timeout_s = self.rules.env_timeout_s
+                msg = EnvRequest(key, g.env, g.row.domain, [*g.row.messages, *t.messages], t.state, g.row.metadata,
+                                 timeout_s)
+            else:
+                timeout_s = self.rules.sampler_timeout_s
+                limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
+                sampling = dataclasses.replace(g.sampling, max_tokens=min(g.sampling.max_tokens, limit - t.tokens()))
+                msg = PromptRequest(g.group_id, g.row.domain, np.concatenate([g.prompt_ids, t.ids()]), 1, sampling,
+                                    g.min_version, g.attempt, index=i, turn=turn, keep=True)
+            self.pool.assign(ident, key, need, self.clock(), timeout_s)
+            self._send(ident, msg)
