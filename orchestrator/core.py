@@ -14,13 +14,13 @@ its domain. Every item a worker holds has a deadline; an item past it, or held b
 became unreachable, is sent again (a group with its attempt incremented, so the old attempt's late replies are
 recognised as duplicates). ``settle`` decides the fate of a completed batch round and writes it to the ledger.
 
-A multi-turn group (its rows name an environment) keeps each row as a trajectory (orchestrator/turns.py; its rules in
-orchestrator/trajectories.py, mixed in): after
-each model turn an environment worker runs the turn's tool calls, the core appends the observation's token ids
-(``Turns.observation_ids``: the chat template's, never re-tokenised model text) and a sampler continues the row
-(``PromptRequest.index``), until the trajectory ends; then it is scored like a single-turn rollout. An
-environment step or a later turn past its deadline, or held by a worker that is gone, is sent again with the
-same attempt: it carries its trajectory's state, so any worker can serve it (docs/ARCHITECTURE.md §12).
+A multi-turn group (its rows name an environment) keeps each row as a trajectory (orchestrator/turns.py; the
+rules, orchestrator/trajectories.py, are mixed in): after each model turn an environment worker runs the turn's
+tool calls, the core appends the observation's token ids (``Turns.observation_ids``: the chat template's, never
+re-tokenised model text) and a sampler continues the row (``PromptRequest.index``), until the trajectory ends;
+then it is scored like a single-turn rollout. An environment step or a later turn past its deadline, or held by
+a worker that is gone, is sent again with the same attempt: it carries its trajectory's state, so any worker can
+serve it (docs/ARCHITECTURE.md §12).
 """
 
 from __future__ import annotations
