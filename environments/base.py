@@ -53,7 +53,7 @@ class EnvSettings:
         """From the ``environment`` section of the run config (a DictConfig or dict; missing keys: the defaults,
         keys that are not settings, such as ``slots``, ignored)."""
         section, values = section or {}, {}
-        for f in dataclasses.fields(cls):
+        for f in dataclasses.fields(EnvSettings):
             value = section.get(f.name)
             if value is None:
                 continue
@@ -64,7 +64,7 @@ class EnvSettings:
         return cls(**values)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
+        for f in dataclasses.fields(EnvSettings):  # its own fields (the launch schema's section extends it)
             if not getattr(self, f.name) > 0:
                 raise ValueError(f"environment.{f.name} must be > 0, got {getattr(self, f.name)!r}")
 

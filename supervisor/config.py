@@ -21,6 +21,8 @@ from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from cascade_rl.environments.base import EnvSettings
+
 from .config_errors import ConfigError, explain, renamed_overrides, unknown_keys
 from .schema import LaunchConfig
 
@@ -98,6 +100,14 @@ def validate(cfg: DictConfig) -> None:
         problems.append("sampler.batch_window_s, teacher.batch_window_s and supervisor.drain_quiet_s must be >= 0")
     if cfg.sampling.max_tokens < 1:
         problems.append("sampling.max_tokens must be >= 1")
+    e, o = cfg.environment, cfg.orchestrator
+    if min(e.count, e.slots, e.threads, o.max_turns) < 1 or min(e.batch_window_s, o.max_total_tokens) < 0:
+        problems.append("environment.count, slots, threads and orchestrator.max_turns must be >= 1, "
+                        "environment.batch_window_s and orchestrator.max_total_tokens >= 0")
+    try:
+        EnvSettings.from_config(e)
+    except ValueError as err:  # a tool limit that is not a positive number
+        problems.append(str(err))
     if not Path(cfg.model.path).is_dir():
         problems.append(f"model.path={cfg.model.path} is not a directory (an HF model directory; a tiny one: "
                         f"cascade-rl make-tiny-model --out DIR)")

@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from cascade_rl.data.rows import Fields
+from cascade_rl.environments.base import EnvSettings
 from cascade_rl.modeling.choices import AttnImpl, MoeImpl
 from cascade_rl.protocol.devices import Dtype
 
@@ -302,9 +303,11 @@ class VerifierConfig:
 
 
 @dataclass
-class EnvironmentConfig:
+class EnvironmentConfig(EnvSettings):
     """The environment processes (environments/worker.py) of multi-turn rollouts: the model's tool calls in,
-    the tool turns out (docs/ARCHITECTURE.md §12). Started only when some row of the data has an environment."""
+    the tool turns out (docs/ARCHITECTURE.md §12). Started only when some row of the data has an environment.
+    The limits of the tools (``tool_timeout_s``, ``memory_mb``, ``max_processes``, ``max_output_chars``,
+    ``max_calls_per_turn``) are ``EnvSettings``'s fields, documented where declared (environments/base.py)."""
 
     count: int = 1
     """Environment processes at launch."""
@@ -321,16 +324,6 @@ class EnvironmentConfig:
     plugins: list[str] = field(default_factory=list)
     """Your environment modules: dotted module names or paths to .py files; they register environments with
     ``@register_environment`` (environments/registry.py)."""
-    tool_timeout_s: float = 5.0
-    """Wall-clock limit of one tool call; past it the call is killed and answered with an error observation."""
-    memory_mb: int = 512
-    """Memory limit of one python tool call (RLIMIT_AS of its sandbox)."""
-    max_processes: int = 32
-    """Processes and threads one python tool call may have (a fork bomb hits it and fails)."""
-    max_output_chars: int = 2000
-    """A tool's output beyond this is cut, with a marker."""
-    max_calls_per_turn: int = 4
-    """Tool calls executed per assistant turn; the rest are answered with an error observation."""
 
 
 @dataclass
