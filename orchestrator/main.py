@@ -81,7 +81,7 @@ class Orchestrator:
         self.per_question: dict[str, np.ndarray] = {}  # the latest evaluation, per held-out question
         self.mismatch: list[dict[str, float]] = []  # per step: engine vs trainer log-probs
         self.trainer_window, self.trainer_busy_s = [0.0, 0.0], 0.0  # first batch sent, last StepDone
-        self.trajectories: list = []  # multi-turn: every trained trajectory's counts (summary.json multi_turn)
+        self.multi_turn = turns.Totals()  # multi-turn: the trained trajectories' counts (summary.json multi_turn)
 
     # ------------------------------------------------------------------ the stage, top to bottom
 
@@ -127,7 +127,7 @@ class Orchestrator:
             trainer_busy_frac=self.trainer_busy_s / max(1e-9, self.trainer_window[1] - self.trainer_window[0]),
             policy_version=self.core.version, wall_s=time.perf_counter() - t_start, books=books,
             eval={"n": o.eval_n, "questions": len(self.heldout), "temperature": o.eval_temperature},
-            mismatch=mismatch_summary(self.mismatch), multi_turn=turns.summary(self.trajectories),
+            mismatch=mismatch_summary(self.mismatch), multi_turn=self.multi_turn.summary(),
             malformed_messages=self.core.malformed + self.link.malformed, data=self.data_report,
             checkpoint=self.core.last_step.checkpoint if self.core.last_step else "")
         self.status["state"] = "done"
@@ -165,7 +165,7 @@ class Orchestrator:
                             self.core.rules.mopd, o.overlong_penalty, {"examples_drawn": self.prompts.drawn})
         self.link.send((self.core.pool.first("trainer"), batch))
         self.core.trained(groups)
-        self.trajectories += [t for g in groups for t in g.trajectories.values()]
+        self.multi_turn.add(t for g in groups for t in g.trajectories.values())
         self.trainer_window[0] = self.trainer_window[0] or time.perf_counter()
 
     def finish_step(self, step: int, groups: list[Group], t0: float, t_sample: float) -> None:

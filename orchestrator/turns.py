@@ -107,15 +107,42 @@ def budget(max_total_tokens: int, max_turns: int, max_tokens: int) -> int:
     return max_total_tokens or max_turns * max_tokens
 
 
-def summary(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Per-step multi-turn metrics (and, summed over steps, ``summary.json`` ``multi_turn``)."""
-    if not trajectories:
-        return {}
-    tokens = sum(t.tokens() for t in trajectories)
-    return {
-        "turns_mean": float(np.mean([t.turn for t in trajectories])),
-        "tool_calls_mean": float(np.mean([t.tool_calls for t in trajectories])),
-        "tool_errors": int(sum(t.tool_errors for t in trajectories)),
-        "tool_timeouts": int(sum(t.timeouts for t in trajectories)),
-        "observation_token_frac": sum(t.observation_tokens() for t in trajectories) / max(1, tokens),
-    }
+@dataclasses.dataclass
+class Totals:
+    """Counts of trained trajectories, summed: what a step's metrics and ``summary.json`` ``multi_turn`` report
+    (kept as sums, not as trajectories, so a long run holds no token arrays for them)."""
+
+    trajectories: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    timeouts: int = 0
+    tokens: int = 0
+    observation_tokens: int = 0
+
+    def add(self, trajectories) -> Totals:
+        for t in trajectories:
+            self.trajectories += 1
+            self.turns += t.turn
+            self.tool_calls += t.tool_calls
+            self.tool_errors += t.tool_errors
+            self.timeouts += t.timeouts
+            self.tokens += t.tokens()
+            self.observation_tokens += t.observation_tokens()
+        return self
+
+    def summary(self) -> dict[str, float]:
+        if not self.trajectories:
+            return {}
+        return {
+            "turns_mean": self.turns / self.trajectories,
+            "tool_calls_mean": self.tool_calls / self.trajectories,
+            "tool_errors": self.tool_errors,
+            "tool_timeouts": self.timeouts,
+            "observation_token_frac": self.observation_tokens / max(1, self.tokens),
+        }
+
+
+def summary(trajectories) -> dict[str, float]:
+    """Per-step multi-turn metrics of these trajectories."""
+    return Totals().add(trajectories).summary()
