@@ -12,7 +12,8 @@ an evaluation: ``progress`` in its heartbeat). When that count has not moved for
   (``faulthandler``, registered by ``worker_start`` and in the verifiers' scoring processes); the report
   quotes what each log gained.
 
-The run is not stopped: a wait that completes later resets the watch, and a second stall writes a new report.
+The run is not stopped: while the stall lasts the report is rewritten every ``stall_timeout_s`` (what the processes
+are doing then), a wait that completes later resets the watch, and a second stall writes a new report.
 """
 
 from __future__ import annotations
@@ -33,16 +34,17 @@ class StallWatch:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self.progress, self.since, self.reported = None, time.monotonic(), False
+        self.progress, self.since, self.reported = None, time.monotonic(), None
 
     def stalled(self, orchestrator_counters: dict, now: float) -> bool:
-        """True once per stall: the first check past the timeout since progress last moved."""
+        """True at the first check past the timeout since progress last moved, and again every ``timeout_s``
+        while the stall lasts (the report is rewritten with what the processes are doing then)."""
         progress = orchestrator_counters.get("progress")
         if progress != self.progress:
-            self.progress, self.since, self.reported = progress, now, False
-        if not self.timeout_s or self.reported or now - self.since < self.timeout_s:
+            self.progress, self.since, self.reported = progress, now, None
+        if not self.timeout_s or now - max(self.since, self.reported or self.since) < self.timeout_s:
             return False
-        self.reported = True
+        self.reported = now
         return True
 
     def stalled_for(self, now: float) -> float:

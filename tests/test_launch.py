@@ -392,7 +392,9 @@ def test_a_hung_verifier_makes_the_run_explain_itself(tiny_model, tmp_path):
     stall, report = run_dir / "stall.txt", ""
     try:  # a slow start (no heartbeat yet within the 4 s) is a stall too: wait for the report of step 0's
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and "step 0:" not in report and proc.poll() is None:
+        # (rewritten every stall_timeout_s while it lasts: wait for the one written once the scoring process hangs)
+        while time.monotonic() < deadline and not ("step 0:" in report and "in hang" in report) \
+                and proc.poll() is None:
             time.sleep(0.5)
             report = stall.read_text() if stall.is_file() else ""
     finally:
@@ -406,3 +408,15 @@ def test_a_hung_verifier_makes_the_run_explain_itself(tiny_model, tmp_path):
     assert "--- verifier-0.log ---" in report and "--- orchestrator.log ---" in report and "--- trainer-0.log ---" in report
     assert 'in hang' in report and "hostile_verifiers.py" in report  # the scoring process's stack: where it hangs
     assert "stall.txt" in out  # and the supervisor said where to read it
+
+
+def test_the_stall_watch_reports_past_the_timeout_again_while_it_lasts_and_resets_on_progress():
+    from cascade_rl.supervisor.stall import StallWatch
+
+    w = StallWatch(4.0)
+    seen = [w.stalled({"progress": 1}, t) for t in (0.0, 3.9, 4.1, 5.0, 8.0, 8.2)]
+    assert seen == [False, False, True, False, False, True]
+    assert not w.stalled({"progress": 2}, 9.0) and not w.stalled({"progress": 2}, 12.9)
+    assert w.stalled({"progress": 2}, 13.1)
+    never = StallWatch(0.0)
+    assert not any(never.stalled({"progress": 1}, t) for t in (0.0, 100.0, 10_000.0))

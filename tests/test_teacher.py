@@ -28,7 +28,7 @@ from cascade_rl.supervisor.config import compose
 from cascade_rl.teachers.server import Teacher, batch_rows
 
 EXPECT = (Ready, TeacherLogprobs)
-VOCAB = 319  # the tiny model's (learner/tiny_model.py)
+VOCAB = 321  # the tiny model's (learner/tiny_model.py: its BPE, then <think>, </think>, <tool_call>, </tool_call>)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -213,7 +213,7 @@ def test_batch_rows_put_response_tokens_in_request_order_and_check_names_the_pro
     teacher = Teacher.load(tiny_model, ["math"], cfg)
     assert teacher.check(reqs[0]) == ""
     bad = TeacherRequest("c", "math", np.array([1, VOCAB], np.int32), np.array([2], np.int32), np.array([1], np.int32))
-    assert "prompt_ids: token id 319 out of range [0, 319)" in teacher.check(bad)
+    assert f"prompt_ids: token id {VOCAB} out of range [0, {VOCAB})" in teacher.check(bad)
     bad.prompt_ids = np.zeros(0, np.int32)
     assert "empty prompt" in teacher.check(bad)
     bad.prompt_ids, bad.domain = np.ones(500, np.int32), "code"
@@ -302,7 +302,7 @@ def test_bad_requests_get_an_error_or_are_counted_and_the_teacher_goes_on(orch):
 
     replies = dict(zip(errors, orch.replies_for(list(errors))))
     assert all(not m.ok and len(m.logprobs) == 0 for m in replies.values())
-    assert "response_ids: token id 1000000 out of range [0, 319)" in replies["oov"].error
+    assert f"response_ids: token id 1000000 out of range [0, {VOCAB})" in replies["oov"].error
     assert "prompt_ids: token id -1 out of range" in replies["negative"].error
     assert "exceeds the model's max_position_embeddings 512" in replies["too-long"].error
     assert "domain 'poetry' is not served" in replies["domain"].error
