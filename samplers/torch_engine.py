@@ -56,7 +56,8 @@ from transformers import AutoTokenizer, GenerationConfig
 from ..kernels import cpu_decode
 from ..protocol.devices import torch_dtype
 from .engine import GenerationRequest, Sample, check_request, register_engine
-from .torch_model import SERVED_MODEL_TYPES, KVCache, Transformer
+from .kv_cache import KVCache
+from .torch_model import SERVED_MODEL_TYPES, Transformer
 
 
 def sample_tokens(

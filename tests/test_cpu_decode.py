@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from cascade_rl.kernels import cpu_decode
-from cascade_rl.samplers.torch_model import KVCache, ModelArgs, apply_rope, experts_grouped, rms_norm, route
+from cascade_rl.samplers.kv_cache import KVCache
+from cascade_rl.samplers.torch_model import ModelArgs, apply_rope, experts_grouped, rms_norm, route
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason=f"no C++ build: {cpu_decode.build_error()}")
 

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM
 
-from cascade_rl.samplers.torch_model import EXPERTS, KVCache, Transformer, read_safetensors, route
+from cascade_rl.samplers.kv_cache import KVCache
+from cascade_rl.samplers.torch_model import EXPERTS, Transformer, read_safetensors, route
 
 
 @pytest.fixture(params=["tiny_model", "tiny_dense_model"])
