@@ -56,6 +56,12 @@ class PromptRenderer:
         return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
+def parting(a: str, b: str) -> str:
+    """Where two texts part: the first differing character and a little of each from there."""
+    at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"at character {at} {a[at:at + 30]!r} vs {b[at:at + 30]!r}"
+
+
 class TurnRenderer:
     """The chat template's side of multi-turn rollouts (orchestrator/turns.py), token-exact at every boundary.
 
@@ -91,8 +97,7 @@ class TurnRenderer:
         so_far = self.decode(trajectory_ids)
         full = self.render.text(messages)
         if not full.startswith(so_far):
-            at = next((k for k, (a, b) in enumerate(zip(so_far, full)) if a != b), min(len(so_far), len(full)))
-            raise ValueError(f"the chat template does not extend the trajectory: at character {at} the trajectory "
-                             f"has {so_far[at:at + 40]!r} and the template {full[at:at + 40]!r} (multi-turn needs a "
-                             f"template that renders earlier turns as they were generated)")
+            raise ValueError(f"the chat template does not extend the trajectory: {parting(so_far, full)} (trajectory "
+                             f"vs template; multi-turn needs a template that renders earlier turns as they were "
+                             f"generated)")
         return self.tokenizer(full[len(so_far):], add_special_tokens=False)["input_ids"]

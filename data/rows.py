@@ -107,6 +107,17 @@ def _where(fields: Fields, name: str) -> str:
     return f"'{key}'" if key == name else f"'{key}' (data.fields.{name})"
 
 
+def message(m: Any, where: str, roles: tuple[str, ...], why: str = "") -> dict[str, str]:
+    """One {role, content} chat message, checked: an object with string role and content, the role one of
+    ``roles`` (``why`` says why those); raises BadRow naming ``where``."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        raise BadRow("bad message", f"{where}: must be an object with string 'role' and 'content', got "
+                                    f"{json.dumps(m, ensure_ascii=False)[:80]}")
+    if m["role"] not in roles:
+        raise BadRow("bad message", f"{where}: role {m['role']!r} is not one of {', '.join(roles)}{why}")
+    return {"role": m["role"], "content": m["content"]}
+
+
 def parse_messages(prompt: Any, where: str) -> tuple[dict[str, str], ...]:
     """A prompt as a conversation: a string is one user message; a list must hold {role, content} objects."""
     if isinstance(prompt, str):
@@ -118,15 +129,7 @@ def parse_messages(prompt: Any, where: str) -> tuple[dict[str, str], ...]:
                                         f"got {_type(prompt)}")
     if not prompt:
         raise BadRow("empty prompt", f"field {where} is an empty list of messages")
-    out = []
-    for i, m in enumerate(prompt):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise BadRow("bad message", f"field {where}, message {i}: must be an object with string 'role' and "
-                                        f"'content', got {json.dumps(m, ensure_ascii=False)[:80]}")
-        if m["role"] not in ROLES:
-            raise BadRow("bad message", f"field {where}, message {i}: role {m['role']!r} is not one of "
-                                        f"{', '.join(ROLES)}")
-        out.append({"role": m["role"], "content": m["content"]})
+    out = [message(m, f"field {where}, message {i}", ROLES) for i, m in enumerate(prompt)]
     if out[-1]["role"] == "assistant":
         raise BadRow("bad message", f"field {where}: the last message is the assistant's; a prompt ends with the turn "
                                     f"the model answers (user or tool)")

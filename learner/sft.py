@@ -28,7 +28,6 @@ whole conversation tokenised at once, up to the last end-of-turn token
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import time
 from pathlib import Path
@@ -39,8 +38,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade_rl.data.prepare import BadLine
-from cascade_rl.data.render import PromptRenderer
-from cascade_rl.data.rows import BadRow, Fields, parse_messages, parse_response
+from cascade_rl.data.render import PromptRenderer, parting
+from cascade_rl.data.rows import BadRow, Fields, message, parse_messages, parse_response
 from cascade_rl.data.sources import DataError, read_records
 from cascade_rl.modeling.logprobs import token_logprobs
 
@@ -87,19 +86,14 @@ def parse_trace(value: list, where: str) -> tuple[dict, ...]:
     if not value:
         raise BadRow("empty response", f"field {where} is an empty list of messages")
     out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise BadRow("bad message", f"field {where}, message {i}: must be an object with string 'role' and "
-                                        f"'content', got {json.dumps(m, ensure_ascii=False)[:80]}")
-        if m["role"] not in TRACE_ROLES:
-            raise BadRow("bad message", f"field {where}, message {i}: role {m['role']!r} is not one of "
-                                        f"{', '.join(TRACE_ROLES)} (the prompt holds the system and user turns)")
+    for i, raw in enumerate(value):
+        m = message(raw, f"field {where}, message {i}", TRACE_ROLES, " (the prompt holds the system and user turns)")
         if m["role"] == "assistant" and not m["content"].strip():
             raise BadRow("bad message", f"field {where}, message {i}: the assistant turn is empty")
         if m["role"] == "assistant" and out and out[-1]["role"] == "assistant":
             raise BadRow("bad message", f"field {where}, message {i}: two assistant turns in a row; a tool turn "
                                         f"answers the first one's calls")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append(m)
     if out[0]["role"] != "assistant" or out[-1]["role"] != "assistant":
         raise BadRow("bad message", f"field {where}: a trace starts and ends with an assistant turn, got "
                                     f"{out[0]['role']} ... {out[-1]['role']}")
@@ -139,10 +133,6 @@ def _template(render: PromptRenderer, messages: list[dict], add_generation_promp
                                                 tokenize=False, enable_thinking=render.thinking)
 
 
-def _parting(a: str, b: str) -> str:
-    """Where two texts part: the first differing character and a little of each from there."""
-    at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return f"at character {at} {a[at:at + 30]!r} vs {b[at:at + 30]!r}"
 
 
 def encode_trace(render: PromptRenderer, prompt: tuple[dict, ...], trace: tuple[dict, ...]
@@ -165,7 +155,7 @@ def encode_trace(render: PromptRenderer, prompt: tuple[dict, ...], trace: tuple[
         context = _template(render, history, add_generation_prompt=True)
         if not context.startswith(text):
             raise BadRow("bad trace", f"response message {i}: the chat template renders the conversation before it "
-                                      f"otherwise than the turns so far ({_parting(text, context)})")
+                                      f"otherwise than the turns so far ({parting(text, context)})")
         piece = tokenizer(context[len(text):], add_special_tokens=False)["input_ids"]
         history.append(turn)
         rendered = _template(render, history, add_generation_prompt=False)
@@ -173,7 +163,7 @@ def encode_trace(render: PromptRenderer, prompt: tuple[dict, ...], trace: tuple[
         if not rendered.startswith(context) or end < len(context):
             raise BadRow("bad trace", f"response message {i}: the assistant content must be the whole turn, from "
                                       f"the generation prompt's {render.prefix!r} on: the template renders it "
-                                      f"{_parting(context, rendered)}")
+                                      f"{parting(context, rendered)}")
         generated = rendered[len(context):end]
         turn_ids = tokenizer(generated, add_special_tokens=False)["input_ids"] + [eos_id]
         ids += piece + turn_ids
