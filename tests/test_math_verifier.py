@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import reasoning_gym
 
-from cascade_rl.data.tasks import worked_solution
+from cascade_rl.data.arithmetic import worked_solution
 from cascade_rl.verifiers.math import extract_boxed, score_math
 
 # --- extract_boxed ---------------------------------------------------------------------

@@ -11,9 +11,8 @@ from collections import Counter
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
+from cascade_rl.data.arithmetic import IF_INSTRUCTIONS, MCQA_LETTERS
 from cascade_rl.data.tasks import (
-    IF_INSTRUCTIONS,
-    MCQA_LETTERS,
     MIXES,
     TASKS,
     Example,

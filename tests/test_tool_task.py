@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from cascade_rl.data.arithmetic import TOOL_INSTRUCTION
 from cascade_rl.data.builtin import example_row, write_task_files
 from cascade_rl.data.render import PromptRenderer
 from cascade_rl.data.rows import parse_row
@@ -21,7 +22,6 @@ from cascade_rl.data.sources import DataError
 from cascade_rl.data.tasks import (
     MIXES,
     TASKS,
-    TOOL_INSTRUCTION,
     TURN_PREFIX,
     Example,
     domains,
