@@ -251,6 +251,8 @@ class Core(TrajectoryRules):
             self._dropped(f"{g.group_id}/{index}", attempt, "a second score of this rollout")
             return
         g.scores[int(index)] = s
+        if s.unavailable and not g.error:  # a judge down, no sandbox: not a reward of 0 (verifiers/errors.py)
+            g.error = f"verifier_unavailable: {s.reason}"
 
     def _on_teacher(self, ident: bytes, t: TeacherLogprobs) -> None:
         g, index, attempt = self._reply(ident, t.key)
@@ -344,8 +346,10 @@ class Core(TrajectoryRules):
                 req = GroupScoreRequest(keys, g.row.domain, g.row.question, texts, g.row.answer, g.row.metadata,
                                         timeout_s)
             else:
+                # a multi-turn row's verifier also gets what its environment left (an agent's edited files)
+                extra = {"env_state": g.trajectories[index].state} if g.env else {}
                 req = ScoreRequest(keys[0], g.row.domain, texts[0], g.row.answer,
-                                   {"question": g.row.question, **g.row.metadata}, timeout_s)
+                                   {"question": g.row.question, **g.row.metadata, **extra}, timeout_s)
             for key in keys:
                 self.pool.assign(ident, key, 1, self.clock(), timeout_s)
             self._send(ident, req)

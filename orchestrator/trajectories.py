@@ -67,6 +67,7 @@ class TrajectoryRules:
             return
         if reply.done:
             t.count(reply)
+            t.state = dict(reply.state)  # what the episode left, for its verifier (metadata["env_state"])
             t.phase = Phase.done
             self._rollout_done(g, t.rollout(g.prompt_ids))
             return

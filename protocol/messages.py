@@ -140,6 +140,7 @@ class Score:
     reason: str = ""
     t_verify: float = 0.0
     worker_id: str = ""
+    unavailable: bool = False  # the verifier could not score at all (judge down, no sandbox): the group fails
 
 
 @message("env_request")

@@ -33,11 +33,13 @@ from typing import Any
 
 import httpx
 
+from .errors import VerifierUnavailable
 from .text import final_answer_text
 
 
-class JudgeError(RuntimeError):
-    """The judge endpoint gave no usable completion (unreachable, timed out, HTTP error, bad JSON)."""
+class JudgeError(VerifierUnavailable):
+    """The judge endpoint gave no usable completion (unreachable, timed out, HTTP error, bad JSON): its group fails
+    with the reason (verifiers/errors.py), it is not scored 0."""
 
 
 @dataclass

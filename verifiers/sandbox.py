@@ -106,12 +106,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import VerifierUnavailable
+
 STATE_DIR = "/tmp/cascade-rl-sandbox"  # fixed (not $TMPDIR): every verifier process on the machine must share it
 RUN_DIR_PREFIX = "run-"  # host mount points, one per run, in the state dir
 
 
-class SandboxError(RuntimeError):
-    """The sandbox itself failed (not the program): an infrastructure error, never a wrong answer."""
+class SandboxError(VerifierUnavailable):
+    """The sandbox itself failed (not the program): an infrastructure error, never a wrong answer (a verifier that
+    lets it through fails its group with the reason: verifiers/errors.py)."""
 
 
 class SandboxUnavailable(SandboxError):

@@ -10,7 +10,9 @@ round trip between two scores), so CPU-bound checks use the cores and a verifier
 cannot take the worker down with it:
 
 - a verifier that raises, or gets a domain it does not serve, yields
-  ``Score(ok=False, reward=0)`` with the reason;
+  ``Score(ok=False, reward=0)`` with the reason; one that raises ``VerifierUnavailable``
+  (a judge endpoint down, no sandbox: verifiers/errors.py) yields ``unavailable=True``
+  as well, and the orchestrator fails the group instead of training on a 0;
 - one that runs past the request's ``deadline_s`` has its process killed and
   replaced, and yields ``ok=False`` with "timeout";
 - one whose process dies (a segfault, ``os._exit``, the OOM killer) yields
@@ -50,6 +52,7 @@ from cascade_rl.protocol.runtime import Pending, WorkerRuntime
 from cascade_rl.protocol.worker_main import worker_start
 
 from . import registry
+from .errors import VerifierUnavailable
 from .registry import GROUP_VERIFIERS, VERIFIERS, load_plugins  # plugins: module names or .py paths
 
 log = logging.getLogger("verifier")
@@ -64,6 +67,8 @@ def score_one(req: ScoreRequest, impls: dict[str, str] | None = None) -> Score:
     try:
         reward = float(fn(req.text, req.reference, req.metadata))
         return Score(req.key, reward, True, "", time.perf_counter() - t0)
+    except VerifierUnavailable as e:  # not the response's fault: its group fails with the reason (errors.py)
+        return Score(req.key, 0.0, False, f"{type(e).__name__}: {e}", time.perf_counter() - t0, unavailable=True)
     except Exception as e:  # a failing verifier scores 0 with the reason; the rollout is not lost
         return Score(req.key, 0.0, False, f"{type(e).__name__}: {e}", time.perf_counter() - t0)
 
@@ -73,13 +78,15 @@ def score_group(req: GroupScoreRequest, impls: dict[str, str] | None = None) -> 
     t0 = time.perf_counter()
     fn = GROUP_VERIFIERS.get((impls or {}).get(req.domain, req.domain))
 
-    def failed(reason: str) -> list[Score]:
-        return [Score(k, 0.0, False, reason, time.perf_counter() - t0) for k in req.keys]
+    def failed(reason: str, unavailable: bool = False) -> list[Score]:
+        return [Score(k, 0.0, False, reason, time.perf_counter() - t0, unavailable=unavailable) for k in req.keys]
 
     if fn is None:
         return failed(f"no group verifier for domain {req.domain!r}")
     try:
         rewards = [float(r) for r in fn(req.prompt, list(req.texts), req.reference, req.metadata)]
+    except VerifierUnavailable as e:
+        return failed(f"{type(e).__name__}: {e}", unavailable=True)
     except Exception as e:
         return failed(f"{type(e).__name__}: {e}")
     if len(rewards) != len(req.keys):
