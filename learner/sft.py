@@ -66,6 +66,9 @@ class SFTConfig:
     """Sequences per step."""
     lr: float = 1e-3
     """Peak AdamW learning rate (cosine decay to 10 %)."""
+    chunk_tokens: int = 4096
+    """Padded tokens per forward pass: a step's rows, sorted by length, run in chunks of at most this many (one
+    gradient step for the whole batch), so short rows are not padded to the longest of the batch."""
     seed: int = 0
     """Seed of data order and initialisation."""
 
@@ -193,6 +196,20 @@ def encode_examples(tokenizer, rows: list[SFTRow]) -> list[tuple[list[int], list
     return out
 
 
+def by_length(batch: list[tuple[list[int], list[bool]]], chunk_tokens: int) -> list[list]:
+    """The batch sorted by length and cut into chunks of at most ``chunk_tokens`` padded tokens (at least one row
+    each): a few long rows (a long-context document) no longer pad every short row of the batch to their length."""
+    chunks, chunk, width = [], [], 0
+    for row in sorted(batch, key=lambda r: len(r[0])):
+        width_if = max(width, len(row[0]))
+        if chunk and width_if * (len(chunk) + 1) > chunk_tokens:
+            chunks.append(chunk)
+            chunk, width_if = [], len(row[0])
+        chunk.append(row)
+        width = width_if
+    return chunks + [chunk] if chunk else chunks
+
+
 def collate(batch: list[tuple[list[int], list[bool]]], pad_id: int):
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -225,11 +242,15 @@ def run_sft(cfg: SFTConfig) -> dict:
     with Progress(*columns) as progress:
         task = progress.add_task("sft", total=cfg.steps, loss="-")
         for _ in range(cfg.steps):
-            input_ids, attention, loss_mask = collate(rng.sample(data, cfg.batch_size), tokenizer.pad_token_id)
-            logits = model(input_ids=input_ids, attention_mask=attention).logits
-            logprobs = token_logprobs(logits, input_ids)
-            loss = -(logprobs * loss_mask).sum() / loss_mask.sum()
-            loss.backward()
+            batch = rng.sample(data, cfg.batch_size)
+            n_loss = sum(sum(mask) for _, mask in batch)
+            loss = 0.0
+            for chunk in by_length(batch, cfg.chunk_tokens):  # the batch's mean token loss, in chunks of like length
+                input_ids, attention, loss_mask = collate(chunk, tokenizer.pad_token_id)
+                logits = model(input_ids=input_ids, attention_mask=attention).logits
+                chunk_loss = -(token_logprobs(logits, input_ids) * loss_mask).sum() / n_loss
+                chunk_loss.backward()
+                loss = loss + chunk_loss.detach()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             schedule.step()

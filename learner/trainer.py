@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -107,11 +108,20 @@ class Batch:
             yield slice(g0 * self.group_size, g1 * self.group_size), (g1 - g0) / n_groups
 
 
+# after the warm-up: the fraction of lr at progress p in [0, 1) of the remaining steps (trainer.lr_decay)
+LR_DECAYS = {
+    "none": lambda p: 1.0,  # constant: the paper's RL stages and MOPD
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),  # to 0 at the last step: agentic SWE RL (paper §4.8)
+}
+
+
 def lr_at(step: int, cfg) -> float:
-    """Linear warm-up from warmup_start_lr to lr over warmup_steps, then constant (the paper's schedule)."""
+    """Linear warm-up from warmup_start_lr to lr over warmup_steps, then lr times ``LR_DECAYS[cfg.lr_decay]``
+    of the progress through the steps left (constant by default: the paper's schedule)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.warmup_start_lr + (cfg.lr - cfg.warmup_start_lr) * step / cfg.warmup_steps
-    return cfg.lr
+    left = max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * LR_DECAYS[cfg.lr_decay]((step - cfg.warmup_steps) / left)
 
 
 def train_step(policy: Policy, optimizer, batch: Batch, cfg, step: int,

@@ -122,6 +122,9 @@ def evaluate_checkpoint(path: str, heldout: list[Row], n: int = 4, temperature: 
     return {
         "accuracy": float(per_question.mean()) if len(heldout) else float("nan"),
         "domains": domains,
+        # each question's accuracy, in the order of ``heldout``: two checkpoints evaluated on the same rows give
+        # each domain's change with a paired interval (``paired_gain``; the cascade's report)
+        "per_question": [round(float(x), 4) for x in per_question],
         "questions": dict(sorted(Counter(row.domain for row in heldout).items())),
         "n": n,
         "temperature": temperature,

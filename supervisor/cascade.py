@@ -146,6 +146,8 @@ class Cascade:
 
     def run(self) -> int:
         self.heldout = self.load_heldout()
+        # every evaluation's per_question is in this order: the report pairs them question by question
+        self.record["heldout"] = {"ids": [r.id for r in self.heldout], "domains": [r.domain for r in self.heldout]}
         if "initial" not in self.record:
             self.record["initial"] = self.evaluate(self.record["model"], step=0)
             self.save()

@@ -7,8 +7,9 @@
 - ``accuracy.png``: held-out accuracy per domain at every evaluated checkpoint, stage by stage (the
   paper's Figure 2 in miniature);
 - ``training.png``: each stage's training reward per step, and MOPD's reverse KL to its teachers;
-- report.md: the per-domain accuracy after each stage, every checkpoint, the MOPD teacher table and the
-  rollout books of each stage.
+- report.md: the per-domain accuracy after each stage, each stage's change per domain with its paired 95 %
+  interval (the same held-out questions before and after the stage: ``orchestrator.evaluate.paired_gain``),
+  every checkpoint, the MOPD teacher table and the rollout books of each stage.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import json
 from pathlib import Path
 
 import matplotlib
+import numpy as np
+
+from cascade_rl.orchestrator.evaluate import interval, paired_gain
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -39,12 +43,62 @@ def checkpoints(record: dict) -> list[tuple[str, dict]]:
     return rows
 
 
+def question_domains(record: dict) -> np.ndarray | None:
+    """The domain of each held-out question, in the order of every checkpoint's ``per_question``."""
+    domains = record.get("heldout", {}).get("domains")
+    return np.array(domains) if domains else None
+
+
+def by_domain(c: dict, domains: np.ndarray | None) -> dict[str, np.ndarray]:
+    """A checkpoint's per-question accuracies split by domain ({} for a record without them)."""
+    pq = c.get("per_question")
+    if domains is None or pq is None or len(pq) != len(domains):
+        return {}
+    pq = np.asarray(pq, dtype=float)
+    return {d: pq[domains == d] for d in sorted(set(domains.tolist()))}
+
+
+def finals(record: dict) -> list[tuple[str, dict]]:
+    """(stage, its final evaluation) in cascade order, the starting model first."""
+    return [("start (SFT)", record["initial"])] + [
+        (n, record["stages"][n]["checkpoints"][-1]) for n in record.get("order", [])
+        if record["stages"].get(n, {}).get("checkpoints")]
+
+
+def stage_changes(record: dict) -> list[tuple[str, dict[str, dict]]]:
+    """Per stage: {domain or "mean": paired_gain} of its final checkpoint against the model it started from (the
+    previous stage's final one), over the same held-out questions."""
+    domains = question_domains(record)
+    out = []
+    rows = finals(record)
+    for (_, before), (name, after) in zip(rows, rows[1:]):
+        b, a = by_domain(before, domains), by_domain(after, domains)
+        gains = {d: paired_gain(a[d], b[d]) for d in a if d in b}
+        if gains:
+            gains["mean"] = paired_gain(np.asarray(after["per_question"], float),
+                                        np.asarray(before["per_question"], float))
+        out.append((name, gains))
+    return out
+
+
+def fmt_gain(g: dict) -> str:
+    """"+0.094 [+0.011, +0.177]", bold when the interval excludes 0."""
+    text = f"{g['delta']:+.3f} [{g['ci95_low']:+.3f}, {g['ci95_high']:+.3f}]"
+    return f"**{text}**" if g["ci95_low"] > 0 or g["ci95_high"] < 0 else text
+
+
 def plot_accuracy(record: dict, out: Path) -> None:
     rows = checkpoints(record)
     domains = sorted({d for _, c in rows for d in c["domains"]})
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    qd = question_domains(record)
+    fig, ax = plt.subplots(figsize=(9, 5))
     for d in domains:
-        ax.plot(range(len(rows)), [c["domains"].get(d, float("nan")) for _, c in rows], marker="o", label=d)
+        y = [c["domains"].get(d, float("nan")) for _, c in rows]
+        line, = ax.plot(range(len(rows)), y, marker="o", label=d)
+        bands = [by_domain(c, qd).get(d) for _, c in rows]  # each checkpoint's 95 % interval, where recorded
+        if all(b is not None and len(b) > 1 for b in bands):
+            lo, hi = zip(*(interval(b) for b in bands))
+            ax.fill_between(range(len(rows)), lo, hi, color=line.get_color(), alpha=0.12, lw=0)
     ax.plot(range(len(rows)), [c["accuracy"] for _, c in rows], color="black", ls="--", label="mean")
     ax.set_xticks(range(len(rows)), [f"{s} {c['step']}" for s, c in rows], fontsize=7, rotation=45, ha="right")
     for i in range(1, len(rows)):
@@ -109,12 +163,19 @@ def write_report(run_dir: Path, record: dict) -> Path:
         "| after | " + " | ".join(domains) + " | mean |",
         "| --- | " + " | ".join("---" for _ in domains) + " | --- |",
     ]
-    finals = [("start (SFT)", record["initial"])] + [
-        (n, record["stages"][n]["checkpoints"][-1]) for n in record.get("order", [])
-        if record["stages"].get(n, {}).get("checkpoints")]
-    for name, c in finals:
+    for name, c in finals(record):
         lines.append(f"| {name} | " + " | ".join(f"{c['domains'].get(d, float('nan')):.3f}" for d in domains)
                      + f" | {c['accuracy']:.3f} |")
+    changes = [(name, g) for name, g in stage_changes(record) if g]
+    if changes:
+        lines += ["", "## Change over each stage", "",
+                  "Each stage's final checkpoint against the model it started from, on the same held-out questions: "
+                  "the mean change with its paired 95 % interval; **bold** where the interval excludes 0.", "",
+                  "| stage | " + " | ".join(domains) + " | mean |",
+                  "| --- | " + " | ".join("---" for _ in domains) + " | --- |"]
+        for name, g in changes:
+            lines.append(f"| {name} | " + " | ".join(fmt_gain(g[d]) if d in g else "—" for d in domains)
+                         + f" | {fmt_gain(g['mean'])} |")
     lines += ["", "![accuracy](accuracy.png)", "", "![training](training.png)", "", "## Every checkpoint", "",
               "| stage | step | " + " | ".join(domains) + " | mean | eval s |",
               "| --- | --- | " + " | ".join("---" for _ in domains) + " | --- | --- |"]

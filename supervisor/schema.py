@@ -28,6 +28,13 @@ class OnBadRow(StrEnum):
     skip = "skip"  # train without them, counted per reason
 
 
+class LrDecay(StrEnum):
+    """``trainer.lr_decay``: the learning rate after the warm-up (learner/trainer.py ``LR_DECAYS``)."""
+
+    none = "none"  # constant (the paper's RL stages and MOPD)
+    cosine = "cosine"  # cosine from lr to 0 at the last step (paper: agentic SWE RL)
+
+
 class Progress(StrEnum):
     """``supervisor.progress``: the live display."""
 
@@ -107,6 +114,9 @@ class TrainerConfig:
     """Linear warm-up from warmup_start_lr to lr over this many steps."""
     warmup_start_lr: float = 0.0
     """First learning rate of the warm-up."""
+    lr_decay: LrDecay = LrDecay.none
+    """After the warm-up: none (constant lr, the paper's default) | cosine (to 0 at the last step; paper: agentic
+    SWE RL, after a 10-step warm-up)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

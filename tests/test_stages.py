@@ -19,6 +19,10 @@ STAGES = {
              "trainer.steps": 30},
     "long_context": {"trainer.steps": 30, "data.max_prompt_tokens": 32768},
     "code_rl": {"sampling.top_p": 0.95, "sampling.max_tokens": 118000, "trainer.steps": 22},
+    "swe_agentless": {"sampling.max_tokens": 98304, "orchestrator.mask_threshold": 0.5, "trainer.steps": 45},
+    "swe_agentic": {"trainer.prompts_per_step": 16, "trainer.group_size": 64, "sampling.temperature": 0.8,
+                    "orchestrator.max_turns": 200, "orchestrator.max_total_tokens": 262144,
+                    "trainer.warmup_steps": 10, "trainer.lr_decay": "cosine"},
 }
 
 
@@ -45,8 +49,8 @@ def test_a_run_preset_overrides_the_stage_where_it_sets_scale(tiny_model):
 def test_validation_names_missing_verifiers_and_teachers(tiny_model, math_data, prepared, tmp_path):
     from cascade_rl.supervisor.config_errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"no verifier for \['swe'\]"):
-        compose("tiny", ["stage=mopd", f"model.path={tiny_model}", *math_data, "verifier.domains=[math,swe]"])
+    with pytest.raises(ConfigError, match=r"no verifier for \['weather'\]"):
+        compose("tiny", ["stage=mopd", f"model.path={tiny_model}", *math_data, "verifier.domains=[math,weather]"])
     with pytest.raises(ConfigError, match="teacher.checkpoints are used by trainer.algorithm=mopd only"):
         compose("tiny", [f"model.path={tiny_model}", *math_data, f"+teacher.checkpoints.math={tiny_model}"])
     # the rules that need the data's domains: checked when the data is prepared, before any process starts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def make_batch(groups: int = 2, g: int = 4, prompt: int = 5, resp: int = 6, seed
 def cfg(**kw):
     base = dict(algorithm="grpo", lr=1e-3, warmup_steps=0, warmup_start_lr=0.0, max_grad_norm=1.0,
                 micro_batch_groups=0, importance_weights=False, eps_low=0.5, eps_high=2.0, kl_coef=0.0,
-                entropy_coef=0.0)
+                entropy_coef=0.0, steps=100, lr_decay="none")
     return OmegaConf.create(base | kw)
 
 
@@ -91,6 +92,15 @@ def test_linear_warmup_schedule():
     assert lr_at(0, c) == pytest.approx(2e-7)
     assert lr_at(15, c) == pytest.approx(1.1e-6)
     assert lr_at(30, c) == pytest.approx(2e-6) and lr_at(100, c) == pytest.approx(2e-6)
+
+
+def test_cosine_decay_after_warmup():
+    c = cfg(lr=3e-6, warmup_steps=10, warmup_start_lr=0.0, lr_decay="cosine", steps=30)  # paper: agentic SWE RL
+    assert lr_at(5, c) == pytest.approx(1.5e-6)  # the warm-up is linear as before
+    assert lr_at(10, c) == pytest.approx(3e-6)  # decay starts at the full rate
+    assert lr_at(20, c) == pytest.approx(1.5e-6)  # half way through the 20 steps left: cos(pi/2) -> half
+    assert lr_at(29, c) == pytest.approx(3e-6 * 0.5 * (1 + math.cos(math.pi * 19 / 20)))
+    assert lr_at(29, c) < lr_at(28, c) < lr_at(20, c)
 
 
 # --- MOPD, KL to a reference, masked groups, importance weights ---------------------------------------

@@ -49,7 +49,7 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = OmegaConf.create(dict(algorithm="grpo", lr=1e-3, warmup_steps=0, warmup_start_lr=0.0, max_grad_norm=1.0,
                                 micro_batch_groups=1, importance_weights=True, eps_low=0.5, eps_high=2.0,
-                                kl_coef=0.0, entropy_coef=0.01))
+                                kl_coef=0.0, entropy_coef=0.01, steps=100, lr_decay="none"))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     policy = parallel.parallelize(Policy(model, temperature=1.0, chunk_tokens=7, pack=True), ranks)
     optimizer = MasterAdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)  # the trainer's
