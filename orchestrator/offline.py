@@ -14,10 +14,21 @@ multi-turn rows exactly as a stage does, and a test can drive real engines witho
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 from cascade_rl.data.render import PromptRenderer, TurnRenderer
-from cascade_rl.protocol.messages import EnvRequest, GroupScoreRequest, PromptRequest, Ready, Rollout, ScoreRequest
+from cascade_rl.protocol.messages import (
+    EnvRequest,
+    GroupScoreRequest,
+    PromptRequest,
+    Ready,
+    Rollout,
+    Score,
+    ScoreRequest,
+)
 from cascade_rl.samplers.worker import to_generation
 from cascade_rl.verifiers.worker import score_group, score_one
 
@@ -41,10 +52,50 @@ def offline_core(tokenizer, thinking: bool = True, rules: Rules | None = None, d
     return core
 
 
-def run_in_process(core: Core, engine, environments: Mapping[str, object] = {}) -> None:
+class Scorer:
+    """Score requests in this process: ``workers`` at a time (a verifier that runs a sandbox or calls a judge
+    waits on another process, so threads overlap them), each distinct (domain, response, reference, metadata)
+    scored once. A sharpened policy samples the same response again and again: an evaluation of code or SWE
+    rows then runs each distinct program once. A score the verifier could not make (``unavailable``) is not
+    remembered."""
+
+    def __init__(self, workers: int = 4) -> None:
+        self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="score")
+        self.memo: dict[str, Score] = {}
+        self.calls = 0
+
+    @staticmethod
+    def _key(m: ScoreRequest) -> str:
+        return json.dumps([m.domain, m.text, m.reference, m.metadata], sort_keys=True, default=str)
+
+    def score(self, requests: list[ScoreRequest]) -> list[Score]:
+        keys = [self._key(m) for m in requests]
+        todo = {k: m for k, m in zip(keys, requests) if k not in self.memo}
+        for k, score in zip(list(todo), self.pool.map(score_one, todo.values())):
+            self.calls += 1
+            todo[k] = score
+            if not score.unavailable:  # an unavailable verifier is asked again next time
+                self.memo[k] = score
+        return [dataclasses.replace(self.memo.get(k) or todo[k], key=m.key) for k, m in zip(keys, requests)]
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def run_in_process(core: Core, engine, environments: Mapping[str, object] = {}, scorer: Scorer | None = None) -> None:
     """Serve everything ``core`` sends, here, until it sends nothing more (every group complete)."""
     from cascade_rl.environments.worker import run_step  # environments import the verifiers: loaded when needed
 
+    own = scorer is None
+    scorer = scorer or Scorer()
+    try:
+        _serve(core, engine, environments, scorer, run_step)
+    finally:
+        if own:
+            scorer.close()
+
+
+def _serve(core: Core, engine, environments: Mapping[str, object], scorer: Scorer, run_step) -> None:
     while True:
         core.dispatch()
         out = core.take_outbox()
@@ -57,13 +108,14 @@ def run_in_process(core: Core, engine, environments: Mapping[str, object] = {}) 
                 core.receive(SAMPLER, Rollout(req.group_id, req.index if req.index >= 0 else k, req.domain,
                                               req.prompt_ids, s.response_ids, s.logprobs, s.finish_reason,
                                               engine.version, SAMPLER.decode(), 0.0, req.attempt, turn=req.turn))
+        for score in scorer.score([m for _, m in out if isinstance(m, ScoreRequest)]):
+            core.receive(VERIFIER, score)
+        steps = [m for _, m in out if isinstance(m, EnvRequest)]  # tool calls run in sandboxes: side by side too
+        for reply in scorer.pool.map(lambda m: run_step(environments.get(m.env) or _Missing(m.env, sorted(environments)),
+                                                        m), steps):
+            core.receive(ENVIRONMENT, reply)
         for _, m in out:
-            if isinstance(m, EnvRequest):
-                core.receive(ENVIRONMENT, run_step(environments[m.env], m) if m.env in environments else
-                             run_step(_Missing(m.env, sorted(environments)), m))
-            elif isinstance(m, ScoreRequest):
-                core.receive(VERIFIER, score_one(m))
-            elif isinstance(m, GroupScoreRequest):
+            if isinstance(m, GroupScoreRequest):
                 for score in score_group(m):
                     core.receive(VERIFIER, score)
 

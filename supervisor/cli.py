@@ -1,6 +1,7 @@
 """The ``cascade-rl`` command line.
 
     cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3|qwen2|llama] [--untied] [--size tiny|10m|50m]
+                               [--task cascade] [--vocab-size 512] [--max-len 512]
     cascade-rl make-data NAME --out DIR [--heldout N --rl N --sft N]   # the built-in miniature tasks as JSONL files
     cascade-rl data check FILE... [--model DIR] [data.fields.prompt=question ...]   # every bad row, FILE:LINE: reason
     cascade-rl sft [model=DIR] [out=DIR] [files=[FILE,...]] [steps=N] ...
@@ -30,7 +31,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from cascade_rl.learner.tiny_model import make_tiny_model
 
     out = make_tiny_model(args.out, arch=args.arch, size=args.size, task=args.task, seed=args.seed,
-                          tie_word_embeddings=not args.untied)
+                          tie_word_embeddings=not args.untied, vocab_size=args.vocab_size, max_len=args.max_len)
     print(json.loads((out / "cascade_rl.json").read_text()) | {"out": str(out)})
     return 0
 
@@ -197,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--task", default="arithmetic",
                    help="task or mixture of data/tasks.py whose text trains the tokenizer (e.g. cascade)")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary trained on the task's text")
+    m.add_argument("--max-len", type=int, default=512, help="context length (max_position_embeddings)")
     m.set_defaults(fn=cmd_make_tiny_model)
 
     md = sub.add_parser("make-data", help="write the built-in miniature tasks as data files (JSONL)")

@@ -1,0 +1,59 @@
+"""Offline scoring (orchestrator/offline.py ``Scorer``): each distinct response scored once, side by side, and a
+verifier that could not score (VerifierUnavailable) asked again rather than remembered."""
+
+from __future__ import annotations
+
+import threading
+
+from cascade_rl.orchestrator.offline import Scorer
+from cascade_rl.protocol.messages import ScoreRequest
+from cascade_rl.verifiers.errors import VerifierUnavailable
+from cascade_rl.verifiers.registry import register_verifier
+
+CALLS: list[str] = []
+LOCK = threading.Lock()
+DOWN = {"judge": True}
+
+
+@register_verifier("test_offline_len")
+def _length(response: str, reference: str, metadata: dict) -> float:
+    with LOCK:
+        CALLS.append(response)
+    return float(len(response) == int(reference))
+
+
+@register_verifier("test_offline_down")
+def _down(response: str, reference: str, metadata: dict) -> float:
+    with LOCK:
+        CALLS.append(response)
+    if DOWN["judge"]:
+        raise VerifierUnavailable("judge down")
+    return 1.0
+
+
+def req(key: str, text: str, domain: str = "test_offline_len", reference: str = "3") -> ScoreRequest:
+    return ScoreRequest(key, domain, text, reference, {"question": "q"}, 5.0)
+
+
+def test_each_distinct_response_is_scored_once_and_keys_are_kept():
+    CALLS.clear()
+    scorer = Scorer(workers=3)
+    out = scorer.score([req("g/0/0", "abc"), req("g/1/0", "abc"), req("g/2/0", "abcd"), req("g/3/0", "abc")])
+    assert [s.key for s in out] == ["g/0/0", "g/1/0", "g/2/0", "g/3/0"]
+    assert [s.reward for s in out] == [1.0, 1.0, 0.0, 1.0] and all(s.ok for s in out)
+    assert sorted(CALLS) == ["abc", "abcd"] and scorer.calls == 2
+    # another round (a later evaluation's group): remembered; another reference is another question
+    again = scorer.score([req("h/0/0", "abc"), req("h/1/0", "abc", reference="4")])
+    assert [s.reward for s in again] == [1.0, 0.0] and sorted(CALLS) == ["abc", "abc", "abcd"]
+    scorer.close()
+
+
+def test_an_unavailable_verifier_is_not_remembered():
+    CALLS.clear()
+    scorer = Scorer(workers=2)
+    first = scorer.score([req("g/0/0", "x", "test_offline_down")])
+    assert first[0].unavailable and not first[0].ok and "judge down" in first[0].reason
+    DOWN["judge"] = False
+    second = scorer.score([req("g/1/0", "x", "test_offline_down")])
+    assert second[0].ok and second[0].reward == 1.0 and CALLS == ["x", "x"]
+    scorer.close()
