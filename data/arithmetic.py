@@ -56,7 +56,7 @@ from collections.abc import Callable
 
 import reasoning_gym
 
-from .tasks import BOXED_INSTRUCTION, TURN_PREFIX, Example, Task, register_mix, register_task, think
+from .tasks import BOXED_INSTRUCTION, TURN_PREFIX, Example, Task, register_mix, register_task, think, tool_call
 
 MCQA_INSTRUCTION = "Answer with the letter of the correct option in \\boxed{}."
 MCQA_LETTERS = ("A", "B", "C", "D")
@@ -235,11 +235,6 @@ def _arithmetic_if(p: Problem, seed: int) -> Example:
     metadata = {"instruction_id_list": [iid], "kwargs": [kwargs]}
     return Example(p.question, str(p.value), "instruction_following", think(p.steps, final),
                    f"{BOXED_INSTRUCTION} {text}", metadata)
-
-
-def tool_call(name: str, arguments: dict) -> str:
-    """One Hermes/Qwen3-style call in the assistant's text (environments/tool_calls.py reads it)."""
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 def _tool_arithmetic(p: Problem, seed: int) -> Example:

@@ -21,6 +21,7 @@ registries, the question-disjoint splits and the mixtures.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -66,6 +67,11 @@ def think(reasoning: list[str] | tuple[str, ...], final: str) -> str:
     """The assistant turn after the thinking-mode generation prompt ('<think>\\n'): reasoning, then the answer."""
     body = "\n".join(reasoning)
     return f"{body}\n</think>\n\n{final}"
+
+
+def tool_call(name: str, arguments: dict) -> str:
+    """One Hermes/Qwen3-style call in the assistant's text (environments/tool_calls.py reads it)."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 class Item(Protocol):
@@ -246,4 +252,4 @@ def load_mixture(weights: Mapping[str, float], sizes: Mapping[str, int], seed: i
 
 
 # the task families register themselves (each imports this module's registries)
-from . import arithmetic  # noqa: E402, F401
+from . import arithmetic, chat, coding, judge, long_context  # noqa: E402, F401

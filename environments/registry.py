@@ -1,9 +1,10 @@
 """Environments by name: a multi-turn row names the environment its tool calls run in.
 
 Built in (environments/builtin.py): ``python`` (a stateful Python executor in the code sandbox) and
-``calculator`` (safe arithmetic). Add your own in a module listed in ``environment.plugins``, by module name
-(``mypkg.envs``: importable by the environment workers, which do not have the cwd on ``sys.path``) or by path
-to a ``.py`` file; the launcher and every environment worker import them first (``load_environments``).
+``calculator`` (safe arithmetic); ``swe`` (environments/swe.py: a repository to read, edit and test). Add your
+own in a module listed in ``environment.plugins``, by module name (``mypkg.envs``: importable by the
+environment workers, which do not have the cwd on ``sys.path``) or by path to a ``.py`` file; the launcher and
+every environment worker import them first (``load_environments``).
 
 A registered environment is a factory ``factory(settings: EnvSettings) -> Environment``, called once per
 worker: usually a class. Its ``step(messages, state, metadata) -> StepResult`` is called from several threads
@@ -66,4 +67,4 @@ def load_environments(entries: Iterable[str]) -> list[ModuleType]:
 load_plugins = load_environments  # the name the verifiers' registry uses for the same thing
 
 
-from . import builtin  # noqa: E402, F401  (registers the built-in environments; it imports register_environment)
+from . import builtin, swe  # noqa: E402, F401  (register the built-in environments; they import register_environment)

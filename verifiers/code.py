@@ -123,9 +123,9 @@ def extract_program(response: str) -> str | None:
     return text
 
 
-def check_metadata(metadata: dict[str, Any]) -> tuple[float, int]:
-    """``(timeout_s, memory_mb)`` of a problem's metadata (forms in :func:`score_code`); raises ValueError when it
-    is malformed. The verifier and the row check of domain code (verifiers/registry.py) both call this."""
+def check_limits(metadata: dict[str, Any]) -> tuple[float, int]:
+    """``(timeout_s, memory_mb)`` of a problem's metadata (the defaults where absent); raises ValueError when one
+    is not a positive number. The code and swe verifiers (verifiers/swe.py) share these limits."""
     limits = []
     for key, kind, default in (("timeout_s", float, DEFAULT_TIMEOUT_S), ("memory_mb", int, DEFAULT_MEMORY_MB)):
         value = metadata.get(key, default)
@@ -136,6 +136,13 @@ def check_metadata(metadata: dict[str, Any]) -> tuple[float, int]:
         if isinstance(value, bool) or not limits[-1] > 0:
             raise ValueError(f"metadata['{key}'] must be a positive number, got {value!r:.40}")
     timeout_s, memory_mb = limits
+    return timeout_s, memory_mb
+
+
+def check_metadata(metadata: dict[str, Any]) -> tuple[float, int]:
+    """``(timeout_s, memory_mb)`` of a problem's metadata (forms in :func:`score_code`); raises ValueError when it
+    is malformed. The verifier and the row check of domain code (verifiers/registry.py) both call this."""
+    timeout_s, memory_mb = check_limits(metadata)
     if "tests" in metadata:
         tests = metadata["tests"]
         if not isinstance(tests, list) or not tests or not all(

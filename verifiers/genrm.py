@@ -54,7 +54,18 @@ increases when L_i grows, and is unchanged when all lengths are rescaled.
         scores = await score_group(client, prompt, responses, GenRMConfig(), lengths=token_counts)
         scores.rewards  # one per response
 
-Test: ``pytest tests/test_judge.py``.
+**Against a reference** (held-out evaluation, ArenaHard-style): within a group the rewards
+average 0.5 whatever the policy, so they cannot measure progress; ``judge_against_reference``
+instead judges one response's final answer against a fixed baseline answer (the row's
+``answer``) in both orders and returns the mean preference for the response, in [0, 1]
+(0.5: as good as the baseline). A response without a final answer (an unclosed ``<think>``,
+or nothing after it) scores 0 without a call; an unreadable judgment counts as a tie.
+``verifiers/registry.py`` registers it as the held-out verifier of ``genrm`` (``EVAL_VERIFIERS``).
+
+    async with ChatClient(endpoint) as client:
+        win_rate = await judge_against_reference(client, prompt, response, baseline, GenRMConfig())
+
+Test: ``pytest tests/test_judge.py tests/test_chat_tasks.py``.
 """
 
 from __future__ import annotations
@@ -302,3 +313,29 @@ async def score_group(client: ChatClient, prompt: Prompt, responses: Sequence[st
         judgments=judgments,
         seconds=time.perf_counter() - t0,
     )
+
+
+async def judge_against_reference(client: ChatClient, prompt: Prompt, response: str, reference: str,
+                                  cfg: GenRMConfig) -> float:
+    """The judge's mean preference for ``response``'s final answer over ``reference``, in [0, 1].
+
+    Judged in both orders whatever ``cfg.both_orders`` (a fixed baseline is always in one position
+    otherwise, and a judge's position bias would move every score); ``cfg.template`` says how. The
+    reference is a baseline answer (the text after its last ``</think>`` if it has one). A response
+    without a final answer, or with an empty one, scores 0 without a call; an unreadable judgment
+    counts as a tie (0.5), as in ``score_group``. Raises ``JudgeError`` if a call fails.
+    """
+    answer = final_text(response)
+    if answer is None or not answer.strip():
+        return 0.0
+    baseline = (final_text(reference) or "").strip()
+    tasks = [asyncio.ensure_future(client.chat(pair_messages(prompt, a, b, cfg.template)))
+             for a, b in ((answer.strip(), baseline), (baseline, answer.strip()))]
+    try:
+        first, second = await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:  # one call failed: do not leave the other running
+            t.cancel()
+        raise
+    p_first, p_second = parse_preference(first.text), parse_preference(second.text)
+    return ((0.5 if p_first is None else p_first) + (0.5 if p_second is None else 1.0 - p_second)) / 2

@@ -1,7 +1,8 @@
 """Reward functions by domain, registered by name, and the checks of data rows.
 
 A row's ``domain`` names the verifier that scores its rollouts. Built in: math, mcqa,
-instruction_following, structured_output, code, tool_call, tool_use, llm_judge, genrm (group).
+instruction_following, structured_output, code, tool_call, tool_use, swe and swe_agent (verifiers/swe.py:
+SEARCH/REPLACE edits, then hidden tests in the sandbox), llm_judge, genrm (group).
 Add your own in a module listed in ``verifier.plugins``, by module name
 (``mypkg.rewards``: importable by the verifier workers, which do not have the cwd on
 ``sys.path``) or by path to a ``.py`` file (``/data/rewards.py``, or relative to the
@@ -291,6 +292,27 @@ def _tool_call(response: str, reference: str, metadata: dict[str, Any]) -> float
     return score_tool_call(response, reference, metadata)
 
 
+def _check_swe(answer: str, metadata: dict[str, Any]) -> None:
+    from .swe import check_metadata
+
+    check_metadata(metadata)
+
+
+@register_verifier("swe", check=_check_swe)
+def _swe(response: str, reference: str, metadata: dict[str, Any]) -> float:
+    """Agentless and agentic SWE (verifiers/swe.py): the final answer's SEARCH/REPLACE edits applied to the
+    repository (``metadata["env_state"]["files"]``, what an agent's environment left, else ``metadata["files"]``),
+    then the hidden tests in the sandbox; strict binary."""
+    from .swe import score_swe
+
+    return score_swe(response, reference, metadata)
+
+
+# Agentic SWE (data/coding.py ``swe_agent``, environment swe): the same verifier on the files the episode left; a
+# domain of its own, so held-out accuracy and MOPD's teacher are the agentic task's, apart from agentless repair.
+register_verifier("swe_agent", check=_check_swe)(_swe)
+
+
 def judge_endpoint():
     """The judge endpoint of ``verifier.judge`` (handed to scoring processes in ``SETTINGS``)."""
     from .llm_judge import JudgeEndpoint
@@ -300,7 +322,7 @@ def judge_endpoint():
         raise ValueError("verifier.judge.model is not set: model-judged domains need a judge endpoint")
     return JudgeEndpoint(base_url=cfg["base_url"], model=cfg["model"], api_key_env=cfg.get("api_key_env", ""),
                          concurrency=cfg.get("concurrency", 8), timeout_s=cfg.get("timeout_s", 60.0),
-                         max_tokens=cfg.get("max_tokens", 4096))
+                         max_tokens=cfg.get("max_tokens", 4096), retries=cfg.get("retries", 3))
 
 
 @register_group_verifier("genrm")
@@ -314,6 +336,36 @@ def _genrm(prompt: str, responses: list[str], reference: str, metadata: dict[str
     async def run() -> list[float]:
         async with ChatClient(judge_endpoint()) as client:
             return list((await score_group(client, prompt, responses, GenRMConfig())).rewards)
+
+    return asyncio.run(run())
+
+
+# Held-out verifiers of domains whose training verifier is relative: a group verifier's rewards average 0.5 in
+# every group (GenRM's win rates), so they cannot show progress; held-out evaluation scores such a domain's
+# responses one at a time against the row's reference instead (ArenaHard-style: the judge's preference for the
+# response over a baseline answer). ``fn(response, reference, metadata) -> float``, as a verifier.
+EVAL_VERIFIERS = Registry("held-out verifier")
+register_eval_verifier = EVAL_VERIFIERS.register
+
+
+@register_eval_verifier("genrm")
+def _genrm_against_baseline(response: str, reference: str, metadata: dict[str, Any]) -> float:
+    """Held-out RLHF: the judge's preference, in both orders, for the response over the row's baseline answer
+    (verifiers/genrm.py ``judge_against_reference``), the conversation being ``metadata["question"]`` (the last user
+    message: a chat row's whole prompt). Raises ``JudgeError`` when the judge fails, ValueError for a row
+    without a baseline."""
+    import asyncio
+
+    from .genrm import GenRMConfig, judge_against_reference
+    from .llm_judge import ChatClient
+
+    if not reference.strip():
+        raise ValueError("genrm held-out evaluation needs the row's answer: a baseline reply to judge against")
+
+    async def run() -> float:
+        async with ChatClient(judge_endpoint()) as client:
+            return await judge_against_reference(client, metadata.get("question", ""), response, reference,
+                                                 GenRMConfig())
 
     return asyncio.run(run())
 

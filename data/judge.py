@@ -1,0 +1,244 @@
+"""The judge model's SFT data: the prompts the judge clients send, and the verdicts their parsers read.
+
+    cascade-rl make-data judge --out runs/data/judge      # sft/judge_pairs.jsonl, sft/judge_qa.jsonl, ...
+    cascade-rl make-tiny-model --task judge --out models/judge && cascade-rl sft model=models/judge ...
+
+RLHF and long-context RL need a judge model; the miniature trains its own, a
+tiny model SFT'd on these rows, served over an OpenAI-compatible endpoint. A
+row's ``prompt`` is exactly the one user message the client sends, so the
+judge learns the very text it is asked at RL time:
+
+- ``judge_pairs``: ``verifiers.genrm.pair_messages(chat prompt, reply 1, reply 2, "generic")`` (what
+  ``score_group`` and ``judge_against_reference`` send) for two final answers to a ``chat`` prompt
+  (data/chat.py), of every kind: concise or verbose and right, another person's name, the wrong
+  sentiment, no name, no sentiment, cut off, empty; in a fifth of the pairs (and in some more, by chance)
+  both replies are of one kind, often of equal quality. Each pair is shown in a random order, so both orders of every kind of pair occur. The
+  verdict, after an empty reasoning, is one line of JSON from the gold qualities q1, q2 of
+  ``chat_quality``, read by ``parse_preference`` as below;
+- ``judge_qa``: ``verifiers.llm_judge.QA_TEMPLATE`` filled as ``judge_answer`` fills it (a
+  ``long_context`` question and reference, data/long_context.py) with an answer that is right (the value,
+  alone or in a sentence) or wrong, often narrowly (one digit off, two digits swapped, a digit dropped or
+  added, a hedge between the value and another, another record's value, no answer); the verdict is
+  ``[[CORRECT]]`` or ``[[INCORRECT]]`` (``parse_correctness``), half of each.
+
+| q1 − q2 | verdict (the response's final answer) | ``parse_preference`` |
+| --- | --- | --- |
+| ≥ 2 | ``{"score_1": q1, "score_2": q2, "ranking": 1}`` | 1.0 |
+| 1 | ... ``"ranking": 2`` | 0.8 |
+| 0 | ``{"score_1": q1, "score_2": q2}`` (no ranking: the template's rankings have no tie) | 0.5 |
+| −1 | ... ``"ranking": 5`` | 0.2 |
+| ≤ −2 | ... ``"ranking": 6`` | 0.0 |
+
+| task | domain | prompt | answer | metadata |
+| --- | --- | --- | --- | --- |
+| judge_pairs | genrm | the generic pair template, filled | the verdict's JSON | ``{"score_1", "score_2", "kinds": [k1, k2], "preference"}`` |
+| judge_qa | llm_judge | ``QA_TEMPLATE``, filled | ``[[CORRECT]]`` or ``[[INCORRECT]]`` | ``{"correct": bool, "kind": ...}`` |
+
+Mixture ``judge``: both, pairs weighted 2 : 1 (the harder skill). SFT reads only
+prompt and response; the domains are the judged domains whose prompts these
+are, so ``check_row`` accepts the rows (``llm_judge`` wants a non-empty answer).
+The prompts fit the judge's 512-token context with a tokenizer trained on this
+data (``make-tiny-model --task judge``): tests/test_chat_tasks.py measures them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+from cascade_rl.verifiers.genrm import pair_messages
+from cascade_rl.verifiers.llm_judge import QA_TEMPLATE, fill
+
+from .chat import FILLERS, INSTRUCTION, News, chat_quality, draw_news, other, reply
+from .long_context import NAMES, question_of, record_line
+from .tasks import Example, Task, register_mix, register_task, think
+
+
+class JudgeExample(Example):
+    """A judge row: its prompt is the whole message the client sends, no instruction after it."""
+
+    @property
+    def prompt(self) -> str:
+        return self.question
+
+
+# --- pairs of chat replies ---------------------------------------------------------------------------
+
+# kind -> weight: mostly what a policy SFT'd on chat writes (right, concise or padded), and its mistakes
+REPLY_KINDS = {"concise": 3, "verbose": 4, "wrong_name": 1, "wrong_sentiment": 1, "no_name": 1, "no_sentiment": 1,
+               "cut": 1, "empty": 0.5}
+SAME_KIND = 0.2  # pairs of one kind: many of equal quality, which the judge must call a tie
+
+
+def chat_reply(rng: random.Random, news: News, kind: str) -> str:
+    """A final answer of ``kind`` to ``news`` (its gold quality is ``chat_quality``'s, whatever the kind)."""
+    name = news.name
+    if kind == "concise":
+        return reply(rng, news.kind, name, 0)
+    if kind == "verbose":
+        return reply(rng, news.kind, name, rng.randint(1, 3))
+    if kind == "wrong_name":
+        return reply(rng, news.kind, rng.choice([n for n in NAMES if n != name]), rng.choice((0, 0, 1, 2)))
+    if kind == "wrong_sentiment":
+        return reply(rng, other(news.kind), name, rng.choice((0, 0, 1, 2)))
+    if kind == "no_name":
+        return reply(rng, news.kind, "", rng.choice((0, 0, 1)))
+    if kind == "no_sentiment":
+        return " ".join([f"Hello, {name}.", *rng.sample(FILLERS, rng.choice((0, 1, 2)))])
+    if kind == "cut":  # a reply stopped mid-way, as a policy's may be
+        words = reply(rng, news.kind, name, rng.randint(1, 3)).split()
+        return " ".join(words[: rng.randint(1, len(words) - 1)])
+    if kind == "empty":
+        return ""
+    raise ValueError(f"unknown reply kind {kind!r}")
+
+
+def pair_verdict(q1: int, q2: int) -> dict:
+    """The JSON verdict for gold qualities q1, q2 (the module docstring's table)."""
+    verdict = {"score_1": q1, "score_2": q2}
+    d = q1 - q2
+    if d:
+        verdict["ranking"] = 1 if d >= 2 else 2 if d == 1 else 5 if d == -1 else 6
+    return verdict
+
+
+def gold_preference(q1: int, q2: int) -> float:
+    """What ``parse_preference`` reads from ``pair_verdict(q1, q2)``: the preference for response 1."""
+    d = max(-2, min(2, q1 - q2))
+    return {2: 1.0, 1: 0.8, 0: 0.5, -1: 0.2, -2: 0.0}[d]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """One item: a chat prompt and two final answers, in the order shown."""
+
+    news: News
+    kinds: tuple[str, str]
+    replies: tuple[str, str]
+
+    @property
+    def conversation(self) -> str:
+        return f"{self.news.question} {INSTRUCTION}"  # the chat row's prompt: the group verifier's ``prompt``
+
+    @property
+    def question(self) -> str:
+        (message,) = pair_messages(self.conversation, *self.replies, "generic")
+        return message["content"]
+
+
+def draw_pair(rng: random.Random) -> Pair:
+    news = draw_news(rng)
+    kinds, weights = list(REPLY_KINDS), list(REPLY_KINDS.values())
+    first = rng.choices(kinds, weights)[0]
+    second = first if rng.random() < SAME_KIND else rng.choices(kinds, weights)[0]
+    shown = [(first, chat_reply(rng, news, first)), (second, chat_reply(rng, news, second))]
+    rng.shuffle(shown)  # either order, so the judge learns no position
+    # stripped, as the clients send final answers
+    return Pair(news, (shown[0][0], shown[1][0]), (shown[0][1].strip(), shown[1][1].strip()))
+
+
+def _pairs(size: int, seed: int) -> list[Pair]:
+    return [draw_pair(random.Random(f"{seed}/{i}")) for i in range(size)]
+
+
+def _judge_pairs(p: Pair, seed: int) -> JudgeExample:
+    q1, q2 = (chat_quality(p.news.metadata, r) for r in p.replies)
+    verdict = json.dumps(pair_verdict(q1, q2))
+    metadata = {"score_1": q1, "score_2": q2, "kinds": list(p.kinds), "preference": gold_preference(q1, q2)}
+    return JudgeExample(p.question, verdict, "genrm", think([], verdict), "", metadata)
+
+
+# --- QA correctness ----------------------------------------------------------------------------------
+
+CORRECT, INCORRECT = "[[CORRECT]]", "[[INCORRECT]]"
+# kind -> weight; the right kinds weigh as much as the wrong ones together
+RIGHT_KINDS = {"value": 3, "value_dot": 1, "sentence": 2, "it_is": 1, "possessive": 1}
+WRONG_KINDS = {"digit_off": 2, "swapped": 1, "dropped": 1, "added": 1, "hedge": 1, "other_value": 1,
+               "wrong_sentence": 1, "unknown": 0.5, "empty": 0.5}
+
+
+def _one_digit_off(rng: random.Random, value: str) -> str:
+    i = rng.randrange(len(value))
+    digits = [d for d in "0123456789" if d != value[i] and not (i == 0 and d == "0")]
+    return value[:i] + rng.choice(digits) + value[i + 1:]
+
+
+def wrong_value(rng: random.Random, value: str, kind: str) -> str:
+    """A value near ``value`` (never equal to it) of a wrong kind."""
+    if kind == "swapped":
+        spots = [i for i in range(len(value) - 1) if value[i] != value[i + 1] and not (i == 0 and value[1] == "0")]
+        if spots:
+            i = rng.choice(spots)
+            return value[:i] + value[i + 1] + value[i] + value[i + 2:]
+    if kind == "dropped":
+        i = rng.randrange(len(value))
+        out = value[:i] + value[i + 1:]
+        if out and out != value and not out.startswith("0"):
+            return out
+    if kind == "added":
+        i = rng.randrange(1, len(value) + 1)
+        return value[:i] + rng.choice("0123456789") + value[i:]
+    if kind == "other_value":
+        while (out := str(rng.randint(10, 999))) == value:
+            pass
+        return out
+    return _one_digit_off(rng, value)  # digit_off, and the fallback of a kind the value does not allow
+
+
+def qa_answer(rng: random.Random, name: str, value: str, kind: str) -> str:
+    """A final answer of ``kind`` to "What is the code of NAME?" whose reference is ``value``."""
+    right = {"value": value, "value_dot": f"{value}.", "sentence": record_line(name, value),
+             "it_is": f"It is {value}.", "possessive": f"{name}'s code is {value}."}
+    if kind in right:
+        return right[kind]
+    if kind == "hedge":
+        return f"{value} or {wrong_value(rng, value, 'digit_off')}"
+    if kind == "wrong_sentence":
+        return record_line(name, wrong_value(rng, value, "digit_off"))
+    if kind == "unknown":
+        return "I do not know."
+    if kind == "empty":
+        return ""
+    return wrong_value(rng, value, kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class Graded:
+    """One item: a long-context question, its reference and an answer to grade."""
+
+    name: str
+    value: str
+    kind: str
+    answer: str
+
+    @property
+    def correct(self) -> bool:
+        return self.kind in RIGHT_KINDS
+
+    @property
+    def question(self) -> str:
+        # as judge_answer fills it: the row's metadata["question"], its reference, the stripped final answer
+        return fill(QA_TEMPLATE, question=question_of(self.name), reference=self.value, answer=self.answer.strip())
+
+
+def draw_graded(rng: random.Random) -> Graded:
+    name, value = rng.choice(NAMES), str(rng.randint(10, 999))
+    kinds = RIGHT_KINDS if rng.random() < 0.5 else WRONG_KINDS
+    kind = rng.choices(list(kinds), list(kinds.values()))[0]
+    return Graded(name, value, kind, qa_answer(rng, name, value, kind))
+
+
+def _graded(size: int, seed: int) -> list[Graded]:
+    return [draw_graded(random.Random(f"{seed}/{i}")) for i in range(size)]
+
+
+def _judge_qa(g: Graded, seed: int) -> JudgeExample:
+    verdict = CORRECT if g.correct else INCORRECT
+    return JudgeExample(g.question, verdict, "llm_judge", think([], verdict), "",
+                        {"correct": g.correct, "kind": g.kind})
+
+
+register_task("judge_pairs", Task(_judge_pairs, "genrm", 10 << 40, _pairs))
+register_task("judge_qa", Task(_judge_qa, "llm_judge", 11 << 40, _graded))
+register_mix("judge", {"judge_pairs": 2, "judge_qa": 1})

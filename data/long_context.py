@@ -1,0 +1,107 @@
+"""The long-context task (paper §4.6): find one record among many distracting ones, judged by an LLM.
+
+    from cascade_rl.data.tasks import load_task
+    splits = load_task("long_context", {"heldout": 64, "rl": 2000, "sft": 1000})
+    load_task("long_context", {"rl": 500}, min_records=4, max_records=20)  # shorter documents
+
+A miniature of long-context QA for the tiny model: the prompt is a document of
+records, one a line ("The code of Ada is 482."), then a question about one of
+them; the answer is that record's value. Keys are short first names (``NAMES``:
+most are single tokens of the tiny tokenizer), unique within a document;
+values have 2-3 digits. The number of records is uniform in ``[min_records,
+max_records]`` (``params``; the defaults fill the tiny model's 512-token
+context: prompts of at most ~480 tokens of a tokenizer trained on this task),
+and the asked record's line is uniform among them, so it often sits deep inside
+a long document; ``metadata`` records both, for accuracy by depth.
+
+| task | domain | the prompt asks for | reference | metadata |
+| --- | --- | --- | --- | --- |
+| long_context | llm_judge | the value of one record of the document | the value (``"482"``) | ``{"question": "What is the code of Ada?", "records": n, "position": k}`` |
+
+``position`` is the asked record's line, 0-based (``k / (n - 1)`` is its depth).
+``metadata["question"]`` is all the judge sees (verifiers/registry.py
+``_llm_judge`` hands it to ``judge_answer``; a row's own ``question`` wins over
+the prompt), never the document: judging needs only the question, the reference
+and the answer. The worked solution copies the record's line as its one-line
+reasoning, then answers with the value: ``The code of Ada is 482.\\n</think>\\n\\n482``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from .tasks import Example, Task, register_task, think
+
+# Keys: short first names, so most are one token of a small BPE and ~50 fit one document. None is a common
+# capitalised English word (May, Will, Pat ...): chat.py's gold reads a capitalised name in a reply as addressing
+# that person.
+NAMES = (
+    "Ada", "Amy", "Ann", "Ben", "Bob", "Cal", "Cody", "Dan", "Dee", "Eli", "Eve", "Fay", "Gus", "Hal", "Ian",
+    "Ida", "Ivy", "Jack", "Jan", "Jay", "Jim", "Joe", "Jon", "Kay", "Ken", "Kim", "Lea", "Lee", "Liz", "Lou",
+    "Meg", "Mia", "Ned", "Nia", "Noa", "Ola", "Pam", "Paz", "Ray", "Rex", "Ron", "Roy", "Sam", "Sue", "Ted",
+    "Tim", "Tom", "Una", "Val", "Vic", "Wes", "Yan", "Zac", "Zoe", "Abe", "Bea", "Cid", "Deb", "Ed", "Flo",
+    "Gil", "Hana", "Ike", "Jo",
+)
+INSTRUCTION = "Reply with the code only."
+MIN_RECORDS = 4
+# Prompts of up to ~480 tokens (p50 ~260; 11 tokens a record) of the tiny tokenizer trained on this task, leaving ~30 for the answer
+# in a 512-token context; tests/test_chat_tasks.py measures it.
+MAX_RECORDS = 41
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One item: the records in document order and the one asked about."""
+
+    records: tuple[tuple[str, int], ...]
+    position: int
+
+    @property
+    def key(self) -> str:
+        return self.records[self.position][0]
+
+    @property
+    def value(self) -> int:
+        return self.records[self.position][1]
+
+    @property
+    def ask(self) -> str:
+        return question_of(self.key)
+
+    @property
+    def question(self) -> str:
+        """The document and the question: what splits are disjoint in."""
+        return "\n".join(record_line(k, v) for k, v in self.records) + "\n" + self.ask
+
+
+def record_line(key: str, value: int) -> str:
+    return f"The code of {key} is {value}."
+
+
+def question_of(key: str) -> str:
+    return f"What is the code of {key}?"
+
+
+def draw_document(rng: random.Random, min_records: int, max_records: int) -> Document:
+    n = rng.randint(min_records, max_records)
+    keys = rng.sample(NAMES, n)
+    return Document(tuple((k, rng.randint(10, 999)) for k in keys), rng.randrange(n))
+
+
+def _documents(size: int, seed: int, min_records: int = MIN_RECORDS, max_records: int = MAX_RECORDS) -> list[Document]:
+    if not 1 <= min_records <= max_records <= len(NAMES):
+        raise ValueError(f"long_context needs 1 <= min_records <= max_records <= {len(NAMES)} (keys are unique "
+                         f"names), got {min_records}, {max_records}")
+    # item i from a generator of its own: a longer stream keeps the same first items (stable splits)
+    return [draw_document(random.Random(f"{seed}/{i}"), min_records, max_records) for i in range(size)]
+
+
+def _long_context(d: Document, seed: int) -> Example:
+    value = str(d.value)
+    solution = think([record_line(d.key, d.value)], value)
+    metadata = {"question": d.ask, "records": len(d.records), "position": d.position}
+    return Example(d.question, value, "llm_judge", solution, INSTRUCTION, metadata)
+
+
+register_task("long_context", Task(_long_context, "llm_judge", 8 << 40, _documents))
