@@ -253,3 +253,8 @@ def load_mixture(weights: Mapping[str, float], sizes: Mapping[str, int], seed: i
 
 # the task families register themselves (each imports this module's registries)
 from . import arithmetic, chat, coding, judge, long_context  # noqa: E402, F401
+
+# every policy domain of the paper's cascade in miniature (`cascade-rl cascade full`): the SFT warm start and the
+# held-out set of every stage; the judge model's data is the mixture ``judge`` (data/judge.py)
+register_mix("full", {"arithmetic": 1, "arithmetic_mcqa": 1, "arithmetic_json": 1, "arithmetic_if": 1, "chat": 1,
+                      "long_context": 1, "code_fn": 1, "swe_patch": 1, "swe_agent": 1})

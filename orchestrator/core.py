@@ -252,7 +252,7 @@ class Core(TrajectoryRules):
             return
         g.scores[int(index)] = s
         if s.unavailable and not g.error:  # a judge down, no sandbox: not a reward of 0 (verifiers/errors.py)
-            g.error = f"verifier_unavailable: {s.reason}"
+            g.error = f"{rules.UNAVAILABLE}: {s.reason}"
 
     def _on_teacher(self, ident: bytes, t: TeacherLogprobs) -> None:
         g, index, attempt = self._reply(ident, t.key)

@@ -19,6 +19,9 @@ from cascade_rl.protocol.messages import Rollout, SamplingParams, Score
 from .turns import Trajectory
 
 TEACHER = "teacher"  # the index part of a teacher request's key
+# the reason of a group failed by a verifier that could not score (verifiers/errors.py): not the prompts' fault, so
+# its replacements do not use up refill rounds (orchestrator/main.py sample_batch)
+UNAVAILABLE = "verifier_unavailable"
 
 
 @dataclasses.dataclass

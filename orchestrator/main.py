@@ -17,6 +17,7 @@ supervisor/stall.py, prints it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -48,12 +49,21 @@ from . import evaluate as evaluation
 from . import turns
 from .batch import build_batch, mismatch_summary, step_metrics
 from .core import Core, Rules
-from .groups import Group
+from .groups import UNAVAILABLE, Group
 from .ledger import LEDGER_FILE, Ledger, compare_trainer
 from .report import MetricsLog, live_metrics, write_summary
 
 log = logging.getLogger("orchestrator")
 INBOUND = (Ready, Rollout, Score, TeacherLogprobs, StepDone, WeightsReady, EnvReply)
+UNAVAILABLE_MAX_WAIT_S = 30.0  # the longest wait between refill rounds while a verifier is unavailable
+
+
+@dataclasses.dataclass
+class Outage:
+    """Refill rounds of one step that lost groups to an unavailable verifier, in a row, and since when."""
+
+    since: float = 0.0
+    rounds: int = 0
 
 
 class Orchestrator:
@@ -136,11 +146,12 @@ class Orchestrator:
 
     def sample_batch(self, step: int) -> list[Group]:
         """``prompts_per_step`` complete groups sampled for ``step``. Filtered and stale groups are replaced by new
-        ones, for at most ``max_refill_rounds`` rounds."""
+        ones, for at most ``max_refill_rounds`` rounds; a round that lost groups to an unavailable verifier (a judge
+        server restarting) does not count: the next waits for it to come back (``wait_for_verifiers``)."""
         t, o, s = self.cfg.trainer, self.cfg.orchestrator, self.cfg.sampling
         sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
-        wanted, kept = t.prompts_per_step, []
-        for _ in range(o.max_refill_rounds + 1):
+        wanted, kept, rounds, outage = t.prompts_per_step, [], 0, Outage()
+        while True:
             batch = []
             for _ in range(wanted - len(kept)):
                 row = self.prompts.next()  # rendered when drawn, never kept: a file may hold millions
@@ -153,10 +164,33 @@ class Orchestrator:
             kept += self.core.settle(batch)
             if len(kept) == wanted:
                 return kept
-        raise RuntimeError(
-            f"step {step}: only {len(kept)} of {wanted} groups survived {o.max_refill_rounds} refill rounds "
-            f"(filtered so far: {self.core.ledger.reasons}); the prompts are all too easy or too hard "
-            f"for this model, or raise orchestrator.max_refill_rounds")
+            if unavailable := [g.error for g in batch if g.error.startswith(UNAVAILABLE)]:
+                self.wait_for_verifiers(step, len(unavailable), unavailable[-1], outage)
+                continue
+            outage = Outage()
+            rounds += 1
+            if rounds > o.max_refill_rounds:
+                raise RuntimeError(
+                    f"step {step}: only {len(kept)} of {wanted} groups survived {o.max_refill_rounds} refill rounds "
+                    f"(filtered so far: {self.core.ledger.reasons}); the prompts are all too easy or too hard "
+                    f"for this model, or raise orchestrator.max_refill_rounds")
+
+    def wait_for_verifiers(self, step: int, lost: int, reason: str, outage: Outage) -> None:
+        """``lost`` groups of this round failed because a verifier could not score (a judge down or restarting: the
+        supervisor restarts a judge it serves). Replacements sampled now would fail the same way, so wait first: 1 s,
+        doubling each round, at most 30 s; past ``orchestrator.unavailable_timeout_s`` of this the step fails."""
+        now = time.monotonic()
+        outage.since, outage.rounds = outage.since or now, outage.rounds + 1
+        limit = self.cfg.orchestrator.unavailable_timeout_s
+        if now - outage.since > limit:
+            raise RuntimeError(f"step {step}: verifiers unavailable for over orchestrator.unavailable_timeout_s={limit:g} "
+                               f"s; the last reason: {reason}")
+        wait = min(UNAVAILABLE_MAX_WAIT_S, 2.0 ** (outage.rounds - 1))
+        log.warning("step %d: %d groups lost to an unavailable verifier (%s); new groups in %g s", step, lost,
+                    reason[:300], wait)
+        until = now + wait
+        self.pump(lambda: time.monotonic() >= until,
+                  f"step {step}: {wait:g} s before new groups, a verifier being unavailable ({reason[:200]})")
 
     def to_trainer(self, step: int, groups: list[Group]) -> None:
         self.pump(lambda: self.core.pool.have("trainer"), "the trainer")

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from cascade_rl.environments.base import EnvSettings
 
+from . import judge
 from .config_errors import ConfigError, explain, renamed_overrides, unknown_keys
 from .schema import LaunchConfig
 
@@ -60,6 +61,7 @@ def compose(preset: str | None, overrides: list[str], check: bool = True) -> Dic
         cfg.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     if cfg.resume and not cfg.trainer.resume_from:
         cfg.trainer.resume_from = "latest"
+    judge.apply_defaults(cfg.verifier.judge)  # a served judge's name, which the verifiers send
     if check:
         validate(cfg)
     return cfg
@@ -125,6 +127,7 @@ def validate(cfg: DictConfig) -> None:
     known = set(VERIFIERS) | set(GROUP_VERIFIERS)
     if unknown := [d for d in v.domains if d not in known]:
         problems.append(f"verifier.domains: no verifier for {unknown} (registered: {sorted(known)})")
+    problems += judge.problems(v.judge)
     teachers = cfg.teacher.checkpoints
     if teachers and t.algorithm != "mopd":
         problems.append("teacher.checkpoints are used by trainer.algorithm=mopd only")

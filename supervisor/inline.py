@@ -8,7 +8,8 @@ orchestrator, the ledger, the books and the summary are those of a normal launch
 process has one environment: every role runs on the CPU (no ``gpus.*``), the trainer has one rank, samplers use
 the in-process engines (not SGLang's servers), verifiers score in their own thread (``InThreadPool``: a hung
 verifier is not killed), and a role that raises fails the run with its traceback in ``logs/inline.log`` instead
-of being restarted.
+of being restarted. A judge served by the supervisor (``verifier.judge.serve``) is the one process of its own, as in
+a normal launch (logs/judge.log; restarted when it dies): it is another program's server, not a role's ``main()``.
 """
 
 from __future__ import annotations

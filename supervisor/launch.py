@@ -10,7 +10,8 @@ tcp socket of the run admits only holders of ``<run_dir>/auth.keys``, mode 0600)
 own OS process: the orchestrator, the trainer, the samplers, the
 verifiers and, for MOPD, one teacher server per distinct teacher checkpoint
 (``teacher.checkpoints``: domain -> checkpoint); with ``sampler.engine=sglang``, one
-SGLang server per sampler too (supervisor/procs.py). With ``--inline`` each role is a
+SGLang server per sampler too (supervisor/procs.py); with ``verifier.judge.serve``, the judge
+model's server, healthy before the verifiers start (supervisor/judge.py). With ``--inline`` each role is a
 thread of this process instead (supervisor/inline.py). Each process sees exactly the GPUs the config's
 ``gpus`` section gives its role (supervisor/placement.py; ``CUDA_VISIBLE_DEVICES``,
 empty for CPU processes); a layout the machine cannot hold is refused before any
@@ -44,7 +45,7 @@ from cascade_rl.protocol.sockets import recv, send
 from cascade_rl.protocol.weights import shm_dir
 
 from . import inline as inline_mode
-from . import placement, stall
+from . import judge, placement, stall
 from .config_errors import ConfigError
 from .display import Display
 from .inline import ThreadProc
@@ -115,6 +116,8 @@ class Supervisor:
             endpoints = {name: f"ipc://{self.sock_dir}/{name}" for name in names}
         cfg.endpoints.update(endpoints)
         cfg.model.path = str(Path(cfg.model.path).resolve())
+        if judge.needed(cfg):  # the verifiers read the served judge's URL from config.yaml
+            judge.assign_port(cfg.verifier.judge)
         self.cfg = cfg
         self.config_path = self.run_dir / "config.yaml"
         self.config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -138,7 +141,7 @@ class Supervisor:
     # ------------------------------------------------------------------ processes
 
     def spawn(self, proc: Proc) -> None:
-        if self.inline:
+        if self.inline and not proc.cmd:  # a server (the judge's) is a process of its own with --inline too
             proc.popen = ThreadProc(MODULES[proc.role], ["--config", str(self.config_path), "--worker-id",
                                                          proc.worker_id, *proc.args], proc.worker_id)
             proc.state, proc.last_beat = "starting", time.monotonic()
@@ -163,10 +166,18 @@ class Supervisor:
         proc.state, proc.last_beat = "starting", time.monotonic()
 
     def start(self) -> None:
+        """Start every role's processes; a served judge first, healthy before the verifiers (it loads while the
+        trainer and samplers do). Raises ``JudgeStartError`` when it never answers."""
+        served = self.add(judge.judge_proc(self.cfg)) if judge.needed(self.cfg) else None
         self.add(Proc("orchestrator", "orchestrator"))
         self.add(Proc("trainer", "trainer-0", gpus=placement.gpus_of(self.cfg, "trainer")))
         for i in range(self.cfg.sampler.count):
             self.add_sampler(f"sampler-{i}", i)
+        if served is not None:
+            judge.wait_healthy(self.cfg.verifier.judge.base_url, self.cfg.verifier.judge.startup_s,
+                               lambda: served.popen.poll(), self.run_dir / "logs" / "judge.log",
+                               tick=lambda: self.serve(timeout_ms=200))
+            served.state = "serving"
         for i in range(self.cfg.verifier.count):
             self.add(Proc("verifier", f"verifier-{i}"))
         for i in range(self.cfg.environment.count if self.cfg.environment.serve else 0):
@@ -209,6 +220,8 @@ class Supervisor:
                     self.spawn(p)
                 continue
             rc = p.popen.poll()
+            if p.role == "judge" and rc is None and p.state == "starting":  # restarted: serving once healthy
+                p.state = "serving" if judge.healthy(self.cfg.verifier.judge.base_url, 0.2) else p.state
             if p.role == "orchestrator" and rc is not None:
                 return "done" if rc == 0 else f"orchestrator exited with code {rc} (see logs/orchestrator.log)"
             if p.role == "trainer" and rc is not None:  # a fresh trainer would restart at version 0: resume instead
@@ -217,11 +230,11 @@ class Supervisor:
             silent = p.role not in SERVER_ROLES and now - p.last_beat > sup.heartbeat_timeout_s
             if rc is None and not silent:
                 continue
-            if rc is None:  # hung: no heartbeat for too long
+            if rc is None or p.role in SERVER_ROLES:  # hung; or a server whose children outlive it (vLLM's engine)
                 self._kill(p.popen)
             if p.serves in self.procs and self.procs[p.serves].popen is not None:
                 self._kill(self.procs[p.serves].popen)  # a fresh server has the base weights: so must its sampler
-            if p.restarts >= sup.max_restarts or self.inline:  # inline: the traceback is the answer
+            if p.restarts >= sup.max_restarts or (self.inline and not p.cmd):  # inline: the traceback is the answer
                 return f"{p.worker_id} failed {p.restarts + 1} times (see logs/{p.worker_id}.log)"
             p.state = f"exited({rc})" if rc is not None else "hung"
             p.popen = None
@@ -299,20 +312,21 @@ class Supervisor:
         return {"started": started, "retiring": [p.worker_id for p in old], "impl": {domain: impl}}
 
     def stop_all(self) -> None:
-        if self.inline:  # daemon threads: they end with this process
-            shutil.rmtree(shm_dir(self.cfg.run_id), ignore_errors=True)
-            return
-        for p in self.procs.values():
-            if p.popen is not None and p.popen.poll() is None:
+        # --inline: the roles are daemon threads, which end with this process; only servers are processes
+        procs = [p for p in self.procs.values() if p.popen is not None and (p.cmd or not self.inline)]
+        for p in procs:
+            if p.popen.poll() is None:
                 os.killpg(p.popen.pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
-        for p in self.procs.values():
-            if p.popen is not None:
-                try:
-                    p.popen.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    self._kill(p.popen)
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
+        for p in procs:
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._kill(p.popen)
+            if p.role in SERVER_ROLES:  # another project's children (vLLM's engine core) must not outlive the run
+                self._kill(p.popen)
+        if not self.inline:
+            shutil.rmtree(self.sock_dir, ignore_errors=True)
         shutil.rmtree(shm_dir(self.cfg.run_id), ignore_errors=True)
 
     @staticmethod
@@ -390,9 +404,9 @@ class Supervisor:
         display = Display(self.cfg.supervisor.progress, self.cfg.trainer.steps, self.run_dir)
         # SIGTERM (a CI timeout, `kill`) must stop the workers too, like Ctrl-C does
         signal.signal(signal.SIGTERM, _interrupt)
-        self.start()
         outcome = "running"
         try:
+            self.start()
             with display:
                 while outcome == "running":
                     self.serve(timeout_ms=200)
@@ -401,6 +415,8 @@ class Supervisor:
                     self.report_stall(display)
         except KeyboardInterrupt:
             outcome = "interrupted"
+        except judge.JudgeStartError as e:  # the launch fails with the judge's log; everything started stops
+            outcome = str(e)
         finally:
             self.stop_all()
             for s in (self.beats, self.control):

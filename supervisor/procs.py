@@ -22,7 +22,9 @@ MODULES = {
     "teacher": "cascade_rl.teachers.server",
     "environment": "cascade_rl.environments.worker",
 }
-SERVER_ROLES = {"sglang"}  # processes that are not our workers: no heartbeats, watched by their exit alone
+# processes that are not our workers (no heartbeats, watched by their exit alone): SGLang servers, and the judge
+# model's server (supervisor/judge.py: samplers/chat_server.py or vLLM's)
+SERVER_ROLES = {"sglang", "judge"}
 
 
 def teacher_groups(teachers) -> dict[str, list[str]]:

@@ -8,7 +8,8 @@ memory-mapped (data/promptset.py). It imports the user's reward modules
 (data/prepare.py), and settles the rules that need the data: which domains the
 verifier workers serve (``verifier.domains``, filled with the data's
 domains when empty), that judge-scored domains have a judge model
-(``verifier.judge.model``) and, for MOPD, that every trained domain has a teacher.
+(``verifier.judge.model``, or one the supervisor serves: supervisor/judge.py)
+and, for MOPD, that every trained domain has a teacher.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def prepare_run_data(cfg: DictConfig) -> Report:
     from cascade_rl.verifiers.registry import JUDGED_DOMAINS
 
     if (judged := sorted(set(v.domains) & JUDGED_DOMAINS)) and not v.judge.model:
-        raise ConfigError(f"domains {judged} are scored by a judge model: set verifier.judge.model (and "
-                          f"verifier.judge.base_url, its OpenAI-compatible endpoint, e.g. a vLLM server)")
+        raise ConfigError(f"domains {judged} are scored by a judge model: set verifier.judge.model and "
+                          f"verifier.judge.base_url (its OpenAI-compatible endpoint, e.g. a vLLM server), or serve "
+                          f"one: verifier.judge.serve=torch (or vllm) verifier.judge.path=DIR")
     cfg.environment.serve = environments_of(cfg, report, used)
     if cfg.trainer.algorithm == "mopd":
         trained = set(report.domains["train"])

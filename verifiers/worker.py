@@ -14,7 +14,8 @@ cannot take the worker down with it:
   (a judge endpoint down, no sandbox: verifiers/errors.py) yields ``unavailable=True``
   as well, and the orchestrator fails the group instead of training on a 0;
 - one that runs past the request's ``deadline_s`` has its process killed and
-  replaced, and yields ``ok=False`` with "timeout";
+  replaced, and yields ``ok=False`` with "timeout" (``unavailable=True`` too for a
+  judged domain, ``registry.JUDGED_DOMAINS``: the judge hangs, the response is not at fault);
 - one whose process dies (a segfault, ``os._exit``, the OOM killer) yields
   ``ok=False`` with the exit code, and the process is replaced.
 
@@ -223,7 +224,10 @@ class Pool:
             self._start_head(slot)
         keys = req.keys if isinstance(req, GroupScoreRequest) else [req.key]
         log.warning("%s: %s", keys[0], reason)
-        return [Score(k, 0.0, False, reason, time.monotonic() - t0) for k in keys]
+        # a judged domain past its deadline waited on a judge that hangs (or is frozen): the judge's fault, not the
+        # response's, so its group fails as unavailable instead of training on a 0 (verifiers/errors.py)
+        hung_judge = reason.startswith("timeout") and req.domain in registry.JUDGED_DOMAINS
+        return [Score(k, 0.0, False, reason, time.monotonic() - t0, unavailable=hung_judge) for k in keys]
 
     def close(self) -> None:
         for s in self.slots:
