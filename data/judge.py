@@ -8,7 +8,7 @@ tiny model SFT'd on these rows, served over an OpenAI-compatible endpoint. A
 row's ``prompt`` is exactly the one user message the client sends, so the
 judge learns the very text it is asked at RL time:
 
-- ``judge_pairs``: ``verifiers.genrm.pair_messages(chat prompt, reply 1, reply 2, "generic")`` (what
+- ``judge_pairs``: ``verifiers.genrm.pair_messages(chat prompt, reply 1, reply 2, TEMPLATE)`` (what
   ``score_group`` and ``judge_against_reference`` send) for two final answers to a ``chat`` prompt
   (data/chat.py), of every kind: concise or verbose and right, another person's name, the wrong
   sentiment, no name, no sentiment, cut off, empty; in a fifth of the pairs (and in some more, by chance)
@@ -53,6 +53,10 @@ from cascade_rl.verifiers.llm_judge import QA_TEMPLATE, fill
 from .chat import FILLERS, INSTRUCTION, News, chat_quality, draw_news, other, reply
 from .long_context import NAMES, question_of, record_line
 from .tasks import Example, Task, register_mix, register_task, think
+
+# the pair prompt the judge is trained on and served with (verifier.judge.genrm.template=compact): a tiny judge's
+# context is mostly the two replies, not the instructions
+TEMPLATE = "compact"
 
 
 class JudgeExample(Example):
@@ -123,7 +127,7 @@ class Pair:
 
     @property
     def question(self) -> str:
-        (message,) = pair_messages(self.conversation, *self.replies, "generic")
+        (message,) = pair_messages(self.conversation, *self.replies, TEMPLATE)
         return message["content"]
 
 

@@ -319,8 +319,10 @@ class Core(TrajectoryRules):
 
     def _queue_score(self, g: Group, index: int) -> None:
         """Rollout ``index`` to be scored; for a group domain (GenRM) the whole group once, when every rollout is
-        in (index -1: every rollout still without a score)."""
-        if not is_group_domain(g.row.domain):
+        in (index -1: every rollout still without a score). An evaluation group of a group domain is scored one
+        response at a time by the domain's held-out verifier (``EVAL_VERIFIERS``: GenRM against the row's
+        baseline answer), since group-relative rewards average the same in every group."""
+        if not is_group_domain(g.row.domain) or not g.train:
             self.score_queue.append((g.group_id, index))
         elif len(g.rollouts) == g.n and (g.group_id, -1) not in self.score_queue:
             self.score_queue.append((g.group_id, -1))

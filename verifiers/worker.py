@@ -54,7 +54,7 @@ from cascade_rl.protocol.worker_main import worker_start
 
 from . import registry
 from .errors import VerifierUnavailable
-from .registry import GROUP_VERIFIERS, VERIFIERS, load_plugins  # plugins: module names or .py paths
+from .registry import EVAL_VERIFIERS, GROUP_VERIFIERS, VERIFIERS, load_plugins  # plugins: module names or .py paths
 
 log = logging.getLogger("verifier")
 
@@ -62,7 +62,8 @@ log = logging.getLogger("verifier")
 def score_one(req: ScoreRequest, impls: dict[str, str] | None = None) -> Score:
     """Score one request in this process; never raises."""
     t0 = time.perf_counter()
-    fn = VERIFIERS.get((impls or {}).get(req.domain, req.domain))
+    name = (impls or {}).get(req.domain, req.domain)
+    fn = VERIFIERS.get(name) or EVAL_VERIFIERS.get(name)  # the held-out verifier of a group domain (evaluation)
     if fn is None:
         return Score(req.key, 0.0, False, f"no verifier for domain {req.domain!r}", 0.0)
     try:
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no verifier registered for domains {unknown}; known: {sorted(VERIFIERS)}")
 
     # --- the pool (in this thread with --inline), then serve on the worker runtime
-    settings = {"judge": OmegaConf.to_container(v.judge)}
+    settings = {"judge": OmegaConf.to_container(v.judge, enum_to_str=True)}
     if cfg.get("inline"):
         registry.SETTINGS.update(settings)
         pool = InThreadPool(impls)
