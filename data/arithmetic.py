@@ -56,7 +56,7 @@ from collections.abc import Callable
 
 import reasoning_gym
 
-from .tasks import BOXED_INSTRUCTION, TURN_PREFIX, Example, Task, register_mix, register_task, think, tool_call
+from .task_base import BOXED_INSTRUCTION, TURN_PREFIX, Example, Task, register_mix, register_task, think, tool_call
 
 MCQA_INSTRUCTION = "Answer with the letter of the correct option in \\boxed{}."
 MCQA_LETTERS = ("A", "B", "C", "D")

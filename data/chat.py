@@ -41,7 +41,7 @@ import random
 import re
 
 from .long_context import NAMES
-from .tasks import Example, Task, register_task, think
+from .task_base import Example, Task, register_task, think
 
 INSTRUCTION = "Reply in one short sentence."
 # (first person, as the user tells it; third person, as the reasoning states it)

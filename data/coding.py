@@ -47,7 +47,7 @@ import random
 
 from .mutants import cover, function, kill_sets, told_apart
 from .swe_repos import Repo, agent_problems, patch_problems
-from .tasks import TURN_PREFIX, Example, Task, register_mix, register_task, think, tool_call
+from .task_base import TURN_PREFIX, Example, Task, register_mix, register_task, think, tool_call
 
 CODE_INSTRUCTION = "Reply with the function in a ```python block."
 PATCH_INSTRUCTION = "Reply with one SEARCH/REPLACE edit that fixes it."

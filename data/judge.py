@@ -52,7 +52,7 @@ from cascade_rl.verifiers.llm_judge import QA_TEMPLATE, fill
 
 from .chat import FILLERS, INSTRUCTION, News, chat_quality, draw_news, other, reply
 from .long_context import NAMES, question_of, record_line
-from .tasks import Example, Task, register_mix, register_task, think
+from .task_base import Example, Task, register_mix, register_task, think
 
 # the pair prompt the judge is trained on and served with (verifier.judge.genrm.template=compact): a tiny judge's
 # context is mostly the two replies, not the instructions

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from .tasks import Example, Task, register_task, think
+from .task_base import Example, Task, register_task, think
 
 # Keys: short first names, so most are one token of a small BPE and ~50 fit one document. None is a common
 # capitalised English word (May, Will, Pat ...): chat.py's gold reads a capitalised name in a reply as addressing

@@ -12,104 +12,34 @@ are question-disjoint.
     splits = load_task("cascade", {"heldout": 64, "rl": 2000, "sft": 4000})  # a mixture: four domains
     domains("cascade")  # ['math', 'mcqa', 'structured_output', 'instruction_following']
 
-Each family of tasks lives in a module of its own that registers its tasks (``register_task``) and mixtures
-(``register_mix``): data/arithmetic.py (the four arithmetic domains of the cascade and the tool tasks); the
-module's docstring has its table of tasks. This module holds what they share: ``Example``, ``Task``, the
-registries, the question-disjoint splits and the mixtures.
+Each family of tasks lives in a module of its own that registers its tasks and mixtures in data/task_base.py's
+registries: data/arithmetic.py (the four arithmetic domains of the cascade, the tool tasks), data/chat.py (RLHF's
+prompts), data/long_context.py, data/coding.py (code RL, agentless and agentic SWE) and data/judge.py (the judge
+model's SFT data); each module's docstring has its table of tasks. This module is the catalog: it imports every
+family, makes the question-disjoint splits and the mixtures (``full``: every policy domain of the cascade).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import random
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Mapping
 
-# The paper's math prompts ask for the final answer in \boxed{}; the strict
-# binary reward (verifiers/math.py) reads only that.
-BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
-
-# What the thinking-mode generation prompt opens the assistant turn with (data/render.py ``prefix``): an assistant
-# message of a trace holds it, as the chat template renders the model's earlier turns in the conversation.
-TURN_PREFIX = "<think>\n"
-
-
-@dataclasses.dataclass(frozen=True)
-class Example:
-    question: str
-    """The problem ("Calculate 7 + 5 - 3."): splits are disjoint in it."""
-    answer: str
-    """The reference the domain's verifier gets."""
-    domain: str
-    """Reward domain: the verifier of verifiers/registry.py that scores it."""
-    solution: str
-    """Worked solution for SFT: the reasoning, ``</think>``, then the final answer (the text after the generation
-    prompt: the model's turn, which the verifier scores)."""
-    instruction: str = BOXED_INSTRUCTION
-    """What follows the question in the prompt: options, answer format, verifiable instructions."""
-    metadata: dict = dataclasses.field(default_factory=dict, hash=False)
-    """What the domain's verifier gets as metadata (a dict: left out of the hash, so Examples stay hashable)."""
-    turns: tuple[dict, ...] = dataclasses.field(default=(), hash=False)
-    """A multi-turn task's SFT trace: the messages after the prompt, ``{"role": "assistant" | "tool", "content"}``,
-    each assistant content the whole turn as the template renders it in the conversation (``TURN_PREFIX`` and
-    what the model generated after it); ``solution`` is then the last turn's generated text. Empty for single-turn
-    tasks (left out of the hash, as ``metadata``)."""
-    env: str = ""
-    """The environment whose tools the model calls mid-rollout (the rows' ``env``); "" for single-turn tasks."""
-
-    @property
-    def prompt(self) -> str:
-        return f"{self.question} {self.instruction}"
-
-
-def think(reasoning: list[str] | tuple[str, ...], final: str) -> str:
-    """The assistant turn after the thinking-mode generation prompt ('<think>\\n'): reasoning, then the answer."""
-    body = "\n".join(reasoning)
-    return f"{body}\n</think>\n\n{final}"
-
-
-def tool_call(name: str, arguments: dict) -> str:
-    """One Hermes/Qwen3-style call in the assistant's text (environments/tool_calls.py reads it)."""
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
-
-
-class Item(Protocol):
-    """What a task's generator yields: anything with the question that splits are disjoint in."""
-
-    question: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    render: Callable[[Any, int], Example]
-    """(item, stream seed) -> Example."""
-    domain: str
-    """The reward domain of its Examples."""
-    stream: int
-    """Offset of its generator's seed: tasks draw different streams (reasoning-gym seeds item i with
-    ``seed + i``, so the offsets lie far apart); tasks of one stream ask the same questions."""
-    problems: Callable[..., list[Item]]
-    """(size, stream seed, **params) -> the stream's first ``size`` items."""
-
-
-TASKS: dict[str, Task] = {}
-MIXES: dict[str, dict[str, float]] = {}
-SPLITS = ("heldout", "rl", "sft")
-
-
-def register_task(name: str, task: Task) -> None:
-    """Add a task to ``TASKS``; a second task of the same name raises ValueError."""
-    if name in TASKS:
-        raise ValueError(f"task {name!r} registered twice")
-    TASKS[name] = task
-
-
-def register_mix(name: str, weights: dict[str, float]) -> None:
-    """Add a mixture (task -> weight) to ``MIXES``; a second one of the same name raises ValueError."""
-    if name in MIXES or name in TASKS:
-        raise ValueError(f"mixture {name!r} registered twice (or a task of that name exists)")
-    MIXES[name] = weights
+# every task family registers its tasks and mixtures in task_base's registries when imported
+from . import arithmetic, chat, coding, judge, long_context  # noqa: F401
+from .task_base import (  # noqa: F401  (the catalog's public names: users and tests import them from here)
+    BOXED_INSTRUCTION,
+    MIXES,
+    SPLITS,
+    TASKS,
+    TURN_PREFIX,
+    Example,
+    Item,
+    Task,
+    register_mix,
+    register_task,
+    think,
+    tool_call,
+)
 
 
 def mixture(name: str) -> dict[str, float] | None:
@@ -249,10 +179,6 @@ def load_mixture(weights: Mapping[str, float], sizes: Mapping[str, int], seed: i
         random.Random(f"{seed}/{split}").shuffle(mixed)
         out[split] = mixed
     return out
-
-
-# the task families register themselves (each imports this module's registries)
-from . import arithmetic, chat, coding, judge, long_context  # noqa: E402, F401
 
 # every policy domain of the paper's cascade in miniature (`cascade-rl cascade full`): the SFT warm start and the
 # held-out set of every stage; the judge model's data is the mixture ``judge`` (data/judge.py)
