@@ -10,7 +10,7 @@ them; the answer is that record's value. Keys are short first names (``NAMES``:
 most are single tokens of the tiny tokenizer), unique within a document;
 values have 2-3 digits. The number of records is uniform in ``[min_records,
 max_records]`` (``params``; the defaults fill the tiny model's 512-token
-context: prompts of at most ~480 tokens of a tokenizer trained on this task),
+context with a 96-token response: prompts of at most ~400 tokens of a tokenizer trained on this task),
 and the asked record's line is uniform among them, so it often sits deep inside
 a long document; ``metadata`` records both, for accuracy by depth.
 
@@ -45,9 +45,9 @@ NAMES = (
 )
 INSTRUCTION = "Reply with the code only."
 MIN_RECORDS = 4
-# Prompts of up to ~480 tokens (p50 ~260; 11 tokens a record) of the tiny tokenizer trained on this task, leaving ~30 for the answer
-# in a 512-token context; tests/test_chat_tasks.py measures it.
-MAX_RECORDS = 41
+# Prompts of up to ~400 tokens (11 tokens a record) of the tiny tokenizer trained on this task: with the cascade's
+# response budget (96 tokens) the longest document fills a 512-token context; tests/test_chat_tasks.py measures it.
+MAX_RECORDS = 33
 
 
 @dataclasses.dataclass(frozen=True)
