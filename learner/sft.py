@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -44,6 +45,7 @@ from cascade_rl.data.sources import DataError, read_records
 from cascade_rl.modeling.logprobs import token_logprobs
 
 TRACE_ROLES = ("assistant", "tool")
+PLAIN_EVERY = 50  # steps between progress lines when stderr is not a terminal
 
 
 @dataclasses.dataclass
@@ -239,9 +241,10 @@ def run_sft(cfg: SFTConfig) -> dict:
     t0, losses = time.perf_counter(), []
     columns = (TextColumn("[bold]SFT"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("loss {task.fields[loss]}"))
-    with Progress(*columns) as progress:
+    plain = not sys.stderr.isatty()  # a log file, CI: a line every PLAIN_EVERY steps instead of a live bar
+    with Progress(*columns, disable=plain) as progress:
         task = progress.add_task("sft", total=cfg.steps, loss="-")
-        for _ in range(cfg.steps):
+        for step in range(1, cfg.steps + 1):
             batch = rng.sample(data, cfg.batch_size)
             n_loss = sum(sum(mask) for _, mask in batch)
             loss = 0.0
@@ -257,6 +260,9 @@ def run_sft(cfg: SFTConfig) -> dict:
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())  # .item() syncs; fine on CPU and it feeds the display
             progress.update(task, advance=1, loss=f"{losses[-1]:.4f}")
+            if plain and (step % PLAIN_EVERY == 0 or step == cfg.steps):
+                mean = sum(losses[-PLAIN_EVERY:]) / len(losses[-PLAIN_EVERY:])
+                print(f"sft step {step}/{cfg.steps} loss {mean:.4f} {time.perf_counter() - t0:.0f} s", flush=True)
     # --- save
     out = Path(cfg.out)
     model.save_pretrained(out)

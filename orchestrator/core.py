@@ -77,13 +77,14 @@ class Rules:
     env_timeout_s: float = 60.0
     max_turns: int = 4
     max_total_tokens: int = 0  # 0: max_turns x the group's max_tokens
+    context: int = 0  # the model's context length: a trajectory (prompt included) never outgrows it; 0: no limit
 
     @classmethod
-    def from_config(cls, cfg) -> Rules:
+    def from_config(cls, cfg, context: int = 0) -> Rules:
         o = cfg.orchestrator
         return cls(o.max_inflight_groups, o.sampler_timeout_s, o.verifier_timeout_s, o.teacher_timeout_s,
                    o.max_staleness, o.dynamic_filtering, o.overlong_penalty, o.mask_threshold,
-                   cfg.trainer.algorithm == "mopd", o.env_timeout_s, o.max_turns, o.max_total_tokens)
+                   cfg.trainer.algorithm == "mopd", o.env_timeout_s, o.max_turns, o.max_total_tokens, context)
 
 
 class Core(TrajectoryRules):
@@ -313,7 +314,11 @@ class Core(TrajectoryRules):
                 w.version = self.weights.version
             g.worker = ident
             self.pool.assign(ident, g.group_id, g.n, self.clock(), self.rules.sampler_timeout_s)
-            self._send(ident, PromptRequest(g.group_id, g.row.domain, g.prompt_ids, g.n, g.sampling, g.min_version,
+            sampling = g.sampling
+            if self.rules.context and len(g.prompt_ids) + sampling.max_tokens > self.rules.context:
+                room = max(1, self.rules.context - len(g.prompt_ids))  # a long prompt: the answer fits the context
+                sampling = dataclasses.replace(sampling, max_tokens=room)
+            self._send(ident, PromptRequest(g.group_id, g.row.domain, g.prompt_ids, g.n, sampling, g.min_version,
                                             g.attempt, keep=bool(g.env)))
             inflight += 1
 

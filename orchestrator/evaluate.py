@@ -35,6 +35,14 @@ from cascade_rl.samplers.engine import ENGINES, register_builtin_engines
 from cascade_rl.verifiers.registry import EVAL_VERIFIERS, VERIFIERS
 
 
+def model_context(path: str) -> int:
+    """The model's context length (``max_position_embeddings`` of its HF config; 0 when it has none): prompts and
+    multi-turn trajectories are sampled within it (``Rules.context``)."""
+    from transformers import AutoConfig
+
+    return int(getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 0) or 0)
+
+
 def modes(eval_n: int, temperature: float, greedy: bool, max_tokens: int) -> dict[str, tuple[SamplingParams, int]]:
     """The evaluations a stage makes: metric name -> (sampling, samples per question)."""
     out = {"heldout_accuracy": (SamplingParams(temperature=temperature, max_tokens=max_tokens), eval_n)} if eval_n else {}
@@ -104,7 +112,8 @@ def evaluate_checkpoint(path: str, heldout: list[Row], n: int = 4, temperature: 
     envs = [row.env or (env_defaults or {}).get(row.domain, "") for row in heldout]
     settings = EnvSettings.from_config(environment or {})
     environments = {name: build_environment(name, settings) for name in sorted(set(envs) - {""})}
-    core = offline_core(tokenizer, thinking, Rules(max_turns=max_turns), sorted({r.domain for r in heldout}),
+    core = offline_core(tokenizer, thinking, Rules(max_turns=max_turns, context=model_context(path)),
+                        sorted({r.domain for r in heldout}),
                         sorted(environments))
     groups = [core.add_group(row, np.array(core.render.ids(row.messages), np.int32), n,
                              SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i),

@@ -79,7 +79,8 @@ class Orchestrator:
         self.data_report = json.loads((data_dir / "data.json").read_text())
         # --- resume, rules and ledger, the IO thread
         self.start_step = self._resume()
-        self.core = Core(Rules.from_config(cfg), self._decode, Ledger(self.run_dir / LEDGER_FILE, self.start_step),
+        self.core = Core(Rules.from_config(cfg, evaluation.model_context(cfg.model.path)), self._decode,
+                         Ledger(self.run_dir / LEDGER_FILE, self.start_step),
                          turns_=TurnRenderer(self.render))
         self.core.version = self.start_step
         self.metrics = MetricsLog(self.run_dir, cfg.orchestrator.tensorboard)

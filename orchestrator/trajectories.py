@@ -37,12 +37,17 @@ class TrajectoryRules:
         """Model turn of row i in: the environment acts on it next, or the trajectory is done."""
         t = g.trajectories[i]
         t.add_turn(r, self.turns.assistant_text(r.response_ids))
-        limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
-        t.phase = turns.next_phase(t, self.rules.max_turns, limit)
+        t.phase = turns.next_phase(t, self.rules.max_turns, self._budget(g))
         if t.phase == Phase.env:
             self.turn_queue.append(g.turn_key(i, "env", t.turn))
         else:
             self._rollout_done(g, t.rollout(g.prompt_ids))
+
+    def _budget(self, g: Group) -> int:
+        """Tokens after the prompt a trajectory of ``g`` may have: ``orchestrator.max_total_tokens`` (or a full turn
+        each), and never past the model's context (``Rules.context``)."""
+        limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
+        return min(limit, self.rules.context - len(g.prompt_ids)) if self.rules.context else limit
 
     def _on_next_turn(self, ident: bytes, r: Rollout) -> None:
         """A later turn of a multi-turn row (``PromptRequest.index``), sent by any sampler."""
@@ -79,8 +84,7 @@ class TrajectoryRules:
             g.error = f"template_error: {e}"
             return
         t.add_observation(ids, reply)
-        limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
-        if t.tokens() >= limit:  # no room for another turn: the trajectory ends on the observation
+        if t.tokens() >= self._budget(g):  # no room for another turn: the trajectory ends on the observation
             t.phase = Phase.done
             self._rollout_done(g, t.rollout(g.prompt_ids))
         else:
@@ -127,7 +131,7 @@ class TrajectoryRules:
                                  timeout_s)
             else:
                 timeout_s = self.rules.sampler_timeout_s
-                limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
+                limit = self._budget(g)
                 sampling = dataclasses.replace(g.sampling, max_tokens=min(g.sampling.max_tokens, limit - t.tokens()))
                 msg = PromptRequest(g.group_id, g.row.domain, np.concatenate([g.prompt_ids, t.ids()]), 1, sampling,
                                     g.min_version, g.attempt, index=i, turn=turn, keep=True)

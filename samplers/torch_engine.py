@@ -310,7 +310,9 @@ class TorchEngine:
         tokens = torch.full((len(suffixes), width), self.pad_id, dtype=torch.long)
         for i, x in enumerate(suffixes):
             tokens[i, : len(x)] = torch.from_numpy(x.astype(np.int64))
-        positions = starts[:, None] + torch.arange(width, device=self.device)
+        # a short suffix padded to the longest may run past the context: its padding's positions are clamped (its
+        # outputs are never read, and the cache clamps the same way)
+        positions = (starts[:, None] + torch.arange(width, device=self.device)).clamp_(max=self.max_context - 1)
         lengths = torch.tensor([len(x) for x in suffixes], device=self.device)
         logits = self.model(tokens.to(self.device), positions, self.cache.extend(slots, starts), last=lengths - 1)
         return logits.float()

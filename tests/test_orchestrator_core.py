@@ -219,6 +219,50 @@ def test_a_group_domain_is_scored_as_one_request_when_the_group_is_complete(cloc
     assert set(core.pool.get(V0).held) == set(greq.keys)
 
 
+
+def test_an_evaluation_group_of_a_group_domain_is_scored_one_response_at_a_time(clock):
+    """Held out, a group domain's rewards are each response's against the row's baseline (EVAL_VERIFIERS), since
+    group-relative rewards average the same in every group."""
+    core = make(clock)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier", domains=["genrm"])
+    row = Row("r", ({"role": "user", "content": "q"},), "genrm", "a baseline reply", {})
+    g = core.add_group(row, PROMPT, 2, SamplingParams(), train=False)
+    (ident, req), = sent(core, PromptRequest)
+    core.receive(ident, rollout(req, 0))
+    core.receive(ident, rollout(req, 1))
+    out = sent(core)
+    assert [type(m) for _, m in out] == [ScoreRequest, ScoreRequest] and not g.train
+    assert [m.key for _, m in out] == [f"{g.group_id}/0/0", f"{g.group_id}/1/0"]
+    assert out[0][1].reference == "a baseline reply" and out[0][1].metadata["question"] == "q"
+
+
+def test_an_unavailable_verifier_fails_the_group_with_its_reason(clock, tmp_path):
+    core = make(clock, tmp_path)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier")
+    g = core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=0)
+    (ident, req), = sent(core, PromptRequest)
+    core.receive(ident, rollout(req, 0))
+    core.receive(ident, rollout(req, 1))
+    (_, s0), (_, s1) = sent(core, ScoreRequest)
+    core.receive(V0, Score(s0.key, 1.0, True))
+    core.receive(V0, Score(s1.key, 0.0, False, "JudgeError: refused", unavailable=True))
+    assert g.complete and g.error == "verifier_unavailable: JudgeError: refused"
+    assert core.settle([g]) == []  # not trained on a reward of 0: filtered with the reason
+    assert core.ledger.reasons == {"verifier_unavailable: JudgeError: refused": 2}
+
+
+def test_the_model_context_bounds_what_a_turn_may_sample(clock):
+    core = make(clock, context=10)
+    join(core, S0, "sampler")
+    long_prompt = np.arange(3, 10, dtype=np.int32)  # 7 of the 10 tokens: room for 3
+    core.add_group(ROW, long_prompt, 1, SamplingParams(max_tokens=8), train=True, step=0)
+    core.add_group(ROW, PROMPT, 1, SamplingParams(max_tokens=5), train=True, step=0)
+    (_, long_req), (_, short_req) = sent(core, PromptRequest)
+    assert long_req.sampling.max_tokens == 3 and short_req.sampling.max_tokens == 5
+
+
 # --------------------------------------------------------------------------- deadlines, faults, duplicates
 
 

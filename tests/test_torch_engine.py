@@ -302,3 +302,37 @@ def test_each_request_is_reported_as_soon_as_its_rows_are_done(tiny_model):
         for a, b in zip(samples, groups[i]):
             assert np.array_equal(a.response_ids, b.response_ids) and np.array_equal(a.logprobs, b.logprobs)
             assert a.finish_reason == b.finish_reason == "length"
+
+
+def test_next_turns_near_the_context_end_batched_with_longer_ones(tiny_model):
+    """Two rows' next turns restored from their kept K/V in one call: a short continuation late in the context and
+    a long one early. Padded to the longest, the short one's padding runs past the context: the engine must clamp
+    those positions (they are never read), not fail, and the late row's answer must equal its answer alone."""
+    engine = TorchEngine(tiny_model)
+    context = engine.max_context
+    rng = np.random.default_rng(0)
+    late = rng.integers(5, 200, context - 40).astype(np.int32)
+    early = rng.integers(5, 200, 30).astype(np.int32)
+    eos = int(engine.eos_ids[0])
+
+    def favour_eos(module, args, output):  # the first turns end at once, so each row's K/V is kept
+        output[..., eos] += 100.0
+        return output
+
+    handle = engine.model.register_forward_hook(favour_eos)
+    try:
+        first = engine.generate([GenerationRequest("late", late, 1, 0.0, 1.0, 4, [], prefix_keys=["late"]),
+                                 GenerationRequest("early", early, 1, 0.0, 1.0, 4, [], prefix_keys=["early"])])
+    finally:
+        handle.remove()
+    assert [g[0].finish_reason for g in first] == ["stop", "stop"]
+    late2 = np.concatenate([late, first[0][0].response_ids, rng.integers(5, 200, 3).astype(np.int32)])
+    early2 = np.concatenate([early, first[1][0].response_ids, rng.integers(5, 200, 60).astype(np.int32)])
+    assert len(late2) + 4 <= context < len(late2) - 4 + 60  # padded to the early row's width it would overflow
+    hits = engine.counters["prefix_hits"]
+    both = engine.generate([GenerationRequest("late", late2, 1, 0.0, 1.0, 4, [], prefix_keys=["late"]),
+                            GenerationRequest("early", early2, 1, 0.0, 1.0, 4, [], prefix_keys=["early"])])
+    assert engine.counters["prefix_hits"] == hits + 2  # both restored from their kept K/V
+    alone = TorchEngine(tiny_model).generate([GenerationRequest("x", late2, 1, 0.0, 1.0, 4, [])])
+    assert both[0][0].response_ids.tolist() == alone[0][0].response_ids.tolist()
+    np.testing.assert_allclose(both[0][0].logprobs, alone[0][0].logprobs, atol=1e-4)
