@@ -1,7 +1,7 @@
 """The chat task: RLHF's prompts (paper §4.5), short requests whose good reply a judge can tell by pattern.
 
     from cascade_rl.data.tasks import load_task
-    from cascade_rl.data.chat import chat_quality
+    from cascade_rl.verifiers.chat import chat_quality
     splits = load_task("chat", {"heldout": 64, "rl": 2000, "sft": 1000})
     ex = splits["heldout"][0]
     chat_quality(ex.metadata, "Congratulations, Ada!")  # 5 on good news told by Ada
@@ -9,8 +9,10 @@
 A person names themselves and tells some news ("Hi, I am Ada. I just passed my
 exam. Reply in one short sentence."); a good reply has the right sentiment for
 the event (congratulate good news, sympathise with bad news), addresses the
-right name and is one short sentence. ``chat_quality`` is the gold (1-5) the
-judge model is trained to reproduce (data/judge.py):
+right name and is one short sentence. ``chat_quality`` (verifiers/chat.py) is the gold (1-5) the
+judge model is trained to reproduce (data/judge.py), and the task ``chat_gold`` asks the same questions
+scored by it (domain ``chat_quality``: 1 for quality 5), so a cascade's report shows the truth beside the
+judge's verdict:
 
 | reply | quality |
 | --- | --- |
@@ -23,6 +25,7 @@ judge model is trained to reproduce (data/judge.py):
 | task | domain | the prompt asks for | reference | metadata |
 | --- | --- | --- | --- | --- |
 | chat | genrm | a one-sentence reply to the news | a baseline reply: correct but verbose (quality 3) | ``{"name": "Ada", "kind": "good" \\| "bad", "event": "passed my exam"}`` |
+| chat_gold | chat_quality | the same | "" | the same |
 
 RLHF scores a group of rollouts pairwise (the ``genrm`` group verifier); the
 held-out evaluation is ArenaHard-style: the judge's preference for the policy's
@@ -38,9 +41,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 
-from .long_context import NAMES
+from cascade_rl.verifiers.chat import NAMES, SHORT_WORDS, chat_quality, other, sentences  # noqa: F401  (the gold)
+
 from .task_base import Example, Task, register_task, think
 
 INSTRUCTION = "Reply in one short sentence."
@@ -65,18 +68,12 @@ OPENERS = {
     "good": ("Congratulations, {name}!", "Well done, {name}!", "Great news, {name}!"),
     "bad": ("Sorry to hear that, {name}.", "Oh no, {name}, I am sorry.", "That is sad, {name}."),
 }
-MARKERS = {"good": ("congratulations", "well done", "great news"), "bad": ("sorry", "oh no", "that is sad")}
 # Neutral sentences that only lengthen a reply: no sentiment marker, no name
 FILLERS = (
     "Thank you for telling me.", "I hope you have a nice day.", "Let me know if I can help.",
     "I am always here to chat.", "I hope the rest of your week goes well.", "Feel free to write again.",
 )
-SHORT_WORDS = 8
 BASELINE_FILLERS = 2  # the reference reply: correct, three sentences, quality 3
-
-
-def other(kind: str) -> str:
-    return "bad" if kind == "good" else "good"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,36 +122,6 @@ def reply(rng: random.Random, kind: str, name: str, fillers: int) -> str:
     return " ".join([opener, *rng.sample(FILLERS, fillers)])
 
 
-# --- the gold ----------------------------------------------------------------------------------------
-
-_SENTENCE = re.compile(r"[^.!?]*[.!?]+|[^.!?]+$")
-
-
-def sentences(text: str) -> int:
-    """Sentences in ``text``: runs ending in . ! or ?, and a trailing run without one."""
-    return sum(1 for s in _SENTENCE.findall(text) if re.search(r"\w", s))
-
-
-def chat_quality(metadata: dict, final_answer: str | None) -> int:
-    """The gold quality, 1-5, of a final answer (the text after the reply's ``</think>``; None: none) to the
-    news in ``metadata`` (``name``, ``kind``): see the module docstring's table."""
-    text = (final_answer or "").strip()
-    if not text:
-        return 1
-    lower = text.lower()
-    named = {w for w in re.findall(r"\b[A-Z][a-z]*\b", text) if w in NAMES}
-    right = any(m in lower for m in MARKERS[metadata["kind"]])
-    wrong = any(m in lower for m in MARKERS[other(metadata["kind"])])
-    if wrong or named - {metadata["name"]}:
-        return 1
-    if not right or metadata["name"] not in named:
-        return 2
-    n = sentences(text)
-    if n == 1:
-        return 5 if len(text.split()) <= SHORT_WORDS else 4
-    return {2: 4, 3: 3}.get(n, 2)
-
-
 # --- the task ----------------------------------------------------------------------------------------
 
 
@@ -171,4 +138,12 @@ def _chat(news: News, seed: int) -> Example:
     return Example(news.question, baseline(news, seed), "genrm", solution, INSTRUCTION, news.metadata)
 
 
+def _chat_gold(news: News, seed: int) -> Example:
+    """The same question, scored by the gold (domain chat_quality: 1 for a right, addressed, one-sentence reply): what
+    the judge-scored domain is measured against, so a judge's blind spots show (held-out files only)."""
+    ex = _chat(news, seed)
+    return Example(ex.question, "", "chat_quality", ex.solution, INSTRUCTION, news.metadata)
+
+
 register_task("chat", Task(_chat, "genrm", 9 << 40, _news))
+register_task("chat_gold", Task(_chat_gold, "chat_quality", 9 << 40, _news))  # one stream: the same questions

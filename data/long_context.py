@@ -31,18 +31,11 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from cascade_rl.verifiers.chat import NAMES
+
 from .task_base import Example, Task, register_task, think
 
-# Keys: short first names, so most are one token of a small BPE and ~50 fit one document. None is a common
-# capitalised English word (May, Will, Pat ...): chat.py's gold reads a capitalised name in a reply as addressing
-# that person.
-NAMES = (
-    "Ada", "Amy", "Ann", "Ben", "Bob", "Cal", "Cody", "Dan", "Dee", "Eli", "Eve", "Fay", "Gus", "Hal", "Ian",
-    "Ida", "Ivy", "Jack", "Jan", "Jay", "Jim", "Joe", "Jon", "Kay", "Ken", "Kim", "Lea", "Lee", "Liz", "Lou",
-    "Meg", "Mia", "Ned", "Nia", "Noa", "Ola", "Pam", "Paz", "Ray", "Rex", "Ron", "Roy", "Sam", "Sue", "Ted",
-    "Tim", "Tom", "Una", "Val", "Vic", "Wes", "Yan", "Zac", "Zoe", "Abe", "Bea", "Cid", "Deb", "Ed", "Flo",
-    "Gil", "Hana", "Ike", "Jo",
-)
+# Keys: the miniature's people (verifiers/chat.py NAMES), short first names: most are one token of a small BPE.
 INSTRUCTION = "Reply with the code only."
 MIN_RECORDS = 4
 # Prompts of up to ~400 tokens (11 tokens a record) of the tiny tokenizer trained on this task: with the cascade's

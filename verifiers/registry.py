@@ -2,7 +2,8 @@
 
 A row's ``domain`` names the verifier that scores its rollouts. Built in: math, mcqa,
 instruction_following, structured_output, code, tool_call, tool_use, swe and swe_agent (verifiers/swe.py:
-SEARCH/REPLACE edits, then hidden tests in the sandbox), llm_judge, genrm (group).
+SEARCH/REPLACE edits, then hidden tests in the sandbox), chat_quality (the miniature chat task's gold,
+verifiers/chat.py), llm_judge, genrm (group).
 Add your own in a module listed in ``verifier.plugins``, by module name
 (``mypkg.rewards``: importable by the verifier workers, which do not have the cwd on
 ``sys.path``) or by path to a ``.py`` file (``/data/rewards.py``, or relative to the
@@ -311,6 +312,22 @@ def _swe(response: str, reference: str, metadata: dict[str, Any]) -> float:
 # Agentic SWE (data/coding.py ``swe_agent``, environment swe): the same verifier on the files the episode left; a
 # domain of its own, so held-out accuracy and MOPD's teacher are the agentic task's, apart from agentless repair.
 register_verifier("swe_agent", check=_check_swe)(_swe)
+
+
+def _check_chat_quality(answer: str, metadata: dict[str, Any]) -> None:
+    from .chat import NAMES
+
+    if metadata.get("kind") not in ("good", "bad") or metadata.get("name") not in NAMES:
+        raise ValueError("chat_quality needs metadata {name: one of verifiers/chat.py NAMES, kind: good | bad}")
+
+
+@register_verifier("chat_quality", check=_check_chat_quality)
+def _chat_quality(response: str, reference: str, metadata: dict[str, Any]) -> float:
+    """The miniature chat task's gold (verifiers/chat.py): 1.0 for a right, addressed, one-short-sentence reply."""
+    from .chat import chat_quality
+    from .text import final_answer_text
+
+    return float(chat_quality(metadata, final_answer_text(response)) == 5)
 
 
 def judge_endpoint():
