@@ -5,7 +5,9 @@ CLI := $(VENV)/bin/cascade-rl
 STAMP := $(VENV)/.installed-stamp
 RUN_DIR ?= runs/demo
 
-.PHONY: install run tools test lint bench bench-trl clean
+.PHONY: install run judge full tools test lint bench bench-trl clean
+comma := ,
+FULL_SFT_STEPS ?= 2400
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,20 +25,43 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 install: $(STAMP)
 
-# The main job, a miniature of the paper: the built-in tasks written as data files (the path a user's
-# data takes) -> tiny model (built offline, tokenizer trained on all four domains) -> SFT warm start on
-# the files' worked solutions -> IF-RL -> multi-domain RL -> MOPD from each domain's best checkpoint,
-# every stage over ZeroMQ, trained from the files; ends with $(RUN_DIR)/report.md and its plots. A
-# model built for another task (an older checkout's arithmetic-only one) is rebuilt.
-DATA ?= runs/data/cascade
-SFT_FILES := $(DATA)/sft/arithmetic.jsonl,$(DATA)/sft/arithmetic_mcqa.jsonl,$(DATA)/sft/arithmetic_json.jsonl,$(DATA)/sft/arithmetic_if.jsonl
-run: install
-	test -f $(DATA)/manifest.json || $(CLI) make-data cascade --out $(DATA)
-	grep -qs '"task": "cascade"' models/tiny/cascade_rl.json || (rm -rf models/tiny models/tiny-sft && \
-		$(CLI) make-tiny-model --out models/tiny --task cascade)
-	test -f models/tiny-sft/config.json || $(CLI) sft model=models/tiny out=models/tiny-sft "files=[$(SFT_FILES)]" steps=600
+# The main job, a cut of the paper's pipeline in miniature (configs/cascade/demo.yaml): the built-in tasks written as
+# data files (the path a user's data takes) -> a tiny model (tokenizer trained on every domain) -> SFT on the files'
+# worked solutions; a tiny judge model SFT'd on pairwise verdicts and QA correctness -> IF-RL -> multi-domain RL ->
+# MOPD -> RLHF (the judge served by the supervisor) -> MOPD, every stage over ZeroMQ, trained from the files; ends
+# with $(RUN_DIR)/report.md and its plots (each stage's change per domain with a paired 95 % interval). A model
+# built for another task mixture (an older checkout's) is rebuilt.
+DATA ?= runs/data/demo
+JUDGE_DATA ?= runs/data/judge
+SFT_FILES := $(DATA)/sft/arithmetic.jsonl,$(DATA)/sft/arithmetic_mcqa.jsonl,$(DATA)/sft/arithmetic_json.jsonl,$(DATA)/sft/arithmetic_if.jsonl,$(DATA)/sft/chat.jsonl
+JUDGE_FILES := $(JUDGE_DATA)/sft/judge_pairs.jsonl,$(JUDGE_DATA)/sft/judge_qa.jsonl
+run: install judge
+	test -f $(DATA)/manifest.json || $(CLI) make-data demo --out $(DATA) --heldout 128 --sft 2000
+	grep -qs '"task": "demo"' models/tiny/cascade_rl.json || (rm -rf models/tiny models/tiny-sft && \
+		$(CLI) make-tiny-model --out models/tiny --task demo --vocab-size 1024)
+	test -f models/tiny-sft/config.json || $(CLI) sft model=models/tiny out=models/tiny-sft "files=[$(SFT_FILES)]" steps=800
 	rm -rf $(RUN_DIR)
 	$(CLI) cascade demo run_dir=$(RUN_DIR)
+
+# The judge model of RLHF and long-context RL: a tiny model SFT'd on pairwise verdicts of chat replies and on QA
+# correctness (data/judge.py), served by the supervisor (verifier.judge.serve=torch) wherever a stage needs it.
+judge: install
+	test -f $(JUDGE_DATA)/manifest.json || $(CLI) make-data judge --out $(JUDGE_DATA) --heldout 200 --rl 0 --sft 4000
+	test -f models/judge/config.json || $(CLI) make-tiny-model --out models/judge --task judge --vocab-size 1024
+	test -f models/judge-sft/config.json || $(CLI) sft model=models/judge out=models/judge-sft "files=[$(JUDGE_FILES)]" \
+		steps=400 batch_size=16
+
+# Every stage of the paper in miniature (configs/cascade/full.yaml): every policy domain (the arithmetic ones, chat,
+# long-context QA, code, agentless and agentic SWE) in one SFT, then IF-RL -> multi-domain RL -> MOPD -> RLHF ->
+# long-context RL -> code RL -> SWE RL (agentless, agentic) -> MOPD.
+FULL_DATA ?= runs/data/full
+FULL_SFT := $(foreach t,arithmetic arithmetic_mcqa arithmetic_json arithmetic_if chat long_context code_fn swe_patch swe_agent,$(FULL_DATA)/sft/$(t).jsonl)
+full: install judge
+	test -f $(FULL_DATA)/manifest.json || $(CLI) make-data full --out $(FULL_DATA) --heldout 128 --sft 2000
+	test -f models/full/config.json || $(CLI) make-tiny-model --out models/full --task full --vocab-size 1024
+	test -f models/full-sft/config.json || $(CLI) sft model=models/full out=models/full-sft \
+		"files=[$(subst $(eval) ,$(comma),$(FULL_SFT))]" steps=$(FULL_SFT_STEPS)
+	$(CLI) cascade full
 
 # Tool-integrated reasoning in miniature (docs/ARCHITECTURE.md §12): the tool task's files -> a tiny model whose
 # tokenizer knows the tool-call format -> a short SFT on the multi-turn traces -> GRPO on multi-turn rollouts

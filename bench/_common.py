@@ -12,14 +12,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
-TASKS = ("arithmetic", "arithmetic_mcqa", "arithmetic_json", "arithmetic_if")
+SFT_TASKS = ("arithmetic", "arithmetic_mcqa", "arithmetic_json", "arithmetic_if", "chat")  # make run's SFT files
 
 
 def builtin_data() -> dict[str, dict[str, str]]:
-    """{split: {task: path}} of make run's data files (runs/data/cascade), written first if missing."""
-    out = ROOT / "runs" / "data" / "cascade"
+    """{split: {task: path}} of make run's data files (runs/data/demo), written first if missing (as make run does)."""
+    out = ROOT / "runs" / "data" / "demo"
     if not (out / "manifest.json").exists():
-        subprocess.run([*CLI, "make-data", "cascade", "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([*CLI, "make-data", "demo", "--out", str(out), "--heldout", "128", "--sft", "2000"],
+                       check=True, stdout=subprocess.DEVNULL)
     files = json.loads((out / "manifest.json").read_text())["files"]  # relative to the manifest's directory
     return {split: {task: str(out / path) for task, path in by_task.items()} for split, by_task in files.items()}
 
@@ -32,13 +33,14 @@ def math_data(heldout_per_domain: int = 0) -> list[str]:
 
 
 def sft_model() -> Path:
-    """make run's SFT'd tiny model (models/tiny-sft); built the same way if missing (about 3 minutes)."""
+    """make run's SFT'd tiny model (models/tiny-sft); built the same way if missing (about 4 minutes)."""
     tiny, sft = ROOT / "models" / "tiny", ROOT / "models" / "tiny-sft"
     if not (sft / "config.json").exists():
         if not (tiny / "config.json").exists():
-            subprocess.run([*CLI, "make-tiny-model", "--out", str(tiny), "--task", "cascade"], check=True)
-        files = ",".join(builtin_data()["sft"][t] for t in TASKS)
-        subprocess.run([*CLI, "sft", f"model={tiny}", f"out={sft}", f"files=[{files}]", "steps=600"], check=True)
+            subprocess.run([*CLI, "make-tiny-model", "--out", str(tiny), "--task", "demo", "--vocab-size", "1024"],
+                           check=True)
+        files = ",".join(builtin_data()["sft"][t] for t in SFT_TASKS)
+        subprocess.run([*CLI, "sft", f"model={tiny}", f"out={sft}", f"files=[{files}]", "steps=800"], check=True)
     return sft
 
 

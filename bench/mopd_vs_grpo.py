@@ -1,26 +1,27 @@
-"""MOPD against GRPO from the same regressed checkpoint (the paper's Figure 3(c), in miniature), and the
-cascade with and without its MOPD stage.
+"""MOPD against GRPO, fairly (the paper's Figure 3(c) in miniature), and MOPD against RLHF on the judge-scored
+domain (its Table 3 in miniature).
 
     .venv/bin/python bench/mopd_vs_grpo.py [--quick] [--seeds 0,1,2] [--steps 30] [--eval-every 5]
 
-For each seed S (trainer.seed = data.seed = S; the held-out questions are the same for all):
+Both from `make run`'s SFT'd tiny model (models/tiny-sft) and data (runs/data/demo), with its judge (models/judge-sft)
+served by the supervisor; every run is a real `cascade-rl launch`, its held-out accuracy measured by the stage's own
+evaluation (avg@4 at T = 1 on 128 questions) every ``--eval-every`` steps.
 
-1. the demo cascade (configs/cascade/demo.yaml: SFT'd tiny model -> IF-RL -> multi-domain RL -> MOPD) in
-   ``bench/results/mopd_vs_grpo/seed{S}/cascade``; ``--cascade DIR`` reuses a finished one (e.g.
-   ``make run``'s runs/demo) for the first seed;
-2. the start: the IF-RL stage's final checkpoint (instruction-following RL costs math accuracy: in the
-   demo cascade 0.53 -> 0.33); the teacher: the recorded checkpoint with the best math accuracy before
-   the MOPD stage (SFT or an RL stage's; whether the start is below it is recorded per seed);
-3. from that start, ``--steps`` steps of GRPO on math (the RL stages' settings) and ``--steps`` steps of
-   MOPD on math with that teacher (the cascade's MOPD settings), math held-out accuracy evaluated every
-   ``--eval-every`` steps (orchestrator, avg@4 on the cascade's 64 held-out questions at T=1);
-   steps-to-teacher = the first evaluated step whose accuracy reaches the teacher's recorded accuracy.
-4. the ablation the paper does not report: final per-domain accuracy of the cascade with its MOPD stage
-   against without it (the multi-domain stage's final checkpoint, where the cascade would end).
+**Math (Figure 3(c)).** The paper's math teacher is the SFT checkpoint, the student a later one whose math has
+regressed. Per seed S: the start is the SFT model after ``--regress-steps`` of RLHF-style GRPO on chat at a high
+learning rate (what a specialised stage does to math here); the teacher is the SFT model, which must be at least
+0.15 above the start on math (checked and recorded). From the start, ``--steps`` steps of GRPO on math (the cascade's
+RL settings) and of MOPD on math taught by the SFT model (the cascade's MOPD settings), with **the same rollouts per
+step** (16 prompts x 8). Recorded: the curve, and the steps each takes to close 90 % of the gap to the teacher
+(start + 0.9 x (teacher - start); the first evaluation at or above it).
 
-Writes bench/results/mopd_vs_grpo.json; the last stdout line is the summary JSON object.
-``--quick`` (``make bench``): one seed (``make run``'s cascade when runs/demo has one), 10 steps, evaluation
-every 5.
+**The judge-scored domain (Table 3).** The teacher is an RLHF checkpoint: ``--teacher-steps`` of GRPO on chat with the
+judge's pairwise rewards from the SFT model (seed S). From the SFT model, ``--steps`` of RLHF (the same recipe) and of
+MOPD on chat taught by that checkpoint, the same rollouts per step; accuracy is the judge's preference for the reply
+over the row's baseline (genrm, ArenaHard-style) and the gold (chat_quality: right, addressed, one short sentence).
+
+Writes bench/results/mopd_vs_grpo.json; the last stdout line is the summary JSON object. ``--quick`` (``make
+bench``): one seed, 10 steps, evaluation every 5.
 """
 
 from __future__ import annotations
@@ -29,63 +30,98 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import yaml
-from _common import builtin_data, machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _common import CLI, ROOT, builtin_data, machine, sft_model  # noqa: E402  (bench/ is on sys.path)
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
+JUDGE = ROOT / "models" / "judge-sft"
+RL = ["trainer.prompts_per_step=16", "trainer.group_size=8", "trainer.lr=5e-5"]  # configs/run/cascade.yaml
+MOPD = ["stage=mopd", "trainer.prompts_per_step=16", "trainer.group_size=8", "trainer.lr=3e-5",
+        "trainer.warmup_steps=5", "trainer.warmup_start_lr=3e-6"]  # configs/cascade/demo.yaml's MOPD
+JUDGED = ["verifier.judge.serve=torch", f"verifier.judge.path={JUDGE}", "verifier.judge.genrm.template=compact"]
+GAP = 0.15  # the least the teacher must lead the start by on the domain (issue: a teacher clearly above)
 
 
-def run(cmd: list[str], log: Path) -> None:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    if rc != 0:
-        raise SystemExit(f"{' '.join(cmd[3:6])} failed (rc {rc}); see {log}")
+def launch(out: Path, args: list[str]) -> list[dict]:
+    """One real launch (resumed past if its summary exists); its metrics lines."""
+    if not (out / "summary.json").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "launch.log", "w") as log:
+            rc = subprocess.run([*CLI, "launch", "cascade", f"run_dir={out}", "supervisor.progress=none", *args],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        if rc != 0:
+            raise SystemExit(f"launch in {out} failed (rc {rc}); see {out / 'launch.log'}")
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def cascade(seed: int, out: Path, model: str) -> dict:
-    """The demo cascade with this seed (resumes or skips what an earlier run of this bench finished)."""
-    cfg = yaml.safe_load((ROOT / "configs" / "cascade" / "demo.yaml").read_text())
-    cfg.update(run_dir=str(out), model=model, report=True)
-    cfg["overrides"] = [*cfg.get("overrides", []), f"trainer.seed={seed}", f"data.seed={seed}",
-                        "supervisor.progress=none"]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_cascade.yaml").write_text(yaml.safe_dump(cfg))
-    run([*CLI, "cascade", str(out / "bench_cascade.yaml")], out / "cascade.log")
-    return json.loads((out / "cascade.json").read_text())
+def final_checkpoint(out: Path) -> str:
+    return str(sorted((out / "checkpoints").glob("step_*"))[-1])
 
 
-def checkpoints(record: dict, before: str = "mopd") -> list[dict]:
-    """The starting model's and every stage's evaluated checkpoints, up to (not including) stage ``before``."""
-    names = record["order"][: record["order"].index(before)] if before in record["order"] else record["order"]
-    return [record["initial"]] + [c for n in names for c in record["stages"][n].get("checkpoints", [])]
+def curve(metrics: list[dict], domain: str) -> list[tuple[int, float]]:
+    """(step, held-out accuracy of ``domain``) of every evaluation of a launch."""
+    key = f"heldout_accuracy/{domain}"
+    return [(m["step"], m[key]) for m in metrics if key in m]
 
 
-def curve(method: str, seed: int, start: str, teacher: str, out: Path, steps: int, every: int, cfg: dict) -> list:
-    """Math held-out accuracy [(step, accuracy)] of ``steps`` steps of ``method`` from ``start``."""
-    files = builtin_data()
-    args = ["launch", "cascade", f"model.path={start}", f"run_dir={out}", f"data.files=[{files['rl']['arithmetic']}]",
-            f"data.eval_files=[{files['heldout']['arithmetic']}]",
-            f"trainer.steps={steps}", "trainer.save_every=0", f"orchestrator.eval_every={every}",
-            f"orchestrator.eval_n={cfg['eval']['n']}", f"trainer.seed={seed}", f"data.seed={seed}",
-            "supervisor.progress=none"]
-    if method == "mopd":
-        mopd = next(s for s in cfg["stages"] if s.get("stage") == "mopd")
-        args += ["stage=mopd", f"+teacher.checkpoints.math={teacher}",
-                 *[o for o in mopd.get("overrides", []) if not o.startswith(("data.files", "trainer.steps"))]]
-    run([*CLI, *args], out / "launch.log")
-    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(m["step"], m["heldout_accuracy"]) for m in metrics if "heldout_accuracy" in m]
-
-
-def steps_to(level: float, points: list) -> int | None:
+def closes(points: list[tuple[int, float]], start: float, teacher: float) -> int | None:
+    """The first evaluated step at or above start + 0.9 (teacher - start); None if none within the run."""
+    level = start + 0.9 * (teacher - start)
     return next((step for step, acc in points if acc >= level), None)
+
+
+def evaluated(files: dict, tasks: list[str], every: int) -> list[str]:
+    return [f"data.eval_files=[{','.join(files['heldout'][t] for t in tasks)}]", "data.eval_per_domain=128",
+            f"orchestrator.eval_every={every}", "orchestrator.eval_n=4", "orchestrator.eval_greedy=false"]
+
+
+def math_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace) -> dict:
+    seeded = [f"trainer.seed={seed}", f"data.seed={seed}"]
+    chat = f"data.files=[{files['rl']['chat']}]"
+    regress = launch(out / "regress", [f"model.path={sft}", chat, f"trainer.steps={a.regress_steps}",
+                                       f"trainer.lr={a.regress_lr}", "trainer.save_every=0", "stage=rlhf",
+                                       *evaluated(files, ["arithmetic"], a.regress_steps), *JUDGED, *seeded,
+                                       "trainer.prompts_per_step=16", "trainer.group_size=8"])
+    (_, teacher_math), (_, start_math) = curve(regress, "math")[0], curve(regress, "math")[-1]
+    start = final_checkpoint(out / "regress")
+    common = [f"model.path={start}", f"data.files=[{files['rl']['arithmetic']}]", f"trainer.steps={a.steps}",
+              "trainer.save_every=0", *evaluated(files, ["arithmetic"], a.eval_every), *seeded]
+    row = {"seed": seed, "start": start, "start_math": start_math, "teacher": sft, "teacher_math": teacher_math,
+           "gap": teacher_math - start_math, "clearly_above": teacher_math - start_math >= GAP}
+    for method, extra in (("grpo", RL), ("mopd", [*MOPD, f"+teacher.checkpoints.math={sft}"])):
+        points = curve(launch(out / method, [*common, *extra]), "math")
+        row[method] = {"curve": points, "steps_to_90": closes(points, start_math, teacher_math),
+                       "final": points[-1][1]}
+    return row
+
+
+def rlhf_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace) -> dict:
+    seeded = [f"trainer.seed={seed}", f"data.seed={seed}"]
+    chat = [f"data.files=[{files['rl']['chat']}]", "stage=rlhf", *JUDGED]
+    judged = evaluated(files, ["chat", "chat_gold"], a.eval_every)
+    teacher_run = launch(out / "teacher", [f"model.path={sft}", *chat, *RL, f"trainer.steps={a.teacher_steps}",
+                                           "trainer.save_every=0", *evaluated(files, ["chat", "chat_gold"],
+                                                                              a.teacher_steps), *seeded])
+    teacher = final_checkpoint(out / "teacher")
+    (_, start_genrm), (_, teacher_genrm) = curve(teacher_run, "genrm")[0], curve(teacher_run, "genrm")[-1]
+    row = {"seed": seed, "teacher": teacher, "start_genrm": start_genrm, "teacher_genrm": teacher_genrm,
+           "teacher_gold": curve(teacher_run, "chat_quality")[-1][1], "gap": teacher_genrm - start_genrm}
+    common = [f"model.path={sft}", f"trainer.steps={a.steps}", "trainer.save_every=0", *judged, *seeded]
+    for method, extra in (("rlhf", [*chat, *RL]),
+                          ("mopd", [f"data.files=[{files['rl']['chat']}]", *JUDGED, *MOPD,
+                                    f"+teacher.checkpoints.genrm={teacher}"])):
+        metrics = launch(out / method, [*common, *extra])
+        points = curve(metrics, "genrm")
+        row[method] = {"curve": points, "gold": curve(metrics, "chat_quality"), "final": points[-1][1],
+                       "steps_to_90": closes(points, start_genrm, teacher_genrm)}
+    return row
+
+
+def spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "values": values}
 
 
 def main() -> None:
@@ -94,70 +130,49 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--model", default="models/tiny-sft", help="the SFT'd starting model of the cascade")
-    p.add_argument("--cascade", default="", help="a finished demo cascade to reuse for the first seed")
+    p.add_argument("--regress-steps", type=int, default=20, help="GRPO steps on chat that cost the start its math")
+    p.add_argument("--regress-lr", type=float, default=1e-4)
+    p.add_argument("--teacher-steps", type=int, default=60, help="RLHF steps of the judge-scored domain's teacher")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")][: 1 if a.quick else None]
-    if a.quick and not a.cascade and (ROOT / "runs" / "demo" / "cascade.json").is_file():
-        a.cascade = str(ROOT / "runs" / "demo")  # make run's cascade: the quick run only adds the comparison
-    steps, every = (10, 5) if a.quick else (a.steps, a.eval_every)
-    if not (ROOT / a.model / "config.json").is_file():
-        raise SystemExit(f"{a.model} missing: make run builds it (make-tiny-model --task cascade, then sft)")
-    cfg = yaml.safe_load((ROOT / "configs" / "cascade" / "demo.yaml").read_text())
-    base = RESULTS / "mopd_vs_grpo"
+    if a.quick:
+        a.steps, a.eval_every, a.teacher_steps = 10, 5, 30
+    if not (JUDGE / "config.json").is_file():
+        raise SystemExit(f"{JUDGE} missing: `make judge` builds it (make run does)")
+    sft, files = str(sft_model()), builtin_data()
     t0 = time.perf_counter()
-    per_seed = []
-    for i, seed in enumerate(seeds):
-        out = base / f"seed{seed}"
-        reuse = Path(a.cascade) if a.cascade and i == 0 and (Path(a.cascade) / "cascade.json").is_file() else None
-        record = json.loads((reuse / "cascade.json").read_text()) if reuse else cascade(
-            seed, out / "cascade", str((ROOT / a.model).resolve()))
-        start = record["stages"]["if_rl"]["checkpoints"][-1]
-        teacher = max(checkpoints(record), key=lambda c: c["domains"]["math"])
-        row = {"seed": seed, "cascade": str(reuse or out / "cascade"), "start": start["path"],
-               "start_math": start["domains"]["math"], "teacher": teacher["path"],
-               "teacher_math": teacher["domains"]["math"], "regressed": start["domains"]["math"] < teacher["domains"]["math"]}
-        for method in ("grpo", "mopd"):
-            points = curve(method, seed, start["path"], teacher["path"], out / method, steps, every, cfg)
-            row[method] = {"curve": points, "steps_to_teacher": steps_to(teacher["domains"]["math"], points),
-                           "final_math": points[-1][1]}
-        mopd_final = record["stages"]["mopd"]["checkpoints"][-1]
-        without = record["stages"]["multi_domain"]["checkpoints"][-1]
-        row["ablation"] = {"without_mopd": without["domains"], "with_mopd": mopd_final["domains"]}
-        per_seed.append(row)
-        print(json.dumps({k: row[k] for k in ("seed", "start_math", "teacher_math")}
-                         | {m: {"steps_to_teacher": row[m]["steps_to_teacher"], "final_math": row[m]["final_math"]}
-                            for m in ("grpo", "mopd")}), flush=True)
+    math_rows, rlhf_rows = [], []
+    for seed in seeds:
+        out = RESULTS / "mopd_vs_grpo" / f"seed{seed}"
+        math_rows.append(math_race(seed, out / "math", sft, files, a))
+        rlhf_rows.append(rlhf_race(seed, out / "rlhf", sft, files, a))
+        print(json.dumps({"seed": seed, "math": {m: math_rows[-1][m]["steps_to_90"] for m in ("grpo", "mopd")},
+                          "rlhf": {m: rlhf_rows[-1][m]["final"] for m in ("rlhf", "mopd")}}), flush=True)
 
-    def spread(values: list[float]) -> dict:
-        return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-                "values": values}
-
-    domains = sorted(per_seed[0]["ablation"]["with_mopd"])
     summary = {
         "name": "mopd_vs_grpo",
-        "metric": f"math held-out accuracy within {steps} steps from a regressed checkpoint (avg@4)",
-        # the table's columns (bench/run_all.py): MOPD's final math accuracy against GRPO's, no target
-        "value": spread([r["mopd"]["final_math"] for r in per_seed])["mean"],
-        "baseline": "GRPO from the same checkpoint",
-        "baseline_value": spread([r["grpo"]["final_math"] for r in per_seed])["mean"],
+        "metric": f"math held-out accuracy after {a.steps} steps from a regressed checkpoint (avg@4), equal rollouts",
+        "value": spread([r["mopd"]["final"] for r in math_rows])["mean"],
+        "baseline": "GRPO from the same checkpoint, the same rollouts per step",
+        "baseline_value": spread([r["grpo"]["final"] for r in math_rows])["mean"],
         "ratio": None, "target": None, "pass": None,
-        "seeds": seeds,
-        "steps": steps,
-        "eval_every": every,
-        "grpo_final_math": spread([r["grpo"]["final_math"] for r in per_seed]),
-        "mopd_final_math": spread([r["mopd"]["final_math"] for r in per_seed]),
-        "grpo_steps_to_teacher": [r["grpo"]["steps_to_teacher"] for r in per_seed],
-        "mopd_steps_to_teacher": [r["mopd"]["steps_to_teacher"] for r in per_seed],
-        "teacher_math": spread([r["teacher_math"] for r in per_seed]),
-        "start_math": spread([r["start_math"] for r in per_seed]),
-        "ablation": {d: {"without_mopd": spread([r["ablation"]["without_mopd"][d] for r in per_seed]),
-                         "with_mopd": spread([r["ablation"]["with_mopd"][d] for r in per_seed])} for d in domains},
+        "seeds": seeds, "steps": a.steps, "eval_every": a.eval_every,
+        "math": {"start": spread([r["start_math"] for r in math_rows]),
+                 "teacher": spread([r["teacher_math"] for r in math_rows]),
+                 "gap": spread([r["gap"] for r in math_rows]),
+                 **{m: {"final": spread([r[m]["final"] for r in math_rows]),
+                        "steps_to_90": [r[m]["steps_to_90"] for r in math_rows]} for m in ("grpo", "mopd")}},
+        "rlhf": {"start": spread([r["start_genrm"] for r in rlhf_rows]),
+                 "teacher": spread([r["teacher_genrm"] for r in rlhf_rows]),
+                 **{m: {"final": spread([r[m]["final"] for r in rlhf_rows]),
+                        "gold_final": spread([r[m]["gold"][-1][1] for r in rlhf_rows]),
+                        "steps_to_90": [r[m]["steps_to_90"] for r in rlhf_rows]} for m in ("rlhf", "mopd")}},
         "wall_s": time.perf_counter() - t0,
         "machine": machine(),
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "mopd_vs_grpo.json").write_text(json.dumps({**summary, "per_seed": per_seed}, indent=2))
+    (RESULTS / "mopd_vs_grpo.json").write_text(json.dumps({**summary, "math_per_seed": math_rows,
+                                                           "rlhf_per_seed": rlhf_rows}, indent=2))
     print(json.dumps(summary))
 
 

@@ -38,6 +38,7 @@ from cascade_rl.verifiers.llm_judge import (
     ChatResult,
     JudgeEndpoint,
     JudgeError,
+    JudgeRequestError,
     judge_answer,
     parse_correctness,
 )
@@ -332,6 +333,34 @@ def test_retries_5xx_and_sends_bearer_key(monkeypatch):
 
     asyncio.run(main())
     assert [h["authorization"] for h in seen] == ["Bearer sk-test"] * 2
+
+
+def test_a_request_the_judge_refuses_scores_the_rollout_not_the_judge():
+    """HTTP 400 (a prompt over the judge's context) is this request's fault: JudgeRequestError, not retried, and
+    not a JudgeError (which would filter the group as a judge that is down)."""
+    hits: list[int] = []
+
+    async def handle(reader, writer):
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        length = next(int(ln.split(": ")[1]) for ln in head.split("\r\n") if ln.lower().startswith("content-length"))
+        await reader.readexactly(length)
+        hits.append(1)
+        body = b'{"error": {"message": "This model\'s maximum context length is 512 tokens."}}'
+        writer.write(f"HTTP/1.1 400 Bad Request\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                     + body)
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, ChatClient(JudgeEndpoint(f"http://127.0.0.1:{port}", "m", backoff_s=0.01)) as client:
+            with pytest.raises(JudgeRequestError, match="maximum context length") as refused:
+                await client.chat([{"role": "user", "content": "a long prompt"}])
+            assert not isinstance(refused.value, JudgeError) and client.stats.failed == 1
+
+    asyncio.run(main())
+    assert len(hits) == 1
 
 
 # ---------------------------------------------------------------------------------------------

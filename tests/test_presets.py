@@ -57,16 +57,21 @@ BUILTIN_DOMAINS = {"arithmetic": "math", "arithmetic_mcqa": "mcqa", "arithmetic_
 
 
 @pytest.fixture(scope="module")
-def layout(tmp_path_factory, tiny_model, tiny_data, tools_data) -> Path:
-    """A directory as ``make run`` and ``make tools`` leave it: models/tiny-sft and models/tools-sft (any tiny
-    model: a dry run only renders prompts), runs/data/cascade and runs/data/tools (make-data), WRITTEN files."""
+def layout(tmp_path_factory, tiny_model, tiny_data, tools_data, full_data) -> Path:
+    """A directory as ``make run``, ``make full`` and ``make tools`` leave it: models/tiny-sft, full-sft, judge-sft
+    and tools-sft (any tiny model: a dry run only renders prompts), runs/data/{cascade,demo,full,tools} (make-data),
+    WRITTEN files."""
+    from cascade_rl.data.builtin import write_task_files
+
     root = tmp_path_factory.mktemp("presets")
     (root / "models").mkdir()
-    (root / "models" / "tiny-sft").symlink_to(tiny_model)
-    (root / "models" / "tools-sft").symlink_to(tiny_model)
+    for name in ("tiny-sft", "tools-sft", "full-sft", "judge-sft"):
+        (root / "models" / name).symlink_to(tiny_model)
     (root / "runs" / "data").mkdir(parents=True)
-    (root / "runs" / "data" / "cascade").symlink_to(Path(tiny_data["rl"]["arithmetic"]).parent.parent)
-    (root / "runs" / "data" / "tools").symlink_to(Path(tools_data["rl"]["tool_arithmetic"]).parent.parent)
+    demo = write_task_files("demo", root / "demo-data", {"heldout": 8, "rl": 64, "sft": 8})
+    for name, files, task in (("cascade", tiny_data, "arithmetic"), ("tools", tools_data, "tool_arithmetic"),
+                              ("full", full_data, "arithmetic"), ("demo", demo, "arithmetic")):
+        (root / "runs" / "data" / name).symlink_to(Path(files["rl"][task]).parent.parent)
     (root / "written").mkdir()
     for domain, rows in WRITTEN.items():
         (root / "written" / f"{domain}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

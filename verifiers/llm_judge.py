@@ -36,6 +36,16 @@ import httpx
 from .errors import VerifierUnavailable
 from .text import final_answer_text
 
+# HTTP statuses that say the request itself is wrong (vLLM and our server answer 400 to a prompt over the context):
+# the rollout's fault, scored 0 with the reason; every other failure (a wrong model name, a bad key, a judge down)
+# makes the judge unavailable for every rollout, and their groups are filtered instead (verifiers/errors.py)
+REQUEST_FAULTS = (400, 413, 422)
+
+
+class JudgeRequestError(ValueError):
+    """The judge refused one request as malformed or too long (HTTP 400, 413, 422): the rollout scores 0 with the
+    reason, the judge stays available."""
+
 
 class JudgeError(VerifierUnavailable):
     """The judge endpoint gave no usable completion (unreachable, timed out, HTTP error, bad JSON): its group fails
@@ -140,8 +150,11 @@ class ChatClient:
                     self.stats.ok += 1
                     return self._result(resp)
                 last = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                if resp.status_code in REQUEST_FAULTS:  # this request (a prompt over the judge's context): not the
+                    self.stats.failed += 1              # judge's fault, the rollout scores 0 with the reason
+                    raise JudgeRequestError(f"the judge at {self.url} refused this request: {last}")
                 if resp.status_code != 429 and resp.status_code < 500:
-                    break  # the request itself is wrong; sending it again will not help
+                    break  # a wrong model name, a bad key: sending it again will not help
         self.stats.failed += 1
         raise JudgeError(f"judge request to {self.url} (model {ep.model!r}) failed after "
                          f"{attempt + 1} attempt(s): {last}")
