@@ -33,7 +33,8 @@ install: $(STAMP)
 # built for another task mixture (an older checkout's) is rebuilt.
 DATA ?= runs/data/demo
 JUDGE_DATA ?= runs/data/judge
-SFT_FILES := $(DATA)/sft/arithmetic.jsonl,$(DATA)/sft/arithmetic_mcqa.jsonl,$(DATA)/sft/arithmetic_json.jsonl,$(DATA)/sft/arithmetic_if.jsonl,$(DATA)/sft/chat.jsonl
+# chat twice the others' share: addressing the teller by name is a copy the tiny model learns only with enough of it
+SFT_FILES := $(DATA)/sft/arithmetic.jsonl:1,$(DATA)/sft/arithmetic_mcqa.jsonl:1,$(DATA)/sft/arithmetic_json.jsonl:1,$(DATA)/sft/arithmetic_if.jsonl:1,$(DATA)/sft/chat.jsonl:2
 JUDGE_FILES := $(JUDGE_DATA)/sft/judge_pairs.jsonl,$(JUDGE_DATA)/sft/judge_qa.jsonl
 run: install judge
 	test -f $(DATA)/manifest.json || $(CLI) make-data demo --out $(DATA) --heldout 128 --sft 2000

@@ -39,7 +39,7 @@ def sft_model() -> Path:
         if not (tiny / "config.json").exists():
             subprocess.run([*CLI, "make-tiny-model", "--out", str(tiny), "--task", "demo", "--vocab-size", "1024"],
                            check=True)
-        files = ",".join(builtin_data()["sft"][t] for t in SFT_TASKS)
+        files = ",".join(f"{builtin_data()['sft'][t]}:{2 if t == 'chat' else 1}" for t in SFT_TASKS)  # as make run
         subprocess.run([*CLI, "sft", f"model={tiny}", f"out={sft}", f"files=[{files}]", "steps=800"], check=True)
     return sft
 

@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cascade_rl.data.prepare import BadLine
 from cascade_rl.data.render import PromptRenderer, parting
 from cascade_rl.data.rows import BadRow, Fields, message, parse_messages, parse_response
-from cascade_rl.data.sources import DataError, read_records
+from cascade_rl.data.sources import DataError, parse_spec, read_records
 from cascade_rl.modeling.logprobs import token_logprobs
 
 TRACE_ROLES = ("assistant", "tool")
@@ -55,7 +55,8 @@ class SFTConfig:
     out: str = "models/tiny-sft"
     """Output HF directory."""
     files: list = dataclasses.field(default_factory=list)
-    """Data files of rows with a prompt and a response (JSONL, JSONL.gz, Parquet, save_to_disk directories);
+    """Data files of rows with a prompt and a response (JSONL, JSONL.gz, Parquet, save_to_disk directories), each
+    ``PATH`` or ``PATH:WEIGHT`` (weights on every file: each file's share of the draws, as ``data.files``);
     the miniature's: ``cascade-rl make-data cascade --out DIR`` writes DIR/sft/*.jsonl (``make-data tools``:
     multi-turn rows, whose response is a list of assistant and tool messages)."""
     fields: Fields = dataclasses.field(default_factory=Fields)
@@ -110,11 +111,26 @@ def _response(raw: dict, fields: Fields) -> str | tuple[dict, ...]:
     return parse_trace(value, f"'{fields.response}'") if isinstance(value, list) else parse_response(raw, fields)
 
 
+def row_weights(files: list[str], rows: list[SFTRow]) -> list[float] | None:
+    """Each row's chance of being drawn when the files carry weights (``PATH:WEIGHT`` on every file, as
+    ``data.files``: each file's share of the draws); None (every row equally likely) when none does."""
+    specs = [parse_spec(f) for f in files]
+    if all(s.weight is None for s in specs):
+        return None
+    if any(s.weight is None for s in specs):
+        raise DataError(f"files={files}: give every file a weight (PATH:WEIGHT) or none")
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row.where.rpartition(":")[0]] = counts.get(row.where.rpartition(":")[0], 0) + 1
+    share = {str(s.path): s.weight / counts[str(s.path)] for s in specs if counts.get(str(s.path))}
+    return [share[row.where.rpartition(":")[0]] for row in rows]
+
+
 def read_sft_rows(files: list[str], fields: Fields) -> list[SFTRow]:
-    """(conversation, response, FILE:LINE) of every row; raises DataError listing each bad row as FILE:LINE:
-    reason."""
+    """(conversation, response, FILE:LINE) of every row (``PATH:WEIGHT``: the rows of PATH); raises DataError
+    listing each bad row as FILE:LINE: reason."""
     rows, bad = [], []
-    for path in files:
+    for path in (str(parse_spec(f).path) for f in files):
         for line, raw in read_records(path):
             try:
                 if isinstance(raw, BadRow):
@@ -231,7 +247,8 @@ def run_sft(cfg: SFTConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     fields = cfg.fields if isinstance(cfg.fields, Fields) else Fields(**cfg.fields)  # a dict from the command line
-    data = encode_examples(tokenizer, read_sft_rows(list(cfg.files), fields))
+    rows = read_sft_rows(list(cfg.files), fields)
+    data, weights = encode_examples(tokenizer, rows), row_weights(list(cfg.files), rows)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(s / cfg.steps * torch.pi)).item())
@@ -245,7 +262,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     with Progress(*columns, disable=plain) as progress:
         task = progress.add_task("sft", total=cfg.steps, loss="-")
         for step in range(1, cfg.steps + 1):
-            batch = rng.sample(data, cfg.batch_size)
+            batch = rng.sample(data, cfg.batch_size) if weights is None else rng.choices(data, weights, k=cfg.batch_size)
             n_loss = sum(sum(mask) for _, mask in batch)
             loss = 0.0
             for chunk in by_length(batch, cfg.chunk_tokens):  # the batch's mean token loss, in chunks of like length

@@ -32,6 +32,7 @@ import json
 import logging
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -264,6 +265,14 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True  # a request thread never holds the process up at exit
     # the listen backlog: socketserver's 5 resets the connections of a burst of judge calls that arrive together
     request_queue_size = 1024
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that closed its connection (a cancelled call, a keep-alive socket dropped) is no error: one debug
+        line, not socketserver's traceback on stderr; anything else is logged with its traceback."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("%s closed the connection", client_address)
+            return
+        log.exception("a request from %s failed", client_address)
 
 
 class _Stop(Exception):

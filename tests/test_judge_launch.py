@@ -71,8 +71,10 @@ def test_each_serve_choice_builds_its_server_command(judge_model):
     assert unserved.model == "" and not judge.serves(unserved)
 
 
-def test_config_refusals_name_the_field(judge_model, tmp_path, monkeypatch):
+def test_config_refusals_name_the_field(judge_model, tiny_model, tmp_path, monkeypatch):
     assert judge.problems(judge_cfg(serve="torch", path=judge_model)) == []
+    # the default 4096 verdict tokens leave no room for a prompt in a 512-token judge: every request would be refused
+    assert "verifier.judge.max_tokens=64" in judge.problems(judge_cfg(serve="torch", path=tiny_model))[0]
     assert "needs verifier.judge.path" in judge.problems(judge_cfg(serve="torch"))[0]
     assert "is not an HF model directory" in judge.problems(judge_cfg(serve="torch", path=str(tmp_path)))[0]
     llama = tmp_path / "llama"
@@ -92,7 +94,8 @@ def test_launch_config_refuses_a_judge_it_cannot_serve(tiny_model, judged_data, 
         compose("tiny", [*common, "verifier.judge.serve=torch", "verifier.judge.path=/nowhere"])
     with pytest.raises(ConfigError, match=r"verifier.judge.serve: .*expected one of \[none, torch, vllm\]"):
         compose("tiny", [*common, "verifier.judge.serve=tgi"])
-    cfg = compose("tiny", [*common, "verifier.judge.serve=torch", f"verifier.judge.path={tiny_model}"])
+    cfg = compose("tiny", [*common, "verifier.judge.serve=torch", f"verifier.judge.path={tiny_model}",
+                          "verifier.judge.max_tokens=64"])
     assert cfg.verifier.judge.model == "judge"  # the served name, which the verifiers send
     r = cli("launch", "tiny", *common, "verifier.judge.serve=torch", "verifier.judge.path=/nowhere", timeout=120)
     assert r.returncode == 2 and "verifier.judge.path=/nowhere" in r.stdout + r.stderr

@@ -43,3 +43,26 @@ def test_chunked_gradient_equals_the_padded_batch(tiny_model):
     assert len(by_length(rows, 64)) > 2
     for k, g in whole.items():
         torch.testing.assert_close(chunked[k], g, atol=1e-6, rtol=1e-4)
+
+
+def test_file_weights_are_each_files_share_of_the_draws(tmp_path):
+    import json
+
+    import pytest
+
+    from cascade_rl.data.rows import Fields
+    from cascade_rl.data.sources import DataError
+    from cascade_rl.learner.sft import read_sft_rows, row_weights
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"prompt": f"q{i}", "response": "r"}) + "\n" for i in range(4)))
+    b.write_text("".join(json.dumps({"prompt": f"p{i}", "response": "r"}) + "\n" for i in range(1)))
+    files = [f"{a}:3", f"{b}:1"]
+    rows = read_sft_rows(files, Fields())
+    assert len(rows) == 5
+    weights = row_weights(files, rows)
+    assert sum(w for r, w in zip(rows, weights) if r.where.startswith(str(a))) == pytest.approx(3.0)
+    assert sum(w for r, w in zip(rows, weights) if r.where.startswith(str(b))) == pytest.approx(1.0)
+    assert row_weights([str(a), str(b)], read_sft_rows([str(a), str(b)], Fields())) is None  # uniform over rows
+    with pytest.raises(DataError, match="every file a weight"):
+        row_weights([f"{a}:3", str(b)], rows)
