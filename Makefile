@@ -56,7 +56,8 @@ judge: install
 # long-context QA, code, agentless and agentic SWE) in one SFT, then IF-RL -> multi-domain RL -> MOPD -> RLHF ->
 # long-context RL -> code RL -> SWE RL (agentless, agentic) -> MOPD.
 FULL_DATA ?= runs/data/full
-FULL_SFT := $(foreach t,arithmetic arithmetic_mcqa arithmetic_json arithmetic_if chat long_context code_fn swe_patch swe_agent,$(FULL_DATA)/sft/$(t).jsonl)
+# each task's share of the SFT draws: the copies (a name, a record deep in a document) want twice the others'
+FULL_SFT := $(foreach t,arithmetic:1 arithmetic_mcqa:1 arithmetic_json:1 arithmetic_if:1 chat:2 long_context:2 code_fn:1 swe_patch:1 swe_agent:1,$(FULL_DATA)/sft/$(subst :,.jsonl:,$(t)))
 full: install judge
 	test -f $(FULL_DATA)/manifest.json || $(CLI) make-data full --out $(FULL_DATA) --heldout 128 --sft 2000
 	test -f models/full/config.json || $(CLI) make-tiny-model --out models/full --task full --vocab-size 1024

@@ -67,7 +67,10 @@ def prepare_run_data(cfg: DictConfig) -> Report:
         report = prepare(cfg.data, tokenizer, Path(cfg.run_dir) / "data", domains, on_read=on_read)
     if report.bad and cfg.data.on_bad_row == "error":
         raise BadData(report)
-    used = sorted(set(report.domains["train"]) | set(report.domains["eval"]))
+    # the held-out domains only where the stage evaluates (a cascade's stages leave that to the runner: a stage
+    # of math then starts no judge for the held-out chat)
+    evaluates = cfg.orchestrator.eval_n > 0 or cfg.orchestrator.eval_greedy
+    used = sorted(set(report.domains["train"]) | (set(report.domains["eval"]) if evaluates else set()))
     if not v.domains:
         v.domains = used
     elif unserved := sorted(set(used) - set(v.domains)):

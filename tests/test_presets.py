@@ -136,7 +136,8 @@ def test_a_run_preset_launches_as_written(preset, layout, tiny_data, tmp_path, m
 @pytest.mark.parametrize("name", CASCADES)
 def test_every_stage_of_a_cascade_launches(name, layout, tmp_path, monkeypatch):
     monkeypatch.chdir(layout)
-    cfg = load_config(name, [f"run_dir={tmp_path}", "overrides=[supervisor.progress=none]"])
+    cfg = load_config(name, [f"run_dir={tmp_path}"])
+    cfg.overrides.append("supervisor.progress=none")  # after the cascade's own (its judge, ...)
     cascade = Cascade(cfg)
     evaluated = {json.loads(Path(f).read_text().splitlines()[0])["domain"] for f in cfg.eval.files}
     # as if the starting model had been evaluated: it is every domain's best checkpoint (``teachers: best``)
