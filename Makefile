@@ -7,7 +7,7 @@ RUN_DIR ?= runs/demo
 
 .PHONY: install run judge full tools test lint bench bench-trl clean
 comma := ,
-FULL_SFT_STEPS ?= 2400
+FULL_SFT_STEPS ?= 2000
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

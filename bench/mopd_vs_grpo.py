@@ -8,8 +8,8 @@ served by the supervisor; every run is a real `cascade-rl launch`, its held-out 
 evaluation (avg@4 at T = 1 on 128 questions) every ``--eval-every`` steps.
 
 **Math (Figure 3(c)).** The paper's math teacher is the SFT checkpoint, the student a later one whose math has
-regressed. Per seed S: the start is the SFT model after ``--regress-steps`` of RLHF-style GRPO on chat at a high
-learning rate (what a specialised stage does to math here); the teacher is the SFT model, which must be at least
+regressed. Per seed S: the start is the SFT model after ``--regress-steps`` of IF-RL (the demo cascade's first
+stage, which costs math here as the paper's RLVR stages do); the teacher is the SFT model, which must be at least
 0.15 above the start on math (checked and recorded). From the start, ``--steps`` steps of GRPO on math (the cascade's
 RL settings) and of MOPD on math taught by the SFT model (the cascade's MOPD settings), with **the same rollouts per
 step** (16 prompts x 8). Recorded: the curve, and the steps each takes to close 90 % of the gap to the teacher
@@ -17,7 +17,7 @@ step** (16 prompts x 8). Recorded: the curve, and the steps each takes to close 
 
 **The judge-scored domain (Table 3).** The teacher is an RLHF checkpoint: ``--teacher-steps`` of GRPO on chat with the
 judge's pairwise rewards from the SFT model (seed S). From the SFT model, ``--steps`` of RLHF (the same recipe) and of
-MOPD on chat taught by that checkpoint, the same rollouts per step; accuracy is the judge's preference for the reply
+MOPD on chat taught by that checkpoint, the same rollouts per step (16 prompts x 4); accuracy is the judge's preference for the reply
 over the row's baseline (genrm, ArenaHard-style) and the gold (chat_quality: right, addressed, one short sentence).
 
 Writes bench/results/mopd_vs_grpo.json; the last stdout line is the summary JSON object. ``--quick`` (``make
@@ -40,7 +40,12 @@ JUDGE = ROOT / "models" / "judge-sft"
 RL = ["trainer.prompts_per_step=16", "trainer.group_size=8", "trainer.lr=5e-5"]  # configs/run/cascade.yaml
 MOPD = ["stage=mopd", "trainer.prompts_per_step=16", "trainer.group_size=8", "trainer.lr=3e-5",
         "trainer.warmup_steps=5", "trainer.warmup_start_lr=3e-6"]  # configs/cascade/demo.yaml's MOPD
-JUDGED = ["verifier.judge.serve=torch", f"verifier.judge.path={JUDGE}", "verifier.judge.genrm.template=compact"]
+# chat with the judge: demo.yaml's RLHF (4 rollouts a prompt: 6 pairs to judge, not 28), and MOPD on the same rollouts
+RLHF = ["stage=rlhf", "trainer.prompts_per_step=16", "trainer.group_size=4", "trainer.lr=2e-5"]
+CHAT_MOPD = [*MOPD, "trainer.group_size=4"]
+JUDGED = ["verifier.judge.serve=torch", f"verifier.judge.path={JUDGE}", "verifier.judge.genrm.template=compact",
+          "verifier.judge.max_tokens=16", "verifier.judge.concurrency=32", "verifier.judge.args=[--threads,1]",
+          "teacher.threads=1"]  # as configs/cascade/demo.yaml
 GAP = 0.15  # the least the teacher must lead the start by on the domain (issue: a teacher clearly above)
 
 
@@ -79,11 +84,10 @@ def evaluated(files: dict, tasks: list[str], every: int) -> list[str]:
 
 def math_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace) -> dict:
     seeded = [f"trainer.seed={seed}", f"data.seed={seed}"]
-    chat = f"data.files=[{files['rl']['chat']}]"
-    regress = launch(out / "regress", [f"model.path={sft}", chat, f"trainer.steps={a.regress_steps}",
-                                       f"trainer.lr={a.regress_lr}", "trainer.save_every=0", "stage=rlhf",
-                                       *evaluated(files, ["arithmetic"], a.regress_steps), *JUDGED, *seeded,
-                                       "trainer.prompts_per_step=16", "trainer.group_size=8"])
+    regress = launch(out / "regress", [f"model.path={sft}", f"data.files=[{files['rl']['arithmetic_if']}]",
+                                       "stage=if_rl", *RL, f"trainer.steps={a.regress_steps}", "trainer.save_every=0",
+                                       "orchestrator.max_refill_rounds=64",
+                                       *evaluated(files, ["arithmetic"], a.regress_steps), *seeded])
     (_, teacher_math), (_, start_math) = curve(regress, "math")[0], curve(regress, "math")[-1]
     start = final_checkpoint(out / "regress")
     common = [f"model.path={start}", f"data.files=[{files['rl']['arithmetic']}]", f"trainer.steps={a.steps}",
@@ -99,9 +103,9 @@ def math_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace
 
 def rlhf_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace) -> dict:
     seeded = [f"trainer.seed={seed}", f"data.seed={seed}"]
-    chat = [f"data.files=[{files['rl']['chat']}]", "stage=rlhf", *JUDGED]
+    chat = [f"data.files=[{files['rl']['chat']}]", *JUDGED]
     judged = evaluated(files, ["chat", "chat_gold"], a.eval_every)
-    teacher_run = launch(out / "teacher", [f"model.path={sft}", *chat, *RL, f"trainer.steps={a.teacher_steps}",
+    teacher_run = launch(out / "teacher", [f"model.path={sft}", *chat, *RLHF, f"trainer.steps={a.teacher_steps}",
                                            "trainer.save_every=0", *evaluated(files, ["chat", "chat_gold"],
                                                                               a.teacher_steps), *seeded])
     teacher = final_checkpoint(out / "teacher")
@@ -109,9 +113,8 @@ def rlhf_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace
     row = {"seed": seed, "teacher": teacher, "start_genrm": start_genrm, "teacher_genrm": teacher_genrm,
            "teacher_gold": curve(teacher_run, "chat_quality")[-1][1], "gap": teacher_genrm - start_genrm}
     common = [f"model.path={sft}", f"trainer.steps={a.steps}", "trainer.save_every=0", *judged, *seeded]
-    for method, extra in (("rlhf", [*chat, *RL]),
-                          ("mopd", [f"data.files=[{files['rl']['chat']}]", *JUDGED, *MOPD,
-                                    f"+teacher.checkpoints.genrm={teacher}"])):
+    for method, extra in (("rlhf", [*chat, *RLHF]),
+                          ("mopd", [*chat, *CHAT_MOPD, f"+teacher.checkpoints.genrm={teacher}"])):
         metrics = launch(out / method, [*common, *extra])
         points = curve(metrics, "genrm")
         row[method] = {"curve": points, "gold": curve(metrics, "chat_quality"), "final": points[-1][1],
@@ -130,8 +133,7 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--regress-steps", type=int, default=20, help="GRPO steps on chat that cost the start its math")
-    p.add_argument("--regress-lr", type=float, default=1e-4)
+    p.add_argument("--regress-steps", type=int, default=30, help="IF-RL steps that cost the start its math")
     p.add_argument("--teacher-steps", type=int, default=60, help="RLHF steps of the judge-scored domain's teacher")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")][: 1 if a.quick else None]

@@ -11,10 +11,11 @@ judge learns the very text it is asked at RL time:
 - ``judge_pairs``: ``verifiers.genrm.pair_messages(chat prompt, reply 1, reply 2, TEMPLATE)`` (what
   ``score_group`` and ``judge_against_reference`` send) for two final answers to a ``chat`` prompt
   (data/chat.py), of every kind: concise or verbose and right, another person's name, the wrong
-  sentiment, no name, no sentiment, cut off, empty; in a fifth of the pairs (and in some more, by chance)
-  both replies are of one kind, often of equal quality. Each pair is shown in a random order, so both orders of every kind of pair occur. The
-  verdict, after an empty reasoning, is one line of JSON from the gold qualities q1, q2 of
-  ``chat_quality``, read by ``parse_preference`` as below;
+  sentiment, no name, no sentiment, cut off, empty, junk (fragments of the other tasks' answers, which a policy
+  trained on a judge blind to them collapses to); in a fifth of the pairs (and in some more, by chance)
+  both replies are of one kind, often of equal quality. Each pair is shown in a random order, so both orders of
+  every kind of pair occur. The verdict, after an empty reasoning, is the gold qualities q1, q2 of
+  ``chat_quality`` ("scores 5 3"), then one of the compact template's tags, read by ``parse_preference`` as below;
 - ``judge_qa``: ``verifiers.llm_judge.QA_TEMPLATE`` filled as ``judge_answer`` fills it (a
   ``long_context`` question and reference, data/long_context.py) with an answer that is right (the value,
   alone or in a sentence) or wrong, often narrowly (one digit off, two digits swapped, a digit dropped or
@@ -23,15 +24,15 @@ judge learns the very text it is asked at RL time:
 
 | q1 − q2 | verdict (the response's final answer) | ``parse_preference`` |
 | --- | --- | --- |
-| ≥ 2 | ``{"score_1": q1, "score_2": q2, "ranking": 1}`` | 1.0 |
-| 1 | ... ``"ranking": 2`` | 0.8 |
-| 0 | ``{"score_1": q1, "score_2": q2}`` (no ranking: the template's rankings have no tie) | 0.5 |
-| −1 | ... ``"ranking": 5`` | 0.2 |
-| ≤ −2 | ... ``"ranking": 6`` | 0.0 |
+| ≥ 2 | ``scores q1 q2 [[A>>B]]`` | 1.0 |
+| 1 | ``... [[A>B]]`` | 0.75 |
+| 0 | ``... [[A=B]]`` | 0.5 |
+| −1 | ``... [[B>A]]`` | 0.25 |
+| ≤ −2 | ``... [[B>>A]]`` | 0.0 |
 
 | task | domain | prompt | answer | metadata |
 | --- | --- | --- | --- | --- |
-| judge_pairs | genrm | the generic pair template, filled | the verdict's JSON | ``{"score_1", "score_2", "kinds": [k1, k2], "preference"}`` |
+| judge_pairs | genrm | the compact pair template, filled | the verdict tag | ``{"score_1", "score_2", "kinds": [k1, k2], "preference"}`` |
 | judge_qa | llm_judge | ``QA_TEMPLATE``, filled | ``[[CORRECT]]`` or ``[[INCORRECT]]`` | ``{"correct": bool, "kind": ...}`` |
 
 Mixture ``judge``: both, pairs weighted 2 : 1 (the harder skill). SFT reads only
@@ -44,13 +45,12 @@ data (``make-tiny-model --task judge``): tests/test_chat_tasks.py measures them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 
 from cascade_rl.verifiers.genrm import pair_messages
 from cascade_rl.verifiers.llm_judge import QA_TEMPLATE, fill
 
-from .chat import FILLERS, INSTRUCTION, News, chat_quality, draw_news, other, reply
+from .chat import FILLERS, INSTRUCTION, OPENERS, News, chat_quality, draw_news, other, reply
 from .long_context import NAMES, question_of, record_line
 from .task_base import Example, Task, register_mix, register_task, think
 
@@ -71,7 +71,10 @@ class JudgeExample(Example):
 
 # kind -> weight: mostly what a policy SFT'd on chat writes (right, concise or padded), and its mistakes
 REPLY_KINDS = {"concise": 3, "verbose": 4, "wrong_name": 1, "wrong_sentiment": 1, "no_name": 1, "no_sentiment": 1,
-               "cut": 1, "empty": 0.5}
+               "cut": 1, "empty": 0.5, "junk": 1.5}
+# fragments of the other tasks' answers: what a policy trained on a judge writes when it finds a judge blind to them
+# (RLHF without these in the judge's data collapsed to "Well done,7}"); their digits are redrawn per reply
+JUNK = ("7}", "\\boxed{7}", '{"value": 7}', "P.S. All done.", "<<Result>>", "7 - 1 = 8", "That is all.", "}")
 SAME_KIND = 0.2  # pairs of one kind: many of equal quality, which the judge must call a tie
 
 
@@ -95,22 +98,29 @@ def chat_reply(rng: random.Random, news: News, kind: str) -> str:
         return " ".join(words[: rng.randint(1, len(words) - 1)])
     if kind == "empty":
         return ""
+    if kind == "junk":  # an opener's first words, or nothing, then a fragment of another task's answer
+        opener = rng.choice(OPENERS[news.kind]).split(",")[0] + "," if rng.random() < 0.7 else ""
+        return opener + rng.choice(JUNK).replace("7", str(rng.randint(0, 99)))
     raise ValueError(f"unknown reply kind {kind!r}")
 
 
-def pair_verdict(q1: int, q2: int) -> dict:
-    """The JSON verdict for gold qualities q1, q2 (the module docstring's table)."""
-    verdict = {"score_1": q1, "score_2": q2}
-    d = q1 - q2
-    if d:
-        verdict["ranking"] = 1 if d >= 2 else 2 if d == 1 else 5 if d == -1 else 6
-    return verdict
+# the compact template's verdict tags by the gold qualities' difference (response 1 minus response 2, clipped to
+# +-2), and what verifiers/genrm.py parse_preference reads from each: a verdict of a few tokens, so a tiny judge's
+# RLHF step decodes little (JSON scores took ~30 tokens a call)
+TAGS = {2: "[[A>>B]]", 1: "[[A>B]]", 0: "[[A=B]]", -1: "[[B>A]]", -2: "[[B>>A]]"}
+PREFERENCES = {2: 1.0, 1: 0.75, 0: 0.5, -1: 0.25, -2: 0.0}
+
+
+def pair_verdict(q1: int, q2: int) -> str:
+    """The verdict for gold qualities q1, q2: each reply's score, then the tag they give (the module docstring's
+    table). Scoring each reply first, then comparing, is what a tiny judge learns; asked for the tag alone it
+    learnt to answer [[A=B]] to almost everything."""
+    return f"scores {q1} {q2} {TAGS[max(-2, min(2, q1 - q2))]}"
 
 
 def gold_preference(q1: int, q2: int) -> float:
     """What ``parse_preference`` reads from ``pair_verdict(q1, q2)``: the preference for response 1."""
-    d = max(-2, min(2, q1 - q2))
-    return {2: 1.0, 1: 0.8, 0: 0.5, -1: 0.2, -2: 0.0}[d]
+    return PREFERENCES[max(-2, min(2, q1 - q2))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +158,7 @@ def _pairs(size: int, seed: int) -> list[Pair]:
 
 def _judge_pairs(p: Pair, seed: int) -> JudgeExample:
     q1, q2 = (chat_quality(p.news.metadata, r) for r in p.replies)
-    verdict = json.dumps(pair_verdict(q1, q2))
+    verdict = pair_verdict(q1, q2)
     metadata = {"score_1": q1, "score_2": q2, "kinds": list(p.kinds), "preference": gold_preference(q1, q2)}
     return JudgeExample(p.question, verdict, "genrm", think([], verdict), "", metadata)
 

@@ -250,11 +250,11 @@ def test_judge_pairs_verdicts_parse_to_the_gold(splits):
         assert [{"role": "user", "content": ex.prompt}] == pair_messages(conv, r1, r2, TEMPLATE)
         q1, q2 = chat_quality(_news(conv), r1), chat_quality(_news(conv), r2)
         assert (ex.metadata["score_1"], ex.metadata["score_2"]) == (q1, q2)
-        assert json.loads(_final(ex.solution)) == pair_verdict(q1, q2) and ex.answer == _final(ex.solution)
+        assert _final(ex.solution) == pair_verdict(q1, q2) and ex.answer == _final(ex.solution)
         assert parse_preference(ex.solution) == pytest.approx(gold_preference(q1, q2)) == ex.metadata["preference"]
         assert parse_preference("<think>\n" + ex.solution) == pytest.approx(gold_preference(q1, q2))
         orders[(q1, q2)] += 1
-    assert {gold_preference(a, b) for a, b in orders} == {0.0, 0.2, 0.5, 0.8, 1.0}
+    assert {gold_preference(a, b) for a, b in orders} == {0.0, 0.25, 0.5, 0.75, 1.0}
     assert sum(n for (a, b), n in orders.items() if a == b) > 0.1 * len(examples)  # ties
     common = [(a, b) for (a, b), n in orders.items() if a != b and n + orders[(b, a)] >= 10]
     assert len(common) >= 12 and all(orders[(b, a)] for a, b in common)  # both orders of each kind of pair
@@ -357,7 +357,7 @@ class GoldJudge:
         if "<response_1>" in prompt:
             conv, r1, r2 = _replies(prompt)
             news = _news(conv)
-            return "\n</think>\n\n" + json.dumps(pair_verdict(chat_quality(news, r1), chat_quality(news, r2)))
+            return "\n</think>\n\n" + pair_verdict(chat_quality(news, r1), chat_quality(news, r2))
         q = re.search(r"Reference answer:\n(.*)\n\nModel's answer:\n(.*)\n\nReason", prompt, re.S)
         return "[[CORRECT]]" if q.group(1) == q.group(2) else "[[INCORRECT]]"
 
@@ -388,7 +388,7 @@ def test_judge_against_reference_judges_both_orders(splits, judge_server):
     assert sorted(pairs) == sorted([(concise, ex.answer), (ex.answer, concise)])
     assert all(_replies(p)[0] == ex.prompt for p in judge_server.prompts)
     assert asyncio.run(score(ex.answer)) == 0.5  # the baseline ties itself
-    assert asyncio.run(score(f"<think>\n</think>\n\n{ex.answer} And {FILLERS[0]}")) == pytest.approx(0.2)  # 2 vs 3
+    assert asyncio.run(score(f"<think>\n</think>\n\n{ex.answer} And {FILLERS[0]}")) == pytest.approx(0.25)  # 2 vs 3
     assert asyncio.run(score(wrong)) == 0.0
     judge_server.always = "[[A]]"  # a judge that always prefers the first position: cancelled out
     assert asyncio.run(score(concise, GenRMConfig(both_orders=False))) == 0.5

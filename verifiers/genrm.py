@@ -171,7 +171,8 @@ Which response to the last user turn is more helpful: correct, relevant, no long
 {response_2}
 </response_2>
 
-End with one line of JSON: {"score_1": <1-5>, "score_2": <1-5>, "ranking": <1-6>}"""
+Score each response from 1 to 5, then end with one verdict, A for response 1 and B for response 2: \
+[[A>>B]], [[A>B]], [[A=B]], [[B>A]] or [[B>>A]]."""
 TEMPLATES = {"generic": PAIR_TEMPLATE, "compact": COMPACT_TEMPLATE}  # one user message; nemotron_genrm: roles
 
 _TAGS = {"A": 1.0, "B": 0.0, "TIE": 0.5, "A>>B": 1.0, "A>B": 0.75, "A=B": 0.5, "B>A": 0.25, "B>>A": 0.0}
