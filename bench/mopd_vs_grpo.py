@@ -8,15 +8,16 @@ served by the supervisor; every run is a real `cascade-rl launch`, its held-out 
 evaluation (avg@4 at T = 1 on 128 questions) every ``--eval-every`` steps.
 
 **Math (Figure 3(c)).** The paper's math teacher is the SFT checkpoint, the student a later one whose math has
-regressed. Per seed S: the start is the SFT model after ``--regress-steps`` of IF-RL (the demo cascade's first
-stage, which costs math here as the paper's RLVR stages do); the teacher is the SFT model, which must be at least
-0.15 above the start on math (checked and recorded). From the start, ``--steps`` steps of GRPO on math (the cascade's
+regressed. The start is the SFT model after ``--regress-steps`` of IF-RL (the demo cascade's first stage, which
+costs math here as the paper's RLVR stages do); the teacher is the SFT model, which must be at least 0.15 above the
+start on math (checked and recorded). Start and teacher are made once (seed 0); the seeds vary the races. From the
+start, for each seed, ``--steps`` steps of GRPO on math (the cascade's
 RL settings) and of MOPD on math taught by the SFT model (the cascade's MOPD settings), with **the same rollouts per
 step** (16 prompts x 8). Recorded: the curve, and the steps each takes to close 90 % of the gap to the teacher
 (start + 0.9 x (teacher - start); the first evaluation at or above it).
 
 **The judge-scored domain (Table 3).** The teacher is an RLHF checkpoint: ``--teacher-steps`` of GRPO on chat with the
-judge's pairwise rewards from the SFT model (seed S). From the SFT model, ``--steps`` of RLHF (the same recipe) and of
+judge's pairwise rewards from the SFT model (made once, seed 0). For each seed, from the SFT model, ``--steps`` of RLHF (the same recipe) and of
 MOPD on chat taught by that checkpoint, the same rollouts per step (16 prompts x 4); accuracy is the judge's preference for the reply
 over the row's baseline (genrm, ArenaHard-style) and the gold (chat_quality: right, addressed, one short sentence).
 
@@ -82,16 +83,35 @@ def evaluated(files: dict, tasks: list[str], every: int) -> list[str]:
             f"orchestrator.eval_every={every}", "orchestrator.eval_n=4", "orchestrator.eval_greedy=false"]
 
 
-def math_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace) -> dict:
-    seeded = [f"trainer.seed={seed}", f"data.seed={seed}"]
-    regress = launch(out / "regress", [f"model.path={sft}", f"data.files=[{files['rl']['arithmetic_if']}]",
-                                       "stage=if_rl", *RL, f"trainer.steps={a.regress_steps}", "trainer.save_every=0",
-                                       "orchestrator.max_refill_rounds=64",
-                                       *evaluated(files, ["arithmetic"], a.regress_steps), *seeded])
+def seeded(seed: int) -> list[str]:
+    return [f"trainer.seed={seed}", f"data.seed={seed}"]
+
+
+def regressed_start(out: Path, sft: str, files: dict, a: argparse.Namespace) -> tuple[str, float, float]:
+    """The math race's start (the SFT model after IF-RL), with the SFT teacher's and the start's math accuracy."""
+    regress = launch(out, [f"model.path={sft}", f"data.files=[{files['rl']['arithmetic_if']}]", "stage=if_rl", *RL,
+                           f"trainer.steps={a.regress_steps}", "trainer.save_every=0",
+                           "orchestrator.max_refill_rounds=64", *evaluated(files, ["arithmetic"], a.regress_steps),
+                           *seeded(0)])
     (_, teacher_math), (_, start_math) = curve(regress, "math")[0], curve(regress, "math")[-1]
-    start = final_checkpoint(out / "regress")
+    return final_checkpoint(out), teacher_math, start_math
+
+
+def rlhf_teacher(out: Path, sft: str, files: dict, a: argparse.Namespace) -> dict:
+    """The judge-scored domain's teacher: ``--teacher-steps`` of RLHF from the SFT model; its genrm before and after."""
+    run = launch(out, [f"model.path={sft}", f"data.files=[{files['rl']['chat']}]", *JUDGED, *RLHF,
+                       f"trainer.steps={a.teacher_steps}", "trainer.save_every=0",
+                       *evaluated(files, ["chat", "chat_gold"], a.teacher_steps), *seeded(0)])
+    (_, start_genrm), (_, teacher_genrm) = curve(run, "genrm")[0], curve(run, "genrm")[-1]
+    return {"teacher": final_checkpoint(out), "start_genrm": start_genrm, "teacher_genrm": teacher_genrm,
+            "teacher_gold": curve(run, "chat_quality")[-1][1], "gap": teacher_genrm - start_genrm}
+
+
+def math_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace,
+              begin: tuple[str, float, float]) -> dict:
+    start, teacher_math, start_math = begin
     common = [f"model.path={start}", f"data.files=[{files['rl']['arithmetic']}]", f"trainer.steps={a.steps}",
-              "trainer.save_every=0", *evaluated(files, ["arithmetic"], a.eval_every), *seeded]
+              "trainer.save_every=0", *evaluated(files, ["arithmetic"], a.eval_every), *seeded(seed)]
     row = {"seed": seed, "start": start, "start_math": start_math, "teacher": sft, "teacher_math": teacher_math,
            "gap": teacher_math - start_math, "clearly_above": teacher_math - start_math >= GAP}
     for method, extra in (("grpo", RL), ("mopd", [*MOPD, f"+teacher.checkpoints.math={sft}"])):
@@ -101,20 +121,14 @@ def math_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace
     return row
 
 
-def rlhf_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace) -> dict:
-    seeded = [f"trainer.seed={seed}", f"data.seed={seed}"]
+def rlhf_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace, teacher: dict) -> dict:
     chat = [f"data.files=[{files['rl']['chat']}]", *JUDGED]
     judged = evaluated(files, ["chat", "chat_gold"], a.eval_every)
-    teacher_run = launch(out / "teacher", [f"model.path={sft}", *chat, *RLHF, f"trainer.steps={a.teacher_steps}",
-                                           "trainer.save_every=0", *evaluated(files, ["chat", "chat_gold"],
-                                                                              a.teacher_steps), *seeded])
-    teacher = final_checkpoint(out / "teacher")
-    (_, start_genrm), (_, teacher_genrm) = curve(teacher_run, "genrm")[0], curve(teacher_run, "genrm")[-1]
-    row = {"seed": seed, "teacher": teacher, "start_genrm": start_genrm, "teacher_genrm": teacher_genrm,
-           "teacher_gold": curve(teacher_run, "chat_quality")[-1][1], "gap": teacher_genrm - start_genrm}
-    common = [f"model.path={sft}", f"trainer.steps={a.steps}", "trainer.save_every=0", *judged, *seeded]
+    row = {"seed": seed, **teacher}
+    start_genrm, teacher_genrm = teacher["start_genrm"], teacher["teacher_genrm"]
+    common = [f"model.path={sft}", f"trainer.steps={a.steps}", "trainer.save_every=0", *judged, *seeded(seed)]
     for method, extra in (("rlhf", [*chat, *RLHF]),
-                          ("mopd", [*chat, *CHAT_MOPD, f"+teacher.checkpoints.genrm={teacher}"])):
+                          ("mopd", [*chat, *CHAT_MOPD, f"+teacher.checkpoints.genrm={teacher['teacher']}"])):
         metrics = launch(out / method, [*common, *extra])
         points = curve(metrics, "genrm")
         row[method] = {"curve": points, "gold": curve(metrics, "chat_quality"), "final": points[-1][1],
@@ -133,7 +147,7 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--regress-steps", type=int, default=30, help="IF-RL steps that cost the start its math")
+    p.add_argument("--regress-steps", type=int, default=40, help="IF-RL steps that cost the start its math")
     p.add_argument("--teacher-steps", type=int, default=60, help="RLHF steps of the judge-scored domain's teacher")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")][: 1 if a.quick else None]
@@ -143,11 +157,14 @@ def main() -> None:
         raise SystemExit(f"{JUDGE} missing: `make judge` builds it (make run does)")
     sft, files = str(sft_model()), builtin_data()
     t0 = time.perf_counter()
+    shared = RESULTS / "mopd_vs_grpo" / "shared"
+    begin = regressed_start(shared / "regress", sft, files, a)
+    teacher = rlhf_teacher(shared / "rlhf_teacher", sft, files, a)
     math_rows, rlhf_rows = [], []
     for seed in seeds:
         out = RESULTS / "mopd_vs_grpo" / f"seed{seed}"
-        math_rows.append(math_race(seed, out / "math", sft, files, a))
-        rlhf_rows.append(rlhf_race(seed, out / "rlhf", sft, files, a))
+        math_rows.append(math_race(seed, out / "math", sft, files, a, begin))
+        rlhf_rows.append(rlhf_race(seed, out / "rlhf", sft, files, a, teacher))
         print(json.dumps({"seed": seed, "math": {m: math_rows[-1][m]["steps_to_90"] for m in ("grpo", "mopd")},
                           "rlhf": {m: rlhf_rows[-1][m]["final"] for m in ("rlhf", "mopd")}}), flush=True)
 
@@ -159,13 +176,12 @@ def main() -> None:
         "baseline_value": spread([r["grpo"]["final"] for r in math_rows])["mean"],
         "ratio": None, "target": None, "pass": None,
         "seeds": seeds, "steps": a.steps, "eval_every": a.eval_every,
-        "math": {"start": spread([r["start_math"] for r in math_rows]),
-                 "teacher": spread([r["teacher_math"] for r in math_rows]),
-                 "gap": spread([r["gap"] for r in math_rows]),
+        "math": {"start": begin[2], "teacher": begin[1], "gap": begin[1] - begin[2],
+                 "clearly_above": begin[1] - begin[2] >= GAP,
                  **{m: {"final": spread([r[m]["final"] for r in math_rows]),
                         "steps_to_90": [r[m]["steps_to_90"] for r in math_rows]} for m in ("grpo", "mopd")}},
-        "rlhf": {"start": spread([r["start_genrm"] for r in rlhf_rows]),
-                 "teacher": spread([r["teacher_genrm"] for r in rlhf_rows]),
+        "rlhf": {"start": teacher["start_genrm"], "teacher": teacher["teacher_genrm"],
+                 "teacher_gold": teacher["teacher_gold"],
                  **{m: {"final": spread([r[m]["final"] for r in rlhf_rows]),
                         "gold_final": spread([r[m]["gold"][-1][1] for r in rlhf_rows]),
                         "steps_to_90": [r[m]["steps_to_90"] for r in rlhf_rows]} for m in ("rlhf", "mopd")}},
