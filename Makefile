@@ -5,7 +5,7 @@ CLI := $(VENV)/bin/cascade-rl
 STAMP := $(VENV)/.installed-stamp
 RUN_DIR ?= runs/demo
 
-.PHONY: install run judge full tools test lint bench bench-trl clean
+.PHONY: install run judge full full-sft tools test lint bench bench-trl clean
 comma := ,
 FULL_SFT_STEPS ?= 2000
 
@@ -58,12 +58,15 @@ judge: install
 FULL_DATA ?= runs/data/full
 # each task's share of the SFT draws: the copies (a name, a record deep in a document) want twice the others'
 FULL_SFT := $(foreach t,arithmetic:1 arithmetic_mcqa:1 arithmetic_json:1 arithmetic_if:1 chat:2 long_context:2 code_fn:1 swe_patch:1 swe_agent:1,$(FULL_DATA)/sft/$(subst :,.jsonl:,$(t)))
-full: install judge
+full: install judge full-sft
+	$(CLI) cascade full
+
+# make full's data and SFT'd model (runs/data/full, models/full-sft); bench/mopd_vs_grpo.py's RLHF race starts there
+full-sft: install
 	test -f $(FULL_DATA)/manifest.json || $(CLI) make-data full --out $(FULL_DATA) --heldout 128 --sft 2000
 	test -f models/full/config.json || $(CLI) make-tiny-model --out models/full --task full --vocab-size 1024
 	test -f models/full-sft/config.json || $(CLI) sft model=models/full out=models/full-sft \
 		"files=[$(subst $(eval) ,$(comma),$(FULL_SFT))]" steps=$(FULL_SFT_STEPS)
-	$(CLI) cascade full
 
 # Tool-integrated reasoning in miniature (docs/ARCHITECTURE.md §12): the tool task's files -> a tiny model whose
 # tokenizer knows the tool-call format -> a short SFT on the multi-turn traces -> GRPO on multi-turn rollouts

@@ -44,6 +44,16 @@ def sft_model() -> Path:
     return sft
 
 
+def full_sft_model() -> tuple[Path, dict[str, dict[str, str]]]:
+    """make full's SFT'd model (models/full-sft: every policy domain, 2,000 steps) and its data files
+    ({split: {task: path}} of runs/data/full); built by ``make full-sft`` if missing (about 25 minutes)."""
+    sft, out = ROOT / "models" / "full-sft", ROOT / "runs" / "data" / "full"
+    if not (sft / "config.json").exists() or not (out / "manifest.json").exists():
+        subprocess.run(["make", "full-sft"], check=True, cwd=ROOT)
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    return sft, {split: {task: str(out / path) for task, path in by_task.items()} for split, by_task in files.items()}
+
+
 def machine() -> str:
     """GPU name with torch/CUDA versions, else CPU model, cores and torch threads; plus Linux and Python."""
     cpu = platform.processor() or platform.machine()

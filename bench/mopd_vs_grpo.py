@@ -3,26 +3,29 @@ domain (its Table 3 in miniature).
 
     .venv/bin/python bench/mopd_vs_grpo.py [--quick] [--seeds 0,1,2] [--steps 30] [--eval-every 5]
 
-Both from `make run`'s SFT'd tiny model (models/tiny-sft) and data (runs/data/demo), with its judge (models/judge-sft)
-served by the supervisor; every run is a real `cascade-rl launch`, its held-out accuracy measured by the stage's own
-evaluation (avg@4 at T = 1 on 128 questions) every ``--eval-every`` steps.
+Math from `make run`'s SFT'd tiny model (models/tiny-sft) and data (runs/data/demo), chat from `make full`'s
+(below), with the judge (models/judge-sft) served by the supervisor; every run is a real `cascade-rl launch`, its
+held-out accuracy measured by the stage's own evaluation (avg@4 at T = 1 on 128 questions) every ``--eval-every`` steps.
 
 **Math (Figure 3(c)).** The paper's math teacher is the SFT checkpoint, the student a later one whose math has
 regressed. The start is the SFT model after ``--regress-steps`` of IF-RL (the demo cascade's first stage, which
 costs math here as the paper's RLVR stages do); the teacher is the SFT model, which must be at least 0.15 above the
 start on math (checked and recorded). Start and teacher are made once (seed 0); the seeds vary the races. From the
-start, for each seed, ``--steps`` steps of GRPO on math (the cascade's
-RL settings) and of MOPD on math taught by the SFT model (the cascade's MOPD settings), with **the same rollouts per
+start, for each seed, ``--steps`` steps of GRPO on math (the cascade's RL settings) and of MOPD on math taught by the SFT model (the cascade's MOPD settings), with **the same rollouts per
 step** (16 prompts x 8). Recorded: the curve, and the steps each takes to close 90 % of the gap to the teacher
 (start + 0.9 x (teacher - start); the first evaluation at or above it).
 
-**The judge-scored domain (Table 3).** The teacher is an RLHF checkpoint: ``--teacher-steps`` of GRPO on chat with the
-judge's pairwise rewards from the SFT model (made once, seed 0). For each seed, from the SFT model, ``--steps`` of RLHF (the same recipe) and of
-MOPD on chat taught by that checkpoint, the same rollouts per step (16 prompts x 4); accuracy is the judge's preference for the reply
-over the row's baseline (genrm, ArenaHard-style) and the gold (chat_quality: right, addressed, one short sentence).
+**The judge-scored domain (Table 3).** From `make full`'s SFT'd model (models/full-sft, data runs/data/full: its
+SFT has chat enough to reply well about 40 % of the time; make run's 800-step model replies well 4 % of the time,
+and RLHF from it finds too little to reinforce). The teacher is an RLHF checkpoint: ``--teacher-steps`` of GRPO on
+chat with the judge's pairwise rewards from that model (made once, seed 0). For each seed, from the SFT model,
+``--steps`` of RLHF (the same recipe) and of MOPD on chat taught by that checkpoint, the same rollouts per step
+(16 prompts x 4); accuracy is the judge's preference for the reply over the row's baseline (genrm, ArenaHard-style)
+and the gold (chat_quality: right, addressed, one short sentence).
 
-Writes bench/results/mopd_vs_grpo.json; the last stdout line is the summary JSON object. ``--quick`` (``make
-bench``): one seed, 10 steps, evaluation every 5.
+Writes bench/results/mopd_vs_grpo.json; the last stdout line is the summary JSON object. ``--quick`` (``make bench``):
+the math race only (the chat race needs `make full`'s model), one seed, 10 steps, evaluation every 5, its runs and
+JSON under the name mopd_vs_grpo_quick.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from _common import CLI, ROOT, builtin_data, machine, sft_model  # noqa: E402  (bench/ is on sys.path)
+from _common import CLI, ROOT, builtin_data, full_sft_model, machine, sft_model  # noqa: E402  (bench/ is on sys.path)
 
 RESULTS = ROOT / "bench" / "results"
 JUDGE = ROOT / "models" / "judge-sft"
@@ -152,21 +155,25 @@ def main() -> None:
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")][: 1 if a.quick else None]
     if a.quick:
-        a.steps, a.eval_every, a.teacher_steps = 10, 5, 30
+        a.steps, a.eval_every = 10, 5
     if not (JUDGE / "config.json").is_file():
         raise SystemExit(f"{JUDGE} missing: `make judge` builds it (make run does)")
     sft, files = str(sft_model()), builtin_data()
     t0 = time.perf_counter()
-    shared = RESULTS / "mopd_vs_grpo" / "shared"
-    begin = regressed_start(shared / "regress", sft, files, a)
-    teacher = rlhf_teacher(shared / "rlhf_teacher", sft, files, a)
+    root = RESULTS / ("mopd_vs_grpo_quick" if a.quick else "mopd_vs_grpo")
+    begin = regressed_start(root / "shared" / "regress", sft, files, a)
+    if not a.quick:
+        chat_sft, chat_files = full_sft_model()
+        teacher = rlhf_teacher(root / "shared" / "rlhf_teacher_full", str(chat_sft), chat_files, a)
     math_rows, rlhf_rows = [], []
     for seed in seeds:
-        out = RESULTS / "mopd_vs_grpo" / f"seed{seed}"
+        out = root / f"seed{seed}"
         math_rows.append(math_race(seed, out / "math", sft, files, a, begin))
-        rlhf_rows.append(rlhf_race(seed, out / "rlhf", sft, files, a, teacher))
+        if not a.quick:
+            rlhf_rows.append(rlhf_race(seed, out / "rlhf_full", str(chat_sft), chat_files, a, teacher))
         print(json.dumps({"seed": seed, "math": {m: math_rows[-1][m]["steps_to_90"] for m in ("grpo", "mopd")},
-                          "rlhf": {m: rlhf_rows[-1][m]["final"] for m in ("rlhf", "mopd")}}), flush=True)
+                          "rlhf": {m: rlhf_rows[-1][m]["final"] for m in ("rlhf", "mopd")} if rlhf_rows else None}),
+              flush=True)
 
     summary = {
         "name": "mopd_vs_grpo",
@@ -184,12 +191,13 @@ def main() -> None:
                  "teacher_gold": teacher["teacher_gold"],
                  **{m: {"final": spread([r[m]["final"] for r in rlhf_rows]),
                         "gold_final": spread([r[m]["gold"][-1][1] for r in rlhf_rows]),
-                        "steps_to_90": [r[m]["steps_to_90"] for r in rlhf_rows]} for m in ("rlhf", "mopd")}},
+                        "steps_to_90": [r[m]["steps_to_90"] for r in rlhf_rows]} for m in ("rlhf", "mopd")}}
+        if rlhf_rows else None,
         "wall_s": time.perf_counter() - t0,
         "machine": machine(),
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "mopd_vs_grpo.json").write_text(json.dumps({**summary, "math_per_seed": math_rows,
+    (RESULTS / f"{root.name}.json").write_text(json.dumps({**summary, "math_per_seed": math_rows,
                                                            "rlhf_per_seed": rlhf_rows}, indent=2))
     print(json.dumps(summary))
 
