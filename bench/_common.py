@@ -21,7 +21,12 @@ def builtin_data() -> dict[str, dict[str, str]]:
     if not (out / "manifest.json").exists():
         subprocess.run([*CLI, "make-data", "demo", "--out", str(out), "--heldout", "128", "--sft", "2000"],
                        check=True, stdout=subprocess.DEVNULL)
-    files = json.loads((out / "manifest.json").read_text())["files"]  # relative to the manifest's directory
+    return manifest_files(out)
+
+
+def manifest_files(out: Path) -> dict[str, dict[str, str]]:
+    """{split: {task: path}} of a ``make-data`` directory (its manifest's paths are relative to it)."""
+    files = json.loads((out / "manifest.json").read_text())["files"]
     return {split: {task: str(out / path) for task, path in by_task.items()} for split, by_task in files.items()}
 
 
@@ -50,8 +55,7 @@ def full_sft_model() -> tuple[Path, dict[str, dict[str, str]]]:
     sft, out = ROOT / "models" / "full-sft", ROOT / "runs" / "data" / "full"
     if not (sft / "config.json").exists() or not (out / "manifest.json").exists():
         subprocess.run(["make", "full-sft"], check=True, cwd=ROOT)
-    files = json.loads((out / "manifest.json").read_text())["files"]
-    return sft, {split: {task: str(out / path) for task, path in by_task.items()} for split, by_task in files.items()}
+    return sft, manifest_files(out)
 
 
 def machine() -> str:

@@ -11,9 +11,10 @@ held-out accuracy measured by the stage's own evaluation (avg@4 at T = 1 on 128 
 regressed. The start is the SFT model after ``--regress-steps`` of IF-RL (the demo cascade's first stage, which
 costs math here as the paper's RLVR stages do); the teacher is the SFT model, which must be at least 0.15 above the
 start on math (checked and recorded). Start and teacher are made once (seed 0); the seeds vary the races. From the
-start, for each seed, ``--steps`` steps of GRPO on math (the cascade's RL settings) and of MOPD on math taught by the SFT model (the cascade's MOPD settings), with **the same rollouts per
-step** (16 prompts x 8). Recorded: the curve, and the steps each takes to close 90 % of the gap to the teacher
-(start + 0.9 x (teacher - start); the first evaluation at or above it).
+start, for each seed, ``--steps`` steps of GRPO on math (the cascade's RL settings) and of MOPD on math taught by the
+SFT model (the cascade's MOPD settings), with **the same rollouts per step** (16 prompts x 8). Recorded: the
+curve, and the steps each takes to close 90 % of the gap to the teacher (start + 0.9 x (teacher - start); the first
+evaluation at or above it).
 
 **The judge-scored domain (Table 3).** From `make full`'s SFT'd model (models/full-sft, data runs/data/full: its
 SFT has chat enough to reply well about 40 % of the time; make run's 800-step model replies well 4 % of the time,

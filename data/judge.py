@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from cascade_rl.verifiers.genrm import pair_messages
+from cascade_rl.verifiers.genrm import pair_messages, parse_preference
 from cascade_rl.verifiers.llm_judge import QA_TEMPLATE, fill
 
 from .chat import FILLERS, INSTRUCTION, OPENERS, News, chat_quality, draw_news, other, reply
@@ -105,10 +105,8 @@ def chat_reply(rng: random.Random, news: News, kind: str) -> str:
 
 
 # the compact template's verdict tags by the gold qualities' difference (response 1 minus response 2, clipped to
-# +-2), and what verifiers/genrm.py parse_preference reads from each: a verdict of a few tokens, so a tiny judge's
-# RLHF step decodes little (JSON scores took ~30 tokens a call)
+# +-2): a verdict of a few tokens, so a tiny judge's RLHF step decodes little (JSON scores took ~30 tokens a call)
 TAGS = {2: "[[A>>B]]", 1: "[[A>B]]", 0: "[[A=B]]", -1: "[[B>A]]", -2: "[[B>>A]]"}
-PREFERENCES = {2: 1.0, 1: 0.75, 0: 0.5, -1: 0.25, -2: 0.0}
 
 
 def pair_verdict(q1: int, q2: int) -> str:
@@ -120,7 +118,7 @@ def pair_verdict(q1: int, q2: int) -> str:
 
 def gold_preference(q1: int, q2: int) -> float:
     """What ``parse_preference`` reads from ``pair_verdict(q1, q2)``: the preference for response 1."""
-    return PREFERENCES[max(-2, min(2, q1 - q2))]
+    return parse_preference(pair_verdict(q1, q2))
 
 
 @dataclasses.dataclass(frozen=True)
