@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 from cascade_rl.data.rows import Row
 from cascade_rl.protocol.messages import SamplingParams
 from cascade_rl.samplers.engine import ENGINES, register_builtin_engines
-from cascade_rl.verifiers.registry import EVAL_VERIFIERS, VERIFIERS
+from cascade_rl.verifiers.registry import EVAL_VERIFIERS, SETTINGS, VERIFIERS
 
 
 def model_context(path: str) -> int:
@@ -98,7 +98,7 @@ def evaluate_checkpoint(path: str, heldout: list[Row], n: int = 4, temperature: 
     from cascade_rl.environments.registry import build_environment
 
     from .core import Rules
-    from .offline import offline_core, run_in_process
+    from .offline import Scorer, offline_core, run_in_process
 
     unknown = sorted({row.domain for row in heldout} - set(VERIFIERS) - set(EVAL_VERIFIERS))
     if unknown:
@@ -119,8 +119,13 @@ def evaluate_checkpoint(path: str, heldout: list[Row], n: int = 4, temperature: 
                              SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i),
                              train=False, env=env)
               for i, (row, env) in enumerate(zip(heldout, envs))]
-    with torch.inference_mode():
-        run_in_process(core, sampler, environments)
+    # judged rows as many at a time as the judge takes (verifier.judge.concurrency): its server batches them
+    scorer = Scorer(judge_workers=int((SETTINGS.get("judge") or {}).get("concurrency", 4)))
+    try:
+        with torch.inference_mode():
+            run_in_process(core, sampler, environments, scorer)
+    finally:
+        scorer.close()
     errors: Counter = Counter()
     rewards = []
     for g in groups:

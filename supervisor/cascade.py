@@ -65,6 +65,10 @@ class EvalConfig:
     temperature: float = 1.0
     max_tokens: int = 96
     seed: int = 0
+    judge_args: list[str] = field(default_factory=list)
+    """Options added to ``verifier.judge.args`` for the judge the evaluations call (served for the whole cascade,
+    busy only while an evaluation scores), e.g. ``[--threads, 2]``: the stages' judge shares the CPU with the
+    sampler and the trainer, the evaluation's has it to itself."""
 
 
 @dataclass
@@ -152,9 +156,12 @@ class Cascade:
         self.heldout = self.load_heldout()
         # every evaluation's per_question is in this order: the report pairs them question by question
         self.record["heldout"] = {"ids": [r.id for r in self.heldout], "domains": [r.domain for r in self.heldout]}
+        with self.judge():  # one judge server for every evaluation of the cascade; idle while the stages train
+            return self.run_stages()
+
+    def run_stages(self) -> int:
         if "initial" not in self.record:
-            with self.judge():
-                self.record["initial"] = self.evaluate(self.record["model"], step=0)
+            self.record["initial"] = self.evaluate(self.record["model"], step=0)
             self.save()
         model = self.record["model"]
         for stage in self.cfg.stages:
@@ -191,8 +198,7 @@ class Cascade:
             return rc
         ckpts = sorted((p for p in (stage_dir / "checkpoints").glob("step_*") if p.is_dir()),
                        key=lambda p: int(p.name.removeprefix("step_")))
-        with self.judge():
-            entry["checkpoints"] = [self.evaluate(str(p), int(p.name.removeprefix("step_"))) for p in ckpts]
+        entry["checkpoints"] = [self.evaluate(str(p), int(p.name.removeprefix("step_"))) for p in ckpts]
         final = checkpoint.latest(stage_dir / "checkpoints")
         entry.update(status="done", final=str(final))
         self.save()
@@ -229,13 +235,15 @@ class Cascade:
 
     @contextlib.contextmanager
     def judge(self) -> Iterator[None]:
-        """The judge model served for the evaluations of this block, when the held-out set has judged domains
+        """The judge model served for the evaluations of this block (the whole cascade), when the held-out set has judged domains
         (RLHF's genrm, long-context's llm_judge) and the stages' ``verifier.judge.serve`` serves one (a judge at
         ``verifier.judge.base_url`` is used as it is): the verifiers called here find it in ``SETTINGS``."""
         judge = self.common.verifier.judge
         if not {r.domain for r in self.heldout} & JUDGED_DOMAINS:
             yield
             return
+        if self.cfg.eval.judge_args:
+            judge = OmegaConf.merge(judge, {"args": [*judge.args, *self.cfg.eval.judge_args]})
         with serving_judge(judge, self.run_dir / "logs" / "judge-eval.log") as base_url:
             SETTINGS["judge"] = {**OmegaConf.to_container(judge, enum_to_str=True), "base_url": base_url,
                                  "model": served_name(judge)}

@@ -167,12 +167,17 @@ class Supervisor:
 
     def start(self) -> None:
         """Start every role's processes; a served judge first, healthy before the verifiers (it loads while the
-        trainer and samplers do). Raises ``JudgeStartError`` when it never answers."""
+        trainer, samplers, environments and teachers do). Raises ``JudgeStartError`` when it never answers."""
         served = self.add(judge.judge_proc(self.cfg)) if judge.needed(self.cfg) else None
         self.add(Proc("orchestrator", "orchestrator"))
         self.add(Proc("trainer", "trainer-0", gpus=placement.gpus_of(self.cfg, "trainer")))
         for i in range(self.cfg.sampler.count):
             self.add_sampler(f"sampler-{i}", i)
+        for i in range(self.cfg.environment.count if self.cfg.environment.serve else 0):
+            self.add(Proc("environment", f"environment-{i}"))
+        for i, (path, domains) in enumerate(teacher_groups(self.cfg.teacher.checkpoints).items()):
+            self.add(Proc("teacher", f"teacher-{i}", args=["--model", path, "--domains", ",".join(domains)],
+                          gpus=placement.gpus_of(self.cfg, "teacher", i)))
         if served is not None:
             judge.wait_healthy(self.cfg.verifier.judge.base_url, self.cfg.verifier.judge.startup_s,
                                lambda: served.popen.poll(), self.run_dir / "logs" / "judge.log",
@@ -180,11 +185,6 @@ class Supervisor:
             served.state = "serving"
         for i in range(self.cfg.verifier.count):
             self.add(Proc("verifier", f"verifier-{i}"))
-        for i in range(self.cfg.environment.count if self.cfg.environment.serve else 0):
-            self.add(Proc("environment", f"environment-{i}"))
-        for i, (path, domains) in enumerate(teacher_groups(self.cfg.teacher.checkpoints).items()):
-            self.add(Proc("teacher", f"teacher-{i}", args=["--model", path, "--domains", ",".join(domains)],
-                          gpus=placement.gpus_of(self.cfg, "teacher", i)))
 
     def add(self, proc: Proc) -> Proc:
         self.procs[proc.worker_id] = proc

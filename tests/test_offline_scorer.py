@@ -1,14 +1,16 @@
-"""Offline scoring (orchestrator/offline.py ``Scorer``): each distinct response scored once, side by side, and a
-verifier that could not score (VerifierUnavailable) asked again rather than remembered."""
+"""Offline scoring (orchestrator/offline.py ``Scorer``): each distinct response scored once, side by side, judged
+domains as many at a time as the judge takes, and a verifier that could not score (VerifierUnavailable) asked
+again rather than remembered."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 from cascade_rl.orchestrator.offline import Scorer
 from cascade_rl.protocol.messages import ScoreRequest
 from cascade_rl.verifiers.errors import VerifierUnavailable
-from cascade_rl.verifiers.registry import register_verifier
+from cascade_rl.verifiers.registry import JUDGED_DOMAINS, register_verifier
 
 CALLS: list[str] = []
 LOCK = threading.Lock()
@@ -29,6 +31,23 @@ def _down(response: str, reference: str, metadata: dict) -> float:
     if DOWN["judge"]:
         raise VerifierUnavailable("judge down")
     return 1.0
+
+
+JUDGING = {"now": 0, "peak": 0}  # judged calls in flight
+
+
+@register_verifier("test_offline_judged")
+def _judged(response: str, reference: str, metadata: dict) -> float:
+    with LOCK:
+        JUDGING["now"] += 1
+        JUDGING["peak"] = max(JUDGING["peak"], JUDGING["now"])
+    time.sleep(0.05)  # waiting on the judge's reply, as a judged verifier does
+    with LOCK:
+        JUDGING["now"] -= 1
+    return 1.0
+
+
+JUDGED_DOMAINS.add("test_offline_judged")  # as a plugin whose verifier calls the judge registers its domain
 
 
 def req(key: str, text: str, domain: str = "test_offline_len", reference: str = "3") -> ScoreRequest:
@@ -56,4 +75,15 @@ def test_an_unavailable_verifier_is_not_remembered():
     DOWN["judge"] = False
     second = scorer.score([req("g/1/0", "x", "test_offline_down")])
     assert second[0].ok and second[0].reward == 1.0 and CALLS == ["x", "x"]
+    scorer.close()
+
+
+def test_judged_domains_are_scored_as_many_at_a_time_as_the_judge_takes():
+    JUDGING["peak"] = 0
+    scorer = Scorer(workers=2, judge_workers=12)
+    judged = [req(f"j/{i}/0", f"reply {i}", "test_offline_judged") for i in range(24)]
+    out = scorer.score(judged + [req(f"g/{i}/0", "x" * i) for i in range(6)])
+    assert [s.key for s in out] == [m.key for m in judged] + [f"g/{i}/0" for i in range(6)]
+    assert [s.reward for s in out] == [1.0] * 24 + [float(i == 3) for i in range(6)]
+    assert JUDGING["peak"] == 12  # the judge's width, not the other verifiers'
     scorer.close()
