@@ -50,7 +50,7 @@ judge: install
 	test -f $(JUDGE_DATA)/manifest.json || $(CLI) make-data judge --out $(JUDGE_DATA) --heldout 200 --rl 0 --sft 4000
 	test -f models/judge/config.json || $(CLI) make-tiny-model --out models/judge --task judge --vocab-size 1024
 	test -f models/judge-sft/config.json || $(CLI) sft model=models/judge out=models/judge-sft "files=[$(JUDGE_FILES)]" \
-		steps=400 batch_size=16
+		steps=300 batch_size=16
 
 # Every stage of the paper in miniature (configs/cascade/full.yaml): every policy domain (the arithmetic ones, chat,
 # long-context QA, code, agentless and agentic SWE) in one SFT, then IF-RL -> multi-domain RL -> MOPD -> RLHF ->

@@ -18,8 +18,8 @@ judge learns the very text it is asked at RL time:
   ``chat_quality`` ("scores 5 3"), then one of the compact template's tags, read by ``parse_preference`` as below;
 - ``judge_qa``: ``verifiers.llm_judge.QA_TEMPLATE`` filled as ``judge_answer`` fills it (a
   ``long_context`` question and reference, data/long_context.py) with an answer that is right (the value,
-  alone or in a sentence) or wrong, often narrowly (one digit off, two digits swapped, a digit dropped or
-  added, a hedge between the value and another, another record's value, no answer); the verdict is
+  alone or in a sentence) or wrong, often narrowly (another colour, the value misspelt by one letter, a hedge
+  between the value and another, the record's sentence with another colour, no answer); the verdict is
   ``[[CORRECT]]`` or ``[[INCORRECT]]`` (``parse_correctness``), half of each.
 
 | q1 − q2 | verdict (the response's final answer) | ``parse_preference`` |
@@ -51,7 +51,7 @@ from cascade_rl.verifiers.genrm import pair_messages, parse_preference
 from cascade_rl.verifiers.llm_judge import QA_TEMPLATE, fill
 
 from .chat import FILLERS, INSTRUCTION, OPENERS, News, chat_quality, draw_news, other, reply
-from .long_context import NAMES, question_of, record_line
+from .long_context import COLORS, NAMES, question_of, record_line
 from .task_base import Example, Task, register_mix, register_task, think
 
 # the pair prompt the judge is trained on and served with (verifier.judge.genrm.template=compact): a tiny judge's
@@ -166,53 +166,31 @@ def _judge_pairs(p: Pair, seed: int) -> JudgeExample:
 CORRECT, INCORRECT = "[[CORRECT]]", "[[INCORRECT]]"
 # kind -> weight; the right kinds weigh as much as the wrong ones together
 RIGHT_KINDS = {"value": 3, "value_dot": 1, "sentence": 2, "it_is": 1, "possessive": 1}
-WRONG_KINDS = {"digit_off": 2, "swapped": 1, "dropped": 1, "added": 1, "hedge": 1, "other_value": 1,
-               "wrong_sentence": 1, "unknown": 0.5, "empty": 0.5}
+WRONG_KINDS = {"other_value": 3, "typo": 1, "hedge": 1, "wrong_sentence": 1, "unknown": 0.5, "empty": 0.5}
 
 
-def _one_digit_off(rng: random.Random, value: str) -> str:
-    i = rng.randrange(len(value))
-    digits = [d for d in "0123456789" if d != value[i] and not (i == 0 and d == "0")]
-    return value[:i] + rng.choice(digits) + value[i + 1:]
+def other_color(rng: random.Random, value: str) -> str:
+    return rng.choice([c for c in COLORS if c != value])
 
 
-def wrong_value(rng: random.Random, value: str, kind: str) -> str:
-    """A value near ``value`` (never equal to it) of a wrong kind."""
-    if kind == "swapped":
-        spots = [i for i in range(len(value) - 1) if value[i] != value[i + 1] and not (i == 0 and value[1] == "0")]
-        if spots:
-            i = rng.choice(spots)
-            return value[:i] + value[i + 1] + value[i] + value[i + 2:]
-    if kind == "dropped":
+def typo(rng: random.Random, value: str) -> str:
+    """``value`` with one letter changed (never another colour, never the value itself)."""
+    while True:
         i = rng.randrange(len(value))
-        out = value[:i] + value[i + 1:]
-        if out and out != value and not out.startswith("0"):
+        out = value[:i] + rng.choice([c for c in "abcdefghijklmnopqrstuvwxyz" if c != value[i]]) + value[i + 1:]
+        if out not in COLORS:
             return out
-    if kind == "added":
-        i = rng.randrange(1, len(value) + 1)
-        return value[:i] + rng.choice("0123456789") + value[i:]
-    if kind == "other_value":
-        while (out := str(rng.randint(10, 999))) == value:
-            pass
-        return out
-    return _one_digit_off(rng, value)  # digit_off, and the fallback of a kind the value does not allow
 
 
 def qa_answer(rng: random.Random, name: str, value: str, kind: str) -> str:
-    """A final answer of ``kind`` to "What is the code of NAME?" whose reference is ``value``."""
+    """A final answer of ``kind`` to "What is the color of NAME?" whose reference is ``value``."""
     right = {"value": value, "value_dot": f"{value}.", "sentence": record_line(name, value),
-             "it_is": f"It is {value}.", "possessive": f"{name}'s code is {value}."}
-    if kind in right:
-        return right[kind]
-    if kind == "hedge":
-        return f"{value} or {wrong_value(rng, value, 'digit_off')}"
-    if kind == "wrong_sentence":
-        return record_line(name, wrong_value(rng, value, "digit_off"))
-    if kind == "unknown":
-        return "I do not know."
-    if kind == "empty":
-        return ""
-    return wrong_value(rng, value, kind)
+             "it_is": f"It is {value}.", "possessive": f"{name}'s color is {value}."}
+    wrong = {"other_value": lambda: other_color(rng, value), "typo": lambda: typo(rng, value),
+             "hedge": lambda: f"{value} or {other_color(rng, value)}",
+             "wrong_sentence": lambda: record_line(name, other_color(rng, value)),
+             "unknown": lambda: "I do not know.", "empty": lambda: ""}
+    return right[kind] if kind in right else wrong[kind]()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +213,7 @@ class Graded:
 
 
 def draw_graded(rng: random.Random) -> Graded:
-    name, value = rng.choice(NAMES), str(rng.randint(10, 999))
+    name, value = rng.choice(NAMES), rng.choice(COLORS)
     kinds = RIGHT_KINDS if rng.random() < 0.5 else WRONG_KINDS
     kind = rng.choices(list(kinds), list(kinds.values()))[0]
     return Graded(name, value, kind, qa_answer(rng, name, value, kind))
