@@ -63,7 +63,9 @@ full: install judge full-sft
 
 # make full's data and SFT'd model (runs/data/full, models/full-sft); bench/mopd_vs_grpo.py's RLHF race starts there
 full-sft: install
-	test -f $(FULL_DATA)/manifest.json || $(CLI) make-data full --out $(FULL_DATA) --heldout 128 --sft 2000
+	# 3,500 SFT rows a task (code_fn has ~6,000 distinct functions for all splits): long-context draws ~11,600 of its
+	# rows in 2,000 steps, 3 passes; over 2,000 rows (6 passes) the tiny model learned the documents, not to retrieve
+	test -f $(FULL_DATA)/manifest.json || $(CLI) make-data full --out $(FULL_DATA) --heldout 128 --sft 3500
 	test -f models/full/config.json || $(CLI) make-tiny-model --out models/full --task full --vocab-size 1024
 	test -f models/full-sft/config.json || $(CLI) sft model=models/full out=models/full-sft \
 		"files=[$(subst $(eval) ,$(comma),$(FULL_SFT))]" steps=$(FULL_SFT_STEPS)
