@@ -333,11 +333,15 @@ class GoldJudge:
 
     def __init__(self) -> None:
         self.prompts: list[str] = []
+        self.connections: list[tuple] = []  # each request's client address: one per connection
         self.always: str | None = None
         judge = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as samplers/chat_server.py and vLLM
+
             def do_POST(self):
+                judge.connections.append(self.client_address)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 text = judge.answer(body["messages"][0]["content"])
                 out = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
@@ -417,6 +421,9 @@ def test_genrm_eval_verifier(splits, judge_server, monkeypatch):
         quality = chat_quality(ex.metadata, _final(ex.solution))
         assert verify("<think>\n" + ex.solution, ex.answer, metadata) == pytest.approx(gold_preference(quality, 3))
     assert len(judge_server.prompts) == 2 * len(rows)
+    # both orders in flight at once, over two connections this thread's client keeps for every row (llm_judge.py
+    # ``on_judge``), not a connection per call
+    assert len(set(judge_server.connections)) <= 2
     assert verify("<think>\nunfinished", rows[0].answer, {"question": rows[0].prompt}) == 0.0
     assert len(judge_server.prompts) == 2 * len(rows)
     with pytest.raises(ValueError, match="baseline"):

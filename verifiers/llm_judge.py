@@ -19,7 +19,9 @@ Two parts, both async and used from one event loop:
     async with ChatClient(endpoint) as client:
         reward, reason = await judge_answer(client, question, response, reference)
 
-GenRM pairwise judging of a whole group uses the same client: ``verifiers/genrm.py``.
+GenRM pairwise judging of a whole group uses the same client: ``verifiers/genrm.py``. A verifier called once
+per response from a thread (the verifier worker's, offline scoring's) calls through ``on_judge``: the thread keeps
+its event loop and its client, so its HTTP connections are reused call after call.
 Test: ``pytest tests/test_judge.py`` (starts a vLLM server on a tiny model).
 """
 
@@ -29,8 +31,10 @@ import asyncio
 import functools
 import os
 import re
+import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -177,6 +181,34 @@ class ChatClient:
             raise JudgeError(f"judge at {self.url} sent a malformed completion ({e!r}): {resp.text[:300]}") from e
         reasoning = message.get("reasoning") or message.get("reasoning_content")
         return ChatResult(message.get("content") or "", choice.get("finish_reason"), reasoning)
+
+
+T = TypeVar("T")
+
+
+class _Kept(threading.local):
+    """Per thread: its event loop and its client of the last endpoint it called."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+    client: ChatClient | None = None
+    endpoint: JudgeEndpoint | None = None
+
+
+_KEPT = _Kept()
+
+
+def on_judge(endpoint: JudgeEndpoint, work: Callable[[ChatClient], Awaitable[T]]) -> T:
+    """``await work(client)`` on this thread's event loop with this thread's client of ``endpoint``, kept for the
+    thread's next call (a new endpoint gets a new client). A client per call opened an HTTP connection per call,
+    and a judge answering 1,000 held-out responses spent as long accepting them as judging them."""
+    kept = _KEPT
+    if kept.loop is None:
+        kept.loop = asyncio.new_event_loop()
+    if kept.client is None or kept.endpoint != endpoint:
+        if kept.client is not None:
+            kept.loop.run_until_complete(kept.client.aclose())
+        kept.client, kept.endpoint = ChatClient(endpoint), endpoint
+    return kept.loop.run_until_complete(work(kept.client))
 
 
 def final_text(text: str) -> str | None:

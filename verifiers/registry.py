@@ -352,16 +352,13 @@ def genrm_config():
 @register_group_verifier("genrm")
 def _genrm(prompt: str, responses: list[str], reference: str, metadata: dict[str, Any]) -> list[float]:
     """RLHF: pairwise GenRM judging of the whole group (verifiers/genrm.py: win rate, length terms)."""
-    import asyncio
-
     from .genrm import score_group
-    from .llm_judge import ChatClient
+    from .llm_judge import on_judge
 
-    async def run() -> list[float]:
-        async with ChatClient(judge_endpoint()) as client:
-            return list((await score_group(client, prompt, responses, genrm_config())).rewards)
+    async def run(client) -> list[float]:
+        return list((await score_group(client, prompt, responses, genrm_config())).rewards)
 
-    return asyncio.run(run())
+    return on_judge(judge_endpoint(), run)
 
 
 # Held-out verifiers of domains whose training verifier is relative: a group verifier's rewards average 0.5 in
@@ -378,34 +375,28 @@ def _genrm_against_baseline(response: str, reference: str, metadata: dict[str, A
     (verifiers/genrm.py ``judge_against_reference``), the conversation being ``metadata["question"]`` (the last user
     message: a chat row's whole prompt). Raises ``JudgeError`` when the judge fails, ValueError for a row
     without a baseline."""
-    import asyncio
-
     from .genrm import judge_against_reference
-    from .llm_judge import ChatClient
+    from .llm_judge import on_judge
 
     if not reference.strip():
         raise ValueError("genrm held-out evaluation needs the row's answer: a baseline reply to judge against")
 
-    async def run() -> float:
-        async with ChatClient(judge_endpoint()) as client:
-            return await judge_against_reference(client, metadata.get("question", ""), response, reference,
-                                                 genrm_config())
+    async def run(client) -> float:
+        return await judge_against_reference(client, metadata.get("question", ""), response, reference,
+                                             genrm_config())
 
-    return asyncio.run(run())
+    return on_judge(judge_endpoint(), run)
 
 
 @register_verifier("llm_judge", check=_nonempty_answer("llm_judge"))
 def _llm_judge(response: str, reference: str, metadata: dict[str, Any]) -> float:
     """Long-context QA: a judge model decides whether the answer matches the reference (verifiers/llm_judge.py)."""
-    import asyncio
+    from .llm_judge import judge_answer, on_judge
 
-    from .llm_judge import ChatClient, judge_answer
+    async def run(client) -> float:
+        reward, reason = await judge_answer(client, metadata.get("question", ""), response, reference)
+        if reason.startswith("unparseable"):
+            raise ValueError(reason)  # ok=false with the reason: a judge failure, not a wrong answer
+        return reward
 
-    async def run() -> float:
-        async with ChatClient(judge_endpoint()) as client:
-            reward, reason = await judge_answer(client, metadata.get("question", ""), response, reference)
-            if reason.startswith("unparseable"):
-                raise ValueError(reason)  # ok=false with the reason: a judge failure, not a wrong answer
-            return reward
-
-    return asyncio.run(run())
+    return on_judge(judge_endpoint(), run)
