@@ -7,10 +7,12 @@ from __future__ import annotations
 import threading
 import time
 
+from cascade_rl.orchestrator import offline
 from cascade_rl.orchestrator.offline import Scorer
 from cascade_rl.protocol.messages import ScoreRequest
+from cascade_rl.verifiers import registry
 from cascade_rl.verifiers.errors import VerifierUnavailable
-from cascade_rl.verifiers.registry import JUDGED_DOMAINS, register_verifier
+from cascade_rl.verifiers.registry import register_verifier
 
 CALLS: list[str] = []
 LOCK = threading.Lock()
@@ -47,8 +49,6 @@ def _judged(response: str, reference: str, metadata: dict) -> float:
     return 1.0
 
 
-JUDGED_DOMAINS.add("test_offline_judged")  # as a plugin whose verifier calls the judge registers its domain
-
 
 def req(key: str, text: str, domain: str = "test_offline_len", reference: str = "3") -> ScoreRequest:
     return ScoreRequest(key, domain, text, reference, {"question": "q"}, 5.0)
@@ -78,7 +78,11 @@ def test_an_unavailable_verifier_is_not_remembered():
     scorer.close()
 
 
-def test_judged_domains_are_scored_as_many_at_a_time_as_the_judge_takes():
+def test_judged_domains_are_scored_as_many_at_a_time_as_the_judge_takes(monkeypatch):
+    # as a plugin whose verifier calls the judge registers its domain; for this test only (other modules
+    # parametrize over JUDGED_DOMAINS)
+    monkeypatch.setattr(registry, "JUDGED_DOMAINS", registry.JUDGED_DOMAINS | {"test_offline_judged"})
+    monkeypatch.setattr(offline, "JUDGED_DOMAINS", registry.JUDGED_DOMAINS)
     JUDGING["peak"] = 0
     scorer = Scorer(workers=2, judge_workers=12)
     judged = [req(f"j/{i}/0", f"reply {i}", "test_offline_judged") for i in range(24)]
