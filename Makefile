@@ -57,14 +57,15 @@ judge: install
 # long-context RL -> code RL -> SWE RL (agentless, agentic) -> MOPD.
 FULL_DATA ?= runs/data/full
 # each task's share of the SFT draws: the copies (a name, a record deep in a document) want twice the others'
-FULL_SFT := $(foreach t,arithmetic:1 arithmetic_mcqa:1 arithmetic_json:1 arithmetic_if:1 chat:2 long_context:2 code_fn:1 swe_patch:1 swe_agent:1,$(FULL_DATA)/sft/$(subst :,.jsonl:,$(t)))
+# (long-context on short documents: there the model learns to find the needle, and then finds it in long ones)
+FULL_SFT := $(foreach t,arithmetic:1 arithmetic_mcqa:1 arithmetic_json:1 arithmetic_if:1 chat:2 long_context_short:2 code_fn:1 swe_patch:1 swe_agent:1,$(FULL_DATA)/sft/$(subst :,.jsonl:,$(t)))
 full: install judge full-sft
 	$(CLI) cascade full
 
 # make full's data and SFT'd model (runs/data/full, models/full-sft); bench/mopd_vs_grpo.py's RLHF race starts there
 full-sft: install
-	# 3,500 SFT rows a task (code_fn has ~6,000 distinct functions for all splits): long-context draws ~11,600 of its
-	# rows in 2,000 steps, 3 passes; over 2,000 rows (6 passes) the tiny model learned the documents, not to retrieve
+	# 3,500 SFT rows a task (code_fn has ~6,000 distinct functions for all splits); long-context's are short documents
+	# (long_context_short): on full-length ones the tiny model did not learn to find the needle
 	test -f $(FULL_DATA)/manifest.json || $(CLI) make-data full --out $(FULL_DATA) --heldout 128 --sft 3500
 	test -f models/full/config.json || $(CLI) make-tiny-model --out models/full --task full --vocab-size 1024
 	test -f models/full-sft/config.json || $(CLI) sft model=models/full out=models/full-sft \

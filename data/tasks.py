@@ -181,9 +181,10 @@ def load_mixture(weights: Mapping[str, float], sizes: Mapping[str, int], seed: i
     return out
 
 # every policy domain of the paper's cascade in miniature (`cascade-rl cascade full`): the SFT warm start and the
-# held-out set of every stage; the judge model's data is the mixture ``judge`` (data/judge.py)
+# held-out set of every stage (long_context_short: the SFT's long-context rows, data/long_context.py); the judge model's data is the mixture ``judge`` (data/judge.py)
 register_mix("full", {"arithmetic": 1, "arithmetic_mcqa": 1, "arithmetic_json": 1, "arithmetic_if": 1, "chat": 1,
-                      "chat_gold": 1, "long_context": 1, "code_fn": 1, "swe_patch": 1, "swe_agent": 1})
+                      "chat_gold": 1, "long_context": 1, "long_context_short": 1, "code_fn": 1, "swe_patch": 1,
+                      "swe_agent": 1})
 # the cut of it that `make run` runs (configs/cascade/demo.yaml): the four arithmetic domains and RLHF's chat, held out
 # both as the judge scores it and by its gold (chat_gold)
 register_mix("demo", {"arithmetic": 1, "arithmetic_mcqa": 1, "arithmetic_json": 1, "arithmetic_if": 1, "chat": 1,

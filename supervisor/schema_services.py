@@ -76,6 +76,11 @@ class JudgeConfig:
     """Per-request timeout."""
     max_tokens: int = 4096
     """Most tokens of one judgment (thinking judges need many, or their verdicts are cut off)."""
+    exact_match: bool = True
+    """Long-context QA (domain llm_judge): a final answer that is the reference itself (case, spacing, quotes and a
+    final period aside) is correct without a judge call; every other answer is judged. It spares the calls an exact
+    answer would cost, and a judge's misses on the plainest case: the miniature's tiny judge never learned to compare
+    a bare value with the reference (docs/ARCHITECTURE.md). false: the judge sees every answer, as in the paper."""
     genrm: GenRMSettings = field(default_factory=GenRMSettings)
     """RLHF's pairwise rewards: the pair template and the length terms (verifiers/genrm.py)."""
 

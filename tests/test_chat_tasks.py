@@ -27,7 +27,18 @@ from cascade_rl.data.judge import (
     gold_preference,
     pair_verdict,
 )
-from cascade_rl.data.long_context import COLORS, MAX_RECORDS, MIN_RECORDS, NAMES, Document, _long_context
+from cascade_rl.data.long_context import (
+    COLORS,
+    HAY,
+    MAX_COLORS,
+    MAX_RECORDS,
+    MIN_RECORDS,
+    NAMES,
+    SHORT_RECORDS,
+    Document,
+    _long_context,
+)
+from cascade_rl.data.long_context import INSTRUCTION as LC_INSTRUCTION
 from cascade_rl.data.rows import Fields, parse_row
 from cascade_rl.data.tasks import TASKS, domains, load_task
 from cascade_rl.learner.sft import read_sft_rows
@@ -53,7 +64,7 @@ from cascade_rl.verifiers.llm_judge import (
 )
 from cascade_rl.verifiers.text import final_answer_text
 
-NEW = ("long_context", "chat", "judge_pairs", "judge_qa")
+NEW = ("long_context", "long_context_short", "chat", "judge_pairs", "judge_qa")
 SIZES = {"heldout": 64, "rl": 300, "sft": 600}
 CONTEXT = 512
 
@@ -119,7 +130,7 @@ def test_make_data_judge_writes_sft_rows_the_learner_reads(tmp_path):
     assert len(rows) == 32 and all(len(r.messages) == 1 and r.response.startswith("\n</think>\n\n") for r in rows)
     files = write_task_files("long_context+chat", tmp_path / "policy", {"heldout": 4, "rl": 8, "sft": 8})
     row = json.loads(open(files["heldout"]["long_context"]).readline())
-    assert row["domain"] == "llm_judge" and set(row["metadata"]) == {"question", "records", "position"}
+    assert row["domain"] == "llm_judge" and set(row["metadata"]) == {"question", "records", "colors", "position"}
     row = json.loads(open(files["sft"]["chat"]).readline())
     assert row["domain"] == "genrm" and set(row["metadata"]) == {"name", "kind", "event"} and row["answer"]
 
@@ -132,9 +143,13 @@ def test_long_context_documents(splits):
     examples = [ex for exs in splits["long_context"].values() for ex in exs]
     for ex in examples:
         *records, ask = ex.question.split("\n")
-        matches = [re.fullmatch(r"The color of (\w+) is (\w+)\.", line) for line in records]
-        keys = [m.group(1) for m in matches]
-        assert {m.group(2) for m in matches} <= set(COLORS) and ex.answer in COLORS
+        matches = [re.fullmatch(r"The (\w+) of (\w+) is (\w+)\.", line) for line in records]
+        kinds, keys, values = zip(*(m.groups() for m in matches))
+        needles = [i for i, kind in enumerate(kinds) if kind == "color"]
+        assert {values[i] for i in needles} <= set(COLORS) and ex.answer in COLORS
+        # the hay: other kinds, never a colour among their values
+        assert all(values[i] in HAY[kinds[i]] for i in range(len(records)) if i not in needles)
+        assert 1 <= len(needles) == ex.metadata["colors"] <= MAX_COLORS
         assert len(set(keys)) == len(keys) == ex.metadata["records"]
         assert MIN_RECORDS <= len(records) <= MAX_RECORDS
         line = f"The color of {keys[ex.metadata['position']]} is {ex.answer}."
@@ -146,20 +161,38 @@ def test_long_context_documents(splits):
     assert min(depth) == 0.0 and max(depth) == 1.0 and sum(d > 0.75 for d in depth) > 0.15 * len(depth)
     assert sum(ex.metadata["position"] >= 24 for ex in examples) > 20  # deep inside long documents
     assert {ex.metadata["records"] for ex in examples} >= {MIN_RECORDS, MAX_RECORDS}
+    assert {ex.metadata["colors"] for ex in examples} == set(range(1, MAX_COLORS + 1))
+
+
+def test_colours_and_names_are_one_token_of_make_fulls_tokenizer():
+    # the needles are a tenth of the records: too rare a colour is split by the BPE trained on the whole mixture
+    tok = train_tokenizer(corpus("full", 2000), 1024)
+    assert all(len(tok(f" {w}", add_special_tokens=False)["input_ids"]) == 1 for w in (*COLORS, *NAMES))
+
+
+def test_one_needle_documents_ask_for_their_only_colour():
+    for ex in load_task("long_context", {"rl": 40}, max_colors=1)["rl"]:
+        assert ex.metadata["colors"] == 1 and sum(c in ex.question.split() for c in (f"{c}." for c in COLORS)) == 1
+    with pytest.raises(ValueError, match="max_colors"):
+        load_task("long_context", {"rl": 1}, max_colors=0)
 
 
 def test_long_context_length_is_a_parameter():
     short = load_task("long_context", {"rl": 50}, min_records=2, max_records=5)["rl"]
     assert {ex.metadata["records"] for ex in short} == {2, 3, 4, 5}
+    # the SFT warm-up task: the same rows on short documents
+    warmup = load_task("long_context_short", {"sft": 200})["sft"]
+    assert {ex.metadata["records"] for ex in warmup} == set(range(MIN_RECORDS, SHORT_RECORDS + 1))
+    assert {ex.domain for ex in warmup} == {"llm_judge"} and {ex.instruction for ex in warmup} == {LC_INSTRUCTION}
     with pytest.raises(ValueError, match="max_records"):
         load_task("long_context", {"rl": 1}, max_records=len(NAMES) + 1)
 
 
 def test_long_context_fills_but_fits_the_context(splits, lengths):
     examples = [ex for exs in splits["long_context"].values() for ex in exs]
-    # the longest document with every record of one colour, for each colour (the widest in tokens is the worst)
-    worst = [_long_context(Document(tuple((name, c) for name in NAMES[:MAX_RECORDS]), MAX_RECORDS - 1), 0)
-             for c in COLORS]
+    # the longest document with every record of one kind and value, for each (the widest in tokens is the worst)
+    worst = [_long_context(Document(tuple((kind, name, v) for name in NAMES[:MAX_RECORDS]), MAX_RECORDS - 1), 0)
+             for kind, values in [("color", COLORS), *HAY.items()] for v in values]
     measured = lengths("long_context", [*examples, *worst])
     prompts = sorted(p for p, _ in measured)
     assert prompts[-1] <= CONTEXT - 96 and max(p + r for p, r in measured) <= CONTEXT  # the cascade's 96-token budget
@@ -168,7 +201,8 @@ def test_long_context_fills_but_fits_the_context(splits, lengths):
 
 def test_the_llm_judge_sees_the_question_not_the_document(splits, judge_server, monkeypatch):
     ex = splits["long_context"]["heldout"][0]
-    monkeypatch.setitem(registry.SETTINGS, "judge", judge_server.settings)
+    # every answer to the judge, the reference itself too (by default that one is decided without a call)
+    monkeypatch.setitem(registry.SETTINGS, "judge", {**judge_server.settings, "exact_match": False})
     # what the orchestrator hands a verifier: the last user message as "question", the row's metadata winning
     metadata = {"question": ex.prompt, **ex.metadata}
     assert registry.VERIFIERS["llm_judge"]("<think>\n" + ex.solution, ex.answer, metadata) == 1.0

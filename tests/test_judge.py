@@ -41,6 +41,7 @@ from cascade_rl.verifiers.llm_judge import (
     JudgeRequestError,
     judge_answer,
     parse_correctness,
+    same_answer,
 )
 
 PURE = GenRMConfig(length_coef=0.0, concise_bonus=0.0)  # quality only
@@ -254,6 +255,20 @@ def test_judge_answer_with_scripted_judge():
     assert reward == 0.0 and reason.startswith("unparseable judge reply")
     unused = ScriptedJudgeQA("[[CORRECT]]")
     assert asyncio.run(judge_answer(unused, "Q", "<think>Paris", "Paris"))[0] == 0.0 and not unused.prompts
+
+
+def test_an_answer_that_is_the_reference_needs_no_judge_call():
+    assert same_answer(" Teal. ", "teal") and same_answer('"deep  blue"', "Deep blue") and same_answer("7", "7.")
+    assert not same_answer("teal or red", "teal") and not same_answer("It is teal.", "teal")
+    assert not same_answer("tea", "teal") and not same_answer("", "") and not same_answer("x", " ")
+    never = ScriptedJudgeQA("[[INCORRECT]]")  # a judge that calls everything wrong
+    got = asyncio.run(judge_answer(never, "Q", "<think>x</think>\n\nTeal.", "teal", exact_match=True))
+    assert got == (1.0, "correct: the reference itself (no judge call)") and not never.prompts
+    # anything else still goes to the judge, and without exact_match so does the reference itself
+    assert asyncio.run(judge_answer(never, "Q", "<think>x</think> It is teal.", "teal", exact_match=True)) == (
+        0.0, "incorrect")
+    assert asyncio.run(judge_answer(never, "Q", "<think>x</think> teal", "teal"))[0] == 0.0
+    assert [p.rsplit("Model's answer:\n", 1)[1].split("\n")[0] for p in never.prompts] == ["It is teal.", "teal"]
 
 
 class ScriptedJudgeQA:

@@ -274,17 +274,33 @@ def parse_correctness(reply: str) -> bool | None:
     return m.group(1).lower() in ("yes", "correct")
 
 
-async def judge_answer(client: ChatClient, question: str, response: str, reference: str) -> tuple[float, str]:
+def _plain(text: str) -> str:
+    return " ".join(text.strip().strip("\"'`").rstrip(".").split()).casefold()
+
+
+def same_answer(answer: str, reference: str) -> bool:
+    """Whether ``answer`` is ``reference`` itself: equal once case, spacing, quotes and a final period are set aside.
+
+    The first rule of any judge's rubric, decided without one: an answer this close states the reference's fact.
+    """
+    return bool(_plain(reference)) and _plain(answer) == _plain(reference)
+
+
+async def judge_answer(client: ChatClient, question: str, response: str, reference: str,
+                       exact_match: bool = False) -> tuple[float, str]:
     """``(1.0, "correct")`` or ``(0.0, reason)``; raises ``JudgeError`` only when the endpoint fails.
 
     ``question`` is all the judge sees besides the two answers: with a reference answer the
     question alone usually decides it; include the document only if it cannot (judge tokens).
+    With ``exact_match``, an answer that is the reference itself (``same_answer``) is correct without a call.
     """
     answer = final_text(response)
     if answer is None:
         return 0.0, "no final answer: the response's <think> block was never closed"
     if not answer.strip():
         return 0.0, "empty final answer"
+    if exact_match and same_answer(answer, reference):
+        return 1.0, "correct: the reference itself (no judge call)"
     prompt = fill(QA_TEMPLATE, question=question, reference=reference, answer=answer.strip())
     result = await client.chat([{"role": "user", "content": prompt}])
     verdict = parse_correctness(result.text)

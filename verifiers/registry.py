@@ -393,8 +393,10 @@ def _llm_judge(response: str, reference: str, metadata: dict[str, Any]) -> float
     """Long-context QA: a judge model decides whether the answer matches the reference (verifiers/llm_judge.py)."""
     from .llm_judge import judge_answer, on_judge
 
+    exact_match = (SETTINGS.get("judge") or {}).get("exact_match", True)
+
     async def run(client) -> float:
-        reward, reason = await judge_answer(client, metadata.get("question", ""), response, reference)
+        reward, reason = await judge_answer(client, metadata.get("question", ""), response, reference, exact_match)
         if reason.startswith("unparseable"):
             raise ValueError(reason)  # ok=false with the reason: a judge failure, not a wrong answer
         return reward
