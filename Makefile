@@ -35,7 +35,8 @@ DATA ?= runs/data/demo
 JUDGE_DATA ?= runs/data/judge
 # chat twice the others' share: addressing the teller by name is a copy the tiny model learns only with enough of it
 SFT_FILES := $(DATA)/sft/arithmetic.jsonl:1,$(DATA)/sft/arithmetic_mcqa.jsonl:1,$(DATA)/sft/arithmetic_json.jsonl:1,$(DATA)/sft/arithmetic_if.jsonl:1,$(DATA)/sft/chat.jsonl:2
-JUDGE_FILES := $(JUDGE_DATA)/sft/judge_pairs.jsonl,$(JUDGE_DATA)/sft/judge_qa.jsonl
+# pairs twice QA's share (the `judge` mixture's weights): at 1:1 the 300-step judge called every held-out pair a tie
+JUDGE_FILES := $(JUDGE_DATA)/sft/judge_pairs.jsonl:2,$(JUDGE_DATA)/sft/judge_qa.jsonl:1
 run: install judge
 	test -f $(DATA)/manifest.json || $(CLI) make-data demo --out $(DATA) --heldout 128 --sft 2000
 	grep -qs '"task": "demo"' models/tiny/cascade_rl.json || (rm -rf models/tiny models/tiny-sft && \
