@@ -61,6 +61,10 @@ FULL_DATA ?= runs/data/full
 # (long-context on short documents: there the model learns to find the needle, and then finds it in long ones)
 FULL_SFT := $(foreach t,arithmetic:1 arithmetic_mcqa:1 arithmetic_json:1 arithmetic_if:1 chat:2 long_context_short:2 code_fn:1 swe_patch:1 swe_agent:1,$(FULL_DATA)/sft/$(subst :,.jsonl:,$(t)))
 full: install judge full-sft
+	# long-context's held-out questions once more, scored by exact match (long_context_gold): what the judge's
+	# verdicts are checked against in the report
+	test -f $(FULL_DATA)-gold/manifest.json || $(CLI) make-data long_context_gold --out $(FULL_DATA)-gold \
+		--heldout 128 --rl 0 --sft 0
 	$(CLI) cascade full
 
 # make full's data and SFT'd model (runs/data/full, models/full-sft); bench/mopd_vs_grpo.py's RLHF race starts there

@@ -17,9 +17,11 @@ judge learns the very text it is asked at RL time:
   every kind of pair occur. The verdict, after an empty reasoning, is the gold qualities q1, q2 of
   ``chat_quality`` ("scores 5 3"), then one of the compact template's tags, read by ``parse_preference`` as below;
 - ``judge_qa``: ``verifiers.llm_judge.QA_TEMPLATE`` filled as ``judge_answer`` fills it (a
-  ``long_context`` question and reference, data/long_context.py) with an answer that is right (the value,
-  alone or in a sentence) or wrong, often narrowly (another colour, the value misspelt by one letter, a hedge
-  between the value and another, the record's sentence with another colour, no answer); the verdict is
+  ``long_context`` question, with the format it sets ("Reply with the color only."), and reference,
+  data/long_context.py) with an answer that is right (the value, with or without a period) or wrong, often
+  narrowly (another colour, the value misspelt by one letter, a hedge between the value and another, no answer)
+  or in a form the question rules out (a sentence, with the right colour or another: a judge that reads only
+  the form must not reward a sentence, or the policy learns to answer every question with one); the verdict is
   ``[[CORRECT]]`` or ``[[INCORRECT]]`` (``parse_correctness``), half of each.
 
 | q1 − q2 | verdict (the response's final answer) | ``parse_preference`` |
@@ -50,6 +52,7 @@ import random
 from cascade_rl.verifiers.genrm import pair_messages, parse_preference
 from cascade_rl.verifiers.llm_judge import QA_TEMPLATE, fill
 
+from . import long_context
 from .chat import FILLERS, INSTRUCTION, OPENERS, News, chat_quality, draw_news, other, reply
 from .long_context import COLORS, NAMES, question_of, record_line
 from .task_base import Example, Task, register_mix, register_task, think
@@ -164,9 +167,11 @@ def _judge_pairs(p: Pair, seed: int) -> JudgeExample:
 # --- QA correctness ----------------------------------------------------------------------------------
 
 CORRECT, INCORRECT = "[[CORRECT]]", "[[INCORRECT]]"
-# kind -> weight; the right kinds weigh as much as the wrong ones together
-RIGHT_KINDS = {"value": 3, "value_dot": 1, "sentence": 2, "it_is": 1, "possessive": 1}
-WRONG_KINDS = {"other_value": 3, "typo": 1, "hedge": 1, "wrong_sentence": 1, "unknown": 0.5, "empty": 0.5}
+# kind -> weight; the right kinds weigh as much as the wrong ones together. Sentences are wrong whatever their colour:
+# the question asks for the colour only.
+RIGHT_KINDS = {"value": 3, "value_dot": 1}
+WRONG_KINDS = {"other_value": 3, "typo": 1, "hedge": 1, "sentence": 1, "wrong_sentence": 1, "it_is": 0.5,
+               "possessive": 0.5, "unknown": 0.5, "empty": 0.5}
 
 
 def other_color(rng: random.Random, value: str) -> str:
@@ -184,13 +189,13 @@ def typo(rng: random.Random, value: str) -> str:
 
 def qa_answer(rng: random.Random, name: str, value: str, kind: str) -> str:
     """A final answer of ``kind`` to "What is the color of NAME?" whose reference is ``value``."""
-    right = {"value": value, "value_dot": f"{value}.", "sentence": record_line(name, value),
-             "it_is": f"It is {value}.", "possessive": f"{name}'s color is {value}."}
-    wrong = {"other_value": lambda: other_color(rng, value), "typo": lambda: typo(rng, value),
-             "hedge": lambda: f"{value} or {other_color(rng, value)}",
-             "wrong_sentence": lambda: record_line(name, other_color(rng, value)),
-             "unknown": lambda: "I do not know.", "empty": lambda: ""}
-    return right[kind] if kind in right else wrong[kind]()
+    answers = {"value": lambda: value, "value_dot": lambda: f"{value}.", "other_value": lambda: other_color(rng, value),
+               "typo": lambda: typo(rng, value), "hedge": lambda: f"{value} or {other_color(rng, value)}",
+               "sentence": lambda: record_line(name, value), "it_is": lambda: f"It is {value}.",
+               "possessive": lambda: f"{name}'s color is {value}.",
+               "wrong_sentence": lambda: record_line(name, other_color(rng, value)),
+               "unknown": lambda: "I do not know.", "empty": lambda: ""}
+    return answers[kind]()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +214,8 @@ class Graded:
     @property
     def question(self) -> str:
         # as judge_answer fills it: the row's metadata["question"], its reference, the stripped final answer
-        return fill(QA_TEMPLATE, question=question_of(self.name), reference=self.value, answer=self.answer.strip())
+        return fill(QA_TEMPLATE, question=f"{question_of(self.name)} {long_context.INSTRUCTION}", reference=self.value,
+                    answer=self.answer.strip())
 
 
 def draw_graded(rng: random.Random) -> Graded:

@@ -30,9 +30,17 @@ one, so it often sits deep inside a long document; ``metadata`` records all thre
 
 | task | domain | the prompt asks for | reference | metadata |
 | --- | --- | --- | --- | --- |
-| long_context | llm_judge | the colour of one record of the document | the value (``"teal"``) | ``{"question": "What is the color of Ada?", "records": n, "colors": c, "position": k}`` |
+| long_context | llm_judge | the colour of one record of the document | the value (``"teal"``) | ``{"question": "What is the color of Ada? Reply with the color only.", "records": n, "colors": c, "position": k}`` |
+| long_context_gold | exact_answer | the same questions | the same | the same |
 
 ``position`` is the asked record's line, 0-based (``k / (n - 1)`` is its depth).
+``long_context_gold`` scores the same questions by exact match (verifier ``exact_answer``): held out beside
+``long_context``, it shows whether the judge's reward is retrieval. Without it, make full's long-context RL looked
+like a rise from 0.41 to 0.85 by the judge while exact match fell from 0.54 to 0.12: the policy had learnt to answer
+"The color of Zac is gray." for any name, which the tiny judge (it cannot compare, it reads the form) called correct.
+Hence the format in the question the judge sees, and its QA rows (data/judge.py) that fail a sentence where the
+colour alone was asked for.
+
 ``metadata["question"]`` is all the judge sees (verifiers/registry.py
 ``_llm_judge`` hands it to ``judge_answer``; a row's own ``question`` wins over
 the prompt), never the document: judging needs only the question, the reference
@@ -129,13 +137,21 @@ def _documents(size: int, seed: int, min_records: int = MIN_RECORDS, max_records
     return [draw_document(random.Random(f"{seed}/{i}"), min_records, max_records, max_colors) for i in range(size)]
 
 
-def _long_context(d: Document, seed: int) -> Example:
+def _long_context(d: Document, seed: int, domain: str = "llm_judge") -> Example:
     solution = think([record_line(d.key, d.value)], d.value)
-    metadata = {"question": d.ask, "records": len(d.records), "colors": d.colors, "position": d.position}
-    return Example(d.question, d.value, "llm_judge", solution, INSTRUCTION, metadata)
+    # the judge sees the question with the answer format it sets (a sentence is not "the color only")
+    metadata = {"question": f"{d.ask} {INSTRUCTION}", "records": len(d.records), "colors": d.colors,
+                "position": d.position}
+    return Example(d.question, d.value, domain, solution, INSTRUCTION, metadata)
+
+
+def _long_context_gold(d: Document, seed: int) -> Example:
+    return _long_context(d, seed, "exact_answer")
 
 
 register_task("long_context", Task(_long_context, "llm_judge", 8 << 40, _documents))
+# The same questions scored by their gold, exact match (one stream): what the judge's verdicts are checked against.
+register_task("long_context_gold", Task(_long_context_gold, "exact_answer", 8 << 40, _documents))
 # The SFT warm-up: the same task on short documents, where attention to the needle forms (see the module's docstring).
 register_task("long_context_short", Task(_long_context, "llm_judge", 12 << 40,
                                          functools.partial(_documents, max_records=SHORT_RECORDS)))

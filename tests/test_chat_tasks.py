@@ -154,7 +154,8 @@ def test_long_context_documents(splits):
         assert MIN_RECORDS <= len(records) <= MAX_RECORDS
         line = f"The color of {keys[ex.metadata['position']]} is {ex.answer}."
         assert ex.question.count(line) == 1 and records[ex.metadata["position"]] == line
-        assert ask == ex.metadata["question"] == f"What is the color of {keys[ex.metadata['position']]}?"
+        assert ask == f"What is the color of {keys[ex.metadata['position']]}?"
+        assert ex.metadata["question"] == f"{ask} Reply with the color only."  # what the judge sees: with the format
         assert ex.prompt == f"{ex.question} {ex.instruction}"
         assert ex.solution == f"{line}\n</think>\n\n{ex.answer}" and _final(ex.solution) == ex.answer
     depth = [ex.metadata["position"] / max(1, ex.metadata["records"] - 1) for ex in examples]
@@ -168,6 +169,22 @@ def test_colours_and_names_are_one_token_of_make_fulls_tokenizer():
     # the needles are a tenth of the records: too rare a colour is split by the BPE trained on the whole mixture
     tok = train_tokenizer(corpus("full", 2000), 1024)
     assert all(len(tok(f" {w}", add_special_tokens=False)["input_ids"]) == 1 for w in (*COLORS, *NAMES))
+
+
+def test_long_context_gold_asks_the_same_questions_scored_by_exact_match():
+    judged, gold = load_task("long_context", {"heldout": 30})["heldout"], load_task("long_context_gold",
+                                                                                    {"heldout": 30})["heldout"]
+    assert [(e.prompt, e.answer) for e in judged] == [(e.prompt, e.answer) for e in gold]
+    assert {e.domain for e in gold} == {"exact_answer"}
+    exact = registry.VERIFIERS["exact_answer"]
+    for e in gold:
+        assert exact("<think>\n" + e.solution, e.answer, e.metadata) == 1.0  # the worked solution: its value
+        assert exact(f"<think>\nx\n</think>\n\n{e.answer}.", e.answer, e.metadata) == 1.0
+        # a sentence (what the tiny judge passed), another colour, an unclosed <think>: 0
+        assert exact(f"<think>\nx\n</think>\n\nThe color of Zac is {e.answer}.", e.answer, e.metadata) == 0.0
+        other = next(c for c in COLORS if c != e.answer)
+        assert exact(f"<think>\nx\n</think>\n\n{other}", e.answer, e.metadata) == 0.0
+        assert exact(f"<think>\n{e.answer}", e.answer, e.metadata) == 0.0
 
 
 def test_one_needle_documents_ask_for_their_only_colour():
@@ -322,6 +339,8 @@ def test_judge_qa_verdicts_and_prompts(splits):
         elif ex.metadata["kind"] == "hedge":
             other = re.fullmatch(rf"{reference} or (\w+)", answer).group(1)
             assert other in COLORS and other != reference
+        elif ex.metadata["kind"] in ("sentence", "it_is", "possessive"):  # the right colour, not alone as asked
+            assert reference in re.findall(r"\w+", answer) and question.endswith(" Reply with the color only.")
         else:  # no word of the answer is the reference (a typo is one letter off it, never another colour)
             assert reference not in re.findall(r"\w+", answer)
             if ex.metadata["kind"] == "typo":

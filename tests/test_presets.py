@@ -59,7 +59,7 @@ BUILTIN_DOMAINS = {"arithmetic": "math", "arithmetic_mcqa": "mcqa", "arithmetic_
 @pytest.fixture(scope="module")
 def layout(tmp_path_factory, tiny_model, tiny_data, tools_data, full_data) -> Path:
     """A directory as ``make run``, ``make full`` and ``make tools`` leave it: models/tiny-sft, full-sft, judge-sft
-    and tools-sft (any tiny model: a dry run only renders prompts), runs/data/{cascade,demo,full,tools} (make-data),
+    and tools-sft (any tiny model: a dry run only renders prompts), runs/data/{cascade,demo,full,full-gold,tools} (make-data),
     WRITTEN files."""
     from cascade_rl.data.builtin import write_task_files
 
@@ -72,6 +72,7 @@ def layout(tmp_path_factory, tiny_model, tiny_data, tools_data, full_data) -> Pa
     for name, files, task in (("cascade", tiny_data, "arithmetic"), ("tools", tools_data, "tool_arithmetic"),
                               ("full", full_data, "arithmetic"), ("demo", demo, "arithmetic")):
         (root / "runs" / "data" / name).symlink_to(Path(files["rl"][task]).parent.parent)
+    write_task_files("long_context_gold", root / "runs" / "data" / "full-gold", {"heldout": 8})  # make full writes it
     (root / "written").mkdir()
     for domain, rows in WRITTEN.items():
         (root / "written" / f"{domain}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

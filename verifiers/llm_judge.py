@@ -229,7 +229,7 @@ taking the reference answer as the ground truth.
 - Correct: the answer states the same fact, value or conclusion as the reference. Wording, \
 units written differently, and extra detail that does not contradict it do not matter.
 - Incorrect: it contradicts the reference, misses an essential part of it, hedges between \
-several answers, or does not answer.
+several answers, ignores an answer format the question sets, or does not answer.
 
 Question:
 {question}

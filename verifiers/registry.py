@@ -388,6 +388,16 @@ def _genrm_against_baseline(response: str, reference: str, metadata: dict[str, A
     return on_judge(judge_endpoint(), run)
 
 
+@register_verifier("exact_answer", check=_nonempty_answer("exact_answer"))
+def _exact_answer(response: str, reference: str, metadata: dict[str, Any]) -> float:
+    """1.0 when the final answer is the reference itself (verifiers/llm_judge.py ``same_answer``): the gold of
+    long-context QA (``long_context_gold``), next to the judge's verdict on the same questions."""
+    from .llm_judge import same_answer
+    from .text import final_answer_text
+
+    return float(same_answer(final_answer_text(response) or "", reference))
+
+
 @register_verifier("llm_judge", check=_nonempty_answer("llm_judge"))
 def _llm_judge(response: str, reference: str, metadata: dict[str, Any]) -> float:
     """Long-context QA: a judge model decides whether the answer matches the reference (verifiers/llm_judge.py)."""
