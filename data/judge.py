@@ -22,7 +22,7 @@ judge learns the very text it is asked at RL time:
   narrowly (another colour, the value misspelt by one letter, a hedge between the value and another, no answer)
   or in a form the question rules out (a sentence, with the right colour or another: a judge that reads only
   the form must not reward a sentence, or the policy learns to answer every question with one); the verdict is
-  ``[[CORRECT]]`` or ``[[INCORRECT]]`` (``parse_correctness``), half of each.
+  ``[[CORRECT]]`` or ``[[INCORRECT]]`` (``parse_correctness``), right in ``RIGHT_SHARE`` of the rows (below).
 
 | q1 − q2 | verdict (the response's final answer) | ``parse_preference`` |
 | --- | --- | --- |
@@ -167,8 +167,7 @@ def _judge_pairs(p: Pair, seed: int) -> JudgeExample:
 # --- QA correctness ----------------------------------------------------------------------------------
 
 CORRECT, INCORRECT = "[[CORRECT]]", "[[INCORRECT]]"
-# kind -> weight; the right kinds weigh as much as the wrong ones together. Sentences are wrong whatever their colour:
-# the question asks for the colour only.
+# kind -> weight. Sentences are wrong whatever their colour: the question asks for the colour only.
 RIGHT_KINDS = {"value": 3, "value_dot": 1}
 WRONG_KINDS = {"other_value": 3, "typo": 1, "hedge": 1, "sentence": 1, "wrong_sentence": 1, "it_is": 0.5,
                "possessive": 0.5, "unknown": 0.5, "empty": 0.5}
@@ -218,9 +217,16 @@ class Graded:
                     answer=self.answer.strip())
 
 
+# Right answers' share of the rows. With verifier.judge.exact_match (the default) the judge is never sent the
+# reference itself, which is all a right answer to "the color only" can be; and the tiny judge cannot compare two
+# values (it reads the form): at half right, half wrong it passed every bare colour, right or wrong, and the
+# policy's reward carried no signal. At 15 % it learns what it is sent: a bare colour that is not the reference.
+RIGHT_SHARE = 0.15
+
+
 def draw_graded(rng: random.Random) -> Graded:
     name, value = rng.choice(NAMES), rng.choice(COLORS)
-    kinds = RIGHT_KINDS if rng.random() < 0.5 else WRONG_KINDS
+    kinds = RIGHT_KINDS if rng.random() < RIGHT_SHARE else WRONG_KINDS
     kind = rng.choices(list(kinds), list(kinds.values()))[0]
     return Graded(name, value, kind, qa_answer(rng, name, value, kind))
 

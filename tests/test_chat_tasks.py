@@ -352,7 +352,7 @@ def test_judge_qa_verdicts_and_prompts(splits):
             assert got[0] == float(ex.metadata["correct"])
     kinds = Counter(ex.metadata["kind"] for ex in examples)
     assert kinds.keys() == RIGHT_KINDS.keys() | WRONG_KINDS.keys()
-    assert 0.4 < sum(ex.metadata["correct"] for ex in examples) / len(examples) < 0.6
+    assert 0.08 < sum(ex.metadata["correct"] for ex in examples) / len(examples) < 0.25  # RIGHT_SHARE: 0.15
 
 
 def test_judge_prompts_fit_the_judges_context(splits, lengths):
