@@ -36,7 +36,7 @@ one, so it often sits deep inside a long document; ``metadata`` records all thre
 ``position`` is the asked record's line, 0-based (``k / (n - 1)`` is its depth).
 ``long_context_gold`` scores the same questions by exact match (verifier ``exact_answer``): held out beside
 ``long_context``, it shows whether the judge's reward is retrieval. Without it, make full's long-context RL looked
-like a rise from 0.41 to 0.85 by the judge while exact match fell from 0.54 to 0.12: the policy had learnt to answer
+like a rise from 0.41 to 0.85 by the judge while greedy exact match fell from 0.54 to 0.12: the policy had learnt to answer
 "The color of Zac is gray." for any name, which the tiny judge (it cannot compare, it reads the form) called correct.
 Hence the format in the question the judge sees, and its QA rows (data/judge.py) that fail a sentence where the
 colour alone was asked for.
