@@ -129,6 +129,8 @@ class IOThread:
 
     def _wake(self) -> None:
         with self._wake_lock:
+            if self._wake_tx.closed:  # the IO thread has ended: nothing left to wake
+                return
             try:
                 self._wake_tx.send(b"", zmq.NOBLOCK)
             except zmq.Again:
@@ -190,7 +192,11 @@ class IOThread:
         finally:
             for s in sockets:
                 s.close(linger=self._linger_ms(s))
-            for s in (beat, self._wake_rx, self._wake_tx):
+            # the thread may end on its own poll timeout between close()'s stop and its wake-up: the waker is closed
+            # under the lock _wake sends under, so a late wake-up finds it closed instead of a freed socket
+            with self._wake_lock:
+                self._wake_tx.close(linger=0)
+            for s in (beat, self._wake_rx):
                 if s is not None:
                     s.close(linger=0)
 

@@ -145,12 +145,12 @@ def test_a_hung_or_dead_judge_makes_the_score_unavailable(judge_model, tmp_path)
         try:
             pid = _listener_pid(url)
             os.kill(pid, signal.SIGSTOP)
-            ask = {"question": "What is 3 + 4?"}
-            pool.submit(ScoreRequest("g/0/0", "llm_judge", "<think>\n</think>\n\n7", "7", ask, 3.0))
+            ask = {"question": "What is 3 + 4?"}  # answered "It is 7.", not "7": the reference itself needs no judge
+            pool.submit(ScoreRequest("g/0/0", "llm_judge", "<think>\n</think>\n\nIt is 7.", "7", ask, 3.0))
             hung = _collect(pool, 1)[0]
             assert not hung.ok and hung.unavailable and hung.reason.startswith("timeout")
             os.killpg(pid, signal.SIGKILL)
-            pool.submit(ScoreRequest("g/1/0", "llm_judge", "<think>\n</think>\n\n7", "7", ask, 30.0))
+            pool.submit(ScoreRequest("g/1/0", "llm_judge", "<think>\n</think>\n\nIt is 7.", "7", ask, 30.0))
             dead = _collect(pool, 1)[0]
             assert not dead.ok and dead.unavailable and "JudgeError: judge request" in dead.reason
             pool.submit(ScoreRequest("g/2/0", "math", "7", "7", {}, 1.0))

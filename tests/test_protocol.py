@@ -847,3 +847,17 @@ def test_teacher_request_and_logprobs_round_trip_one_group():
     assert not failed.ok and failed.error == "too long" and failed.logprobs.shape == (0,)
     _reject(_edit(_teacher_request(), lambda h: h.pop("response_lens")), "teacher_request.response_lens: required")
     _reject(_edit(_teacher_request(), lambda h: h.update(temperature="1")), "teacher_request.temperature: expected float")
+
+
+def test_closing_a_link_whose_io_thread_has_already_ended():
+    """close() sets stop, then wakes the IO thread; the thread can see stop on its own poll timeout in between and
+    close its sockets, the waker among them (an orchestrator exited 1 after its run with ENOTSOCK from that wake-up).
+    Here the thread ends first, deterministically; close() and a late send() must still return quietly."""
+    from cascade_rl.protocol.sockets import RouterLink
+
+    link = RouterLink("inproc://closing-after-the-io-thread", None, (), dict, heartbeat_s=0.05).start()
+    link._stop.set()
+    link._thread.join(5)
+    assert not link._thread.is_alive() and link._wake_tx.closed
+    link.close()
+    link.send((b"gone", None))  # queued, never sent: the thread is gone
