@@ -196,9 +196,9 @@ class IOThread:
             # under the lock _wake sends under, so a late wake-up finds it closed instead of a freed socket
             with self._wake_lock:
                 self._wake_tx.close(linger=0)
-            for s in (beat, self._wake_rx):
-                if s is not None:
-                    s.close(linger=0)
+            if beat is not None:  # the "stopped" beat carries the final counters: let it leave (the summary's table)
+                beat.close(linger=500)
+            self._wake_rx.close(linger=0)
 
     def _linger_ms(self, sock: zmq.Socket) -> int:
         return 0

@@ -356,6 +356,15 @@ class Supervisor:
                 reply = ControlReply(False, None, str(e))
             send(self.control, reply)
 
+    def _last_beats(self, quiet_ms: int = 200) -> None:
+        """The beats the workers sent as they stopped, with their final counters: without them summary.json's table
+        held each worker's last periodic beat, up to a second of scores short."""
+        while self.beats.poll(quiet_ms):
+            try:
+                self._on_beat(recv(self.beats, (Heartbeat,)))
+            except ProtocolError:
+                pass
+
     def _on_beat(self, hb: Heartbeat) -> None:
         p = self.procs.get(hb.worker_id)
         remote = p is not None and p.role == "sampler" and bool(self.cfg.sampler.launcher)
@@ -419,6 +428,7 @@ class Supervisor:
             outcome = str(e)
         finally:
             self.stop_all()
+            self._last_beats()
             for s in (self.beats, self.control):
                 s.close(linger=0)
         summary_path = self.run_dir / "summary.json"
