@@ -47,7 +47,7 @@ def model_dir() -> str:
 def launch(k: int, delay: float, steps: int, model: str, work: Path) -> dict:
     run_dir = work / f"k{k}-d{delay}-{time.monotonic_ns()}"
     args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}",
-            f"orchestrator.max_staleness={k}", "trainer.importance_weights=true", "trainer.prompts_per_step=8",
+            f"orchestrator.max_staleness={k}", "trainer.correction=icepop", "trainer.prompts_per_step=8",
             "trainer.group_size=8", "sampling.max_tokens=32", "trainer.lr=2e-5", *math_data(8),
             f"sampler.delay_s={delay}", "supervisor.progress=none"]
     r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=1800,

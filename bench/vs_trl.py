@@ -170,7 +170,7 @@ def run_ours(staleness: int, model: Path, steps: int, work: Path) -> dict:
             "trainer.kl_coef=0", *math_data(), f"data.seed={s['seed']}",
             "model.dtype=float32", "orchestrator.eval_n=0", "orchestrator.eval_greedy=false",
             "supervisor.progress=none", f"orchestrator.max_staleness={staleness}",
-            f"trainer.importance_weights={str(staleness > 0).lower()}",
+            f"trainer.correction={'icepop' if staleness > 0 else 'none'}",
             # strictly on-policy, sampler and trainer take turns: each gets both cores; async they run at once,
             # one thread each (two each oversubscribe 2 cores: measured slower)
             *(["sampler.threads=1", "trainer.threads=1"] if staleness else ["sampler.threads=0"])]

@@ -18,6 +18,16 @@ reference (``kl_k3``) and an entropy bonus, each token-averaged the same way
 (``group_token_mean``). ``mopd_loss`` is the distillation rule: a dense
 reverse-KL advantage a_t = log π_teacher − log π_θ per token, weighted by w_t.
 
+Corrections for the engine/trainer mismatch (``trainer.correction``, registered in ``CORRECTIONS``), each
+with ρ_t = π_θ/π_inf per loss token and ρ_seq = Π_t ρ_t per row:
+
+    none      w_t = 1
+    tis       w_t = min(ρ_t, eps_high)                                   (token-level truncated IS)
+    icepop    w_t = ρ_t · 1[eps_low ≤ ρ_t ≤ eps_high]                     (token mask; the paper's MOPD rule)
+    seq_tis   w_t = min(ρ_seq, eps_high)                                  (sequence-level truncated IS)
+    mis       w_t = ρ_seq · 1[eps_low ≤ ρ_seq ≤ eps_high]                 (sequence mask)
+    geo_mask  w_t = 1[geo_low ≤ exp(mean_t log ρ_t) ≤ geo_high]          (geometric-mean sequence mask)
+
 ``mismatch_stats`` compares the trainer's log-probs with the inference
 engine's, which differ through kernels and precision even at equal weights:
 
@@ -31,8 +41,13 @@ Run the hand-computed checks with ``pytest tests/test_losses.py``.
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
+
+from cascade_rl.protocol.registry import Registry
 
 
 def group_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
@@ -96,18 +111,116 @@ def truncated_importance_weights(logprobs: Tensor, inf_logprobs: Tensor, mask: T
     return w, keep & ~inside
 
 
+# --- corrections for the engine/trainer mismatch (``trainer.correction``) --------------------------------------
+
+
+class Correction(NamedTuple):
+    """What a correction makes of one micro-batch: per-token weights on the policy term, and which loss tokens it
+    zeroed (``masked``) or capped (``truncated``); every tensor [N, T], 0 / False outside the mask."""
+
+    weights: Tensor  # float32, detached
+    masked: Tensor  # bool
+    truncated: Tensor  # bool
+
+
+# name -> fn(logprobs, inf_logprobs, mask, band=(eps_low, eps_high), geo_band=(low, high)) -> Correction
+CORRECTIONS = Registry("correction")
+
+
+def _log_ratio(logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(log π_θ − log π_inf detached in fp32, 0 outside the mask; the mask as bool)."""
+    keep = mask.bool()
+    d = logprobs.detach().float() - inf_logprobs.float()
+    return torch.where(keep, d, torch.zeros_like(d)), keep
+
+
+def _per_row(values: Tensor, keep: Tensor) -> Tensor:
+    """A per-row [N] value on each of the row's loss tokens, [N, T] (0 elsewhere)."""
+    return torch.where(keep, values[:, None].expand_as(keep), torch.zeros((), device=keep.device))
+
+
+@CORRECTIONS.register("none")
+def no_correction(logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor, band=(0.5, 2.0), geo_band=(0.99, 1.01)
+                  ) -> Correction:
+    """w_t = 1: strictly on-policy, trusting the engine and the trainer to agree."""
+    keep = mask.bool()
+    none = torch.zeros_like(keep)
+    return Correction(keep.float(), none, none)
+
+
+@CORRECTIONS.register("tis")
+def token_tis(logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor, band=(0.5, 2.0), geo_band=(0.99, 1.01)
+              ) -> Correction:
+    """Token-level truncated IS (Yao et al. 2025): w_t = min(ρ_t, eps_high), ρ_t = π_θ/π_inf; no token dropped."""
+    d, keep = _log_ratio(logprobs, inf_logprobs, mask)
+    cap = math.log(band[1])
+    w = torch.where(keep, torch.exp(d.clamp(max=cap)), torch.zeros_like(d))
+    return Correction(w, torch.zeros_like(keep), keep & (d > cap))
+
+
+@CORRECTIONS.register("icepop")
+def token_band_mask(logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor, band=(0.5, 2.0), geo_band=(0.99, 1.01)
+                    ) -> Correction:
+    """Token-level masking (IcePop; the paper's MOPD weights): w_t = ρ_t inside [eps_low, eps_high], 0 outside."""
+    w, outside = truncated_importance_weights(logprobs, inf_logprobs, mask, band[0], band[1])
+    return Correction(w, outside, torch.zeros_like(outside))
+
+
+@CORRECTIONS.register("seq_tis")
+def sequence_tis(logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor, band=(0.5, 2.0), geo_band=(0.99, 1.01)
+                 ) -> Correction:
+    """Sequence-level truncated IS: ρ_seq = Π_t ρ_t over the row's loss tokens, every token of the row weighted
+    min(ρ_seq, eps_high) (computed in log space: a long row's product neither overflows nor underflows to NaN)."""
+    d, keep = _log_ratio(logprobs, inf_logprobs, mask)
+    cap = math.log(band[1])
+    seq = d.sum(dim=-1)
+    w = _per_row(torch.exp(seq.clamp(max=cap)), keep)
+    return Correction(w, torch.zeros_like(keep), keep & (seq > cap)[:, None])
+
+
+@CORRECTIONS.register("mis")
+def sequence_band_mask(logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor, band=(0.5, 2.0),
+                       geo_band=(0.99, 1.01)) -> Correction:
+    """Sequence-level masked IS: every token of a row weighted ρ_seq when ρ_seq lies in [eps_low, eps_high], the
+    whole row dropped (w = 0) when it does not."""
+    d, keep = _log_ratio(logprobs, inf_logprobs, mask)
+    seq = d.sum(dim=-1)
+    inside = (seq >= math.log(band[0])) & (seq <= math.log(band[1]))
+    w = _per_row(torch.where(inside, torch.exp(seq.clamp(max=math.log(band[1]))), torch.zeros_like(seq)), keep)
+    return Correction(w, keep & ~inside[:, None], torch.zeros_like(keep))
+
+
+@CORRECTIONS.register("geo_mask")
+def geometric_mask(logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor, band=(0.5, 2.0), geo_band=(0.99, 1.01)
+                   ) -> Correction:
+    """Geometric-mean sequence mask: ρ_geo = exp(mean_t log ρ_t) over the row's loss tokens (a per-token ratio that
+    does not grow with length); rows with ρ_geo outside ``geo_band`` are dropped, the others weighted 1."""
+    d, keep = _log_ratio(logprobs, inf_logprobs, mask)
+    geo = d.sum(dim=-1) / keep.sum(dim=-1).clamp(min=1)
+    inside = (geo >= math.log(geo_band[0])) & (geo <= math.log(geo_band[1]))
+    w = _per_row(inside.float(), keep)
+    return Correction(w, keep & ~inside[:, None], torch.zeros_like(keep))
+
+
+def correction_stats(c: Correction, mask: Tensor) -> dict[str, Tensor]:
+    """The fractions of loss tokens a correction zeroed and capped (detached scalars)."""
+    n = mask.bool().sum().clamp(min=1)
+    return {"masked_frac": c.masked.sum() / n, "truncated_frac": c.truncated.sum() / n}
+
+
 def mopd_loss(logprobs: Tensor, teacher_logprobs: Tensor, inf_logprobs: Tensor, mask: Tensor,
-              eps_low: float = 0.5, eps_high: float = 2.0) -> Tensor:
+              eps_low: float = 0.5, eps_high: float = 2.0, weights: Tensor | None = None) -> Tensor:
     """Multi-domain on-policy distillation (docs/ARCHITECTURE.md §4), a scalar:
 
         a_t = log π_teacher − log π_θ          (the reverse-KL token advantage, stop-gradient)
         L   = mean over rows of −(1/|V(y)|) Σ_{t∈V(y)} w_t · sg[a_t] · log π_θ
 
-    with w_t the truncated importance weights. The gradient wrt logprobs[i, t] is
-    −w[i, t] · a[i, t] / (|V(y_i)| · N). A row with no valid tokens contributes 0 (and counts in N).
+    with w_t the truncated importance weights (or ``weights``: another correction's). The gradient wrt
+    logprobs[i, t] is −w[i, t] · a[i, t] / (|V(y_i)| · N). A row with no valid tokens contributes 0 (and counts in N).
     """
     keep = mask.bool()
-    w, _ = truncated_importance_weights(logprobs, inf_logprobs, mask, eps_low, eps_high)
+    w = weights if weights is not None else truncated_importance_weights(logprobs, inf_logprobs, mask, eps_low,
+                                                                         eps_high)[0]
     zeros = torch.zeros_like(logprobs)
     advantage = torch.where(keep, teacher_logprobs.to(logprobs.dtype) - logprobs.detach(), zeros)
     term = torch.where(keep, w.to(logprobs.dtype) * advantage * logprobs, zeros)

@@ -6,11 +6,14 @@ trainer scales it by the micro-batch's fraction of the batch), ``stats`` are
 detached tensors for logging. The pieces are the pure functions of
 learner/losses.py; this module only wires the per-stage options (docs/ARCHITECTURE.md §4):
 
-- grpo: token-level GRPO; with ``importance_weights`` each token weighted by the
-  truncated ratio w_t; ``kl_coef`` adds β·k3(π_θ‖π_ref); ``entropy_coef``
-  subtracts c·entropy; all three token-averaged per group like the policy term.
-- mopd: the reverse-KL distillation loss with truncated weights (teacher
-  log-probs must come with the batch).
+- grpo: token-level GRPO; each token weighted by ``correction``'s w_t (losses.CORRECTIONS: none | tis | icepop
+  | seq_tis | mis | geo_mask); ``kl_coef`` adds β·k3(π_θ‖π_ref); ``entropy_coef`` subtracts c·entropy; all
+  three token-averaged per group like the policy term.
+- mopd: the reverse-KL distillation loss weighted by ``correction``'s w_t (the paper's: icepop, which
+  configs/stage/mopd.yaml sets); teacher log-probs must come with the batch.
+
+Both report ``correction/masked_frac`` and ``correction/truncated_frac``: the loss tokens the correction zeroed
+and capped.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch import Tensor
 
 from cascade_rl.protocol.registry import Registry
 
-from .losses import group_token_mean, grpo_loss, kl_k3, mopd_loss, mopd_stats, truncated_importance_weights
+from .losses import CORRECTIONS, correction_stats, group_token_mean, grpo_loss, kl_k3, mopd_loss, mopd_stats
 
 OBJECTIVES = Registry("objective")  # name -> fn(Terms, trainer cfg) -> (loss, stats)
 
@@ -41,13 +44,17 @@ class Terms:
     teacher_logprobs: Tensor | None = None  # MOPD
 
 
+def corrected(t: Terms, cfg):
+    """``cfg.correction``'s weights for the micro-batch (None for ``none``: the plain loss) and its stats."""
+    c = CORRECTIONS[cfg.correction](t.logprobs, t.inf_logprobs, t.loss_mask, (cfg.eps_low, cfg.eps_high),
+                                    tuple(cfg.geo_band))
+    stats = {f"correction/{k}": v for k, v in correction_stats(c, t.loss_mask).items()}
+    return (None if cfg.correction == "none" else c.weights), stats
+
+
 @OBJECTIVES.register("grpo")
 def grpo(t: Terms, cfg) -> tuple[Tensor, dict[str, Tensor]]:
-    weights, stats = None, {}
-    if cfg.importance_weights:
-        weights, truncated = truncated_importance_weights(t.logprobs, t.inf_logprobs, t.loss_mask, cfg.eps_low,
-                                                          cfg.eps_high)
-        stats["is_truncated_frac"] = truncated.sum() / t.loss_mask.sum().clamp(min=1)
+    weights, stats = corrected(t, cfg)
     loss = grpo_loss(t.logprobs, t.advantages, t.loss_mask, t.group_size, weights)
     stats["pg_loss"] = loss.detach()
     if cfg.kl_coef > 0:
@@ -65,6 +72,9 @@ def grpo(t: Terms, cfg) -> tuple[Tensor, dict[str, Tensor]]:
 def mopd(t: Terms, cfg) -> tuple[Tensor, dict[str, Tensor]]:
     if t.teacher_logprobs is None:
         raise ValueError("trainer.algorithm=mopd: the TrainBatch carries no teacher_logprobs")
-    loss = mopd_loss(t.logprobs, t.teacher_logprobs, t.inf_logprobs, t.loss_mask, cfg.eps_low, cfg.eps_high)
-    stats = mopd_stats(t.logprobs, t.teacher_logprobs, t.inf_logprobs, t.loss_mask, cfg.eps_low, cfg.eps_high)
-    return loss, {"mopd/" + k: torch.tensor(v) for k, v in stats.items()}
+    weights, stats = corrected(t, cfg)
+    if weights is None:
+        weights = t.loss_mask.float()
+    loss = mopd_loss(t.logprobs, t.teacher_logprobs, t.inf_logprobs, t.loss_mask, weights=weights)
+    kl = mopd_stats(t.logprobs, t.teacher_logprobs, t.inf_logprobs, t.loss_mask, cfg.eps_low, cfg.eps_high)
+    return loss, {**stats, "mopd/reverse_kl": torch.tensor(kl["reverse_kl"])}

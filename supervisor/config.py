@@ -84,9 +84,11 @@ def validate(cfg: DictConfig) -> None:
         problems.append("trainer.prompts_per_step must be a multiple of trainer.world_size (>= 1)")
     if o.max_staleness < 0:
         problems.append("orchestrator.max_staleness must be >= 0 (0: strictly on-policy)")
-    if o.max_staleness > 0 and t.algorithm == "grpo" and not t.importance_weights:
+    if o.max_staleness > 0 and t.algorithm == "grpo" and t.correction == "none":
         problems.append("orchestrator.max_staleness > 0 trains on rollouts of older weights: set "
-                        "trainer.importance_weights=true (the truncated weights correct them)")
+                        "trainer.correction (icepop, the paper's truncated weights, or tis, seq_tis, mis, geo_mask)")
+    if len(t.geo_band) != 2 or not 0 < t.geo_band[0] <= 1 <= t.geo_band[1]:
+        problems.append("trainer.geo_band must be [low, high] with 0 < low <= 1 <= high")
     if t.group_size < 2 and t.algorithm == "grpo":
         problems.append("trainer.group_size must be >= 2 for GRPO (advantages are group-normalised)")
     if t.micro_batch_groups and t.prompts_per_step % t.micro_batch_groups:
@@ -148,6 +150,7 @@ def validate(cfg: DictConfig) -> None:
 
 def _registered_names(cfg: DictConfig) -> list[tuple[str, str, dict]]:
     """(key, value, registry) of every setting that names a registered implementation."""
+    from cascade_rl.learner.losses import CORRECTIONS
     from cascade_rl.learner.objectives import OBJECTIVES
     from cascade_rl.learner.weights import TRANSPORTS
     from cascade_rl.modeling.policy import LOGPROB_IMPLS
@@ -156,6 +159,7 @@ def _registered_names(cfg: DictConfig) -> list[tuple[str, str, dict]]:
     register_builtin_engines()
     return [("trainer.algorithm", cfg.trainer.algorithm, OBJECTIVES),
             ("trainer.logprob_impl", cfg.trainer.logprob_impl, LOGPROB_IMPLS),
+            ("trainer.correction", cfg.trainer.correction, CORRECTIONS),
             ("weights_transport", cfg.weights_transport, TRANSPORTS),
             ("sampler.engine", cfg.sampler.engine, ENGINES)]
 

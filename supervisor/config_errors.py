@@ -43,6 +43,7 @@ RENAMED = {
     "workers.verifiers": "verifier.count", "workers.verifier_procs": "verifier.procs",
     "workers.verifier_domains": "verifier.domains", "workers.verifier_plugins": "verifier.plugins",
     "workers.judge": "verifier.judge", "teachers": "teacher.checkpoints",
+    "trainer.importance_weights": "trainer.correction (importance_weights=true is correction=icepop)",
 }
 
 

@@ -137,13 +137,23 @@ class TrainerConfig:
     """k3 KL penalty to a frozen reference (the stage's starting weights); paper: 0, RLHF 0.03."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (paper: 0)."""
-    importance_weights: bool = False
-    """GRPO: weight each token by the truncated ratio w_t = π_θ/π_inf in [eps_low, eps_high], else 0
-    (for off-policy rollouts or engine/trainer drift; MOPD always does)."""
+    correction: str = "none"
+    """How the policy term corrects for rollouts the trainer's weights would not sample exactly (older weights
+    with max_staleness >= 1; kernels, precision and routing even at equal weights), with ρ = π_θ/π_inf
+    (learner/losses.py CORRECTIONS): none | tis (token ratio capped at eps_high) | icepop (token ratio, 0
+    outside [eps_low, eps_high]; the paper's MOPD rule) | seq_tis (sequence ratio capped) | mis (sequence ratio,
+    the row dropped outside the band) | geo_mask (rows whose geometric-mean ratio leaves geo_band dropped)."""
     eps_low: float = 0.5
-    """Lower end of the importance-ratio band (paper: 0.5)."""
+    """Lower end of the importance-ratio band of icepop and mis (paper: 0.5)."""
     eps_high: float = 2.0
-    """Upper end of the importance-ratio band (paper: 2.0)."""
+    """Upper end of the band, and the cap of tis and seq_tis (paper: 2.0)."""
+    geo_band: list[float] = field(default_factory=lambda: [0.99, 1.01])
+    """geo_mask: the band the geometric-mean ratio exp(mean_t log ρ_t) of a row must lie in."""
+    routing_replay: bool = False
+    """MoE (R3): the trainer's routers take the experts the sampler's engine chose for each token (the rollouts
+    carry them), computing their weights from its own router logits, so the router still learns. Needs an
+    engine that returns routes (torch). Off: the routes still come back when the engine gives them, for the
+    ``routing/disagree_frac`` metric."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the LM-head log-prob pass (memory ~ chunk x vocab x 4 bytes, never the batch's)."""
     logprob_impl: str = "torch"
@@ -167,7 +177,7 @@ class OrchestratorConfig:
     max_staleness: int = 0
     """0 = strictly on-policy (the paper): each batch is sampled on the newest weights. k >= 1: up to k batches
     are sampled while the trainer steps, so a rollout is at most k versions old when trained (needs
-    trainer.importance_weights=true for GRPO)."""
+    a trainer.correction other than none for GRPO)."""
     max_inflight_groups: int = 256
     """Credit limit: groups dispatched but not complete, over all samplers."""
     sampler_timeout_s: float = 300.0

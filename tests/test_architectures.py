@@ -100,7 +100,7 @@ def step_cfg(**kw):
     from omegaconf import OmegaConf
 
     base = dict(algorithm="grpo", lr=0.5, warmup_steps=0, warmup_start_lr=0.0, max_grad_norm=1.0,
-                micro_batch_groups=0, importance_weights=False, eps_low=0.5, eps_high=2.0, kl_coef=0.0,
+                micro_batch_groups=0, correction="none", geo_band=[0.99, 1.01], eps_low=0.5, eps_high=2.0, kl_coef=0.0,
                 entropy_coef=0.0, steps=100, lr_decay="none")
     return OmegaConf.create(base | kw)
 

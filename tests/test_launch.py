@@ -332,14 +332,14 @@ def test_faults_killed_workers_are_restarted_and_a_killed_trainer_resumes(tiny_m
 def test_async_mode_samples_up_to_k_batches_while_the_trainer_steps(k, tiny_model, math_data, tmp_path):
     """max_staleness=k: no trained rollout is more than k versions old and some are older than the newest
     weights (the sampler is slowed, so the trainer keeps up), nothing is lost; the launch refuses async GRPO
-    without importance weights."""
+    without a correction."""
     run_dir = tmp_path / "run"
     if k == 1:
         bad = cli("launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
                   "orchestrator.max_staleness=1", timeout=60)
-        assert bad.returncode != 0 and "importance_weights" in bad.stderr
+        assert bad.returncode != 0 and "trainer.correction" in bad.stderr
     r = cli("launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
-            f"orchestrator.max_staleness={k}", "trainer.importance_weights=true", "trainer.steps=6",
+            f"orchestrator.max_staleness={k}", "trainer.correction=icepop", "trainer.steps=6",
             "supervisor.progress=none", "sampler.delay_s=0.5", timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -350,7 +350,7 @@ def test_async_mode_samples_up_to_k_batches_while_the_trainer_steps(k, tiny_mode
     assert staleness[0] == 0 and 0 < max(staleness) <= k, staleness  # measured here: k=2 reaches 2
     trained = [r for r in read_ledger(run_dir).values() if r["fate"] == "trained"]
     assert len(trained) == 6 * 8 * 4 and max(r["step"] - r["version"] for r in trained) == max(staleness)
-    assert all(m["trainer/is_truncated_frac"] >= 0.0 for m in metrics if "version" in m)
+    assert all(0.0 <= m["trainer/correction/masked_frac"] <= 1.0 for m in metrics if "version" in m)
 
 
 @pytest.mark.slow

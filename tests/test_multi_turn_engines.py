@@ -126,7 +126,7 @@ def test_trainer_logprobs_of_model_tokens_equal_the_engines_and_observations_get
     assert (logprobs.detach()[torch.from_numpy(observation)] == 0).all()
     logprobs.retain_grad()
     advantages = torch.tensor([1.0, -1.0] * (len(kept) * N // 2))
-    cfg = SimpleNamespace(importance_weights=False, kl_coef=0.0, entropy_coef=0.0, eps_low=0.5, eps_high=2.0)
+    cfg = SimpleNamespace(correction="none", geo_band=[0.99, 1.01], kl_coef=0.0, entropy_coef=0.0, eps_low=0.5, eps_high=2.0)
     loss, _ = OBJECTIVES["grpo"](Terms(logprobs, entropy, batch.inf_logprobs, batch.loss_mask, advantages, N), cfg)
     loss.backward()
     grad = logprobs.grad

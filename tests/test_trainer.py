@@ -32,7 +32,7 @@ def make_batch(groups: int = 2, g: int = 4, prompt: int = 5, resp: int = 6, seed
 
 def cfg(**kw):
     base = dict(algorithm="grpo", lr=1e-3, warmup_steps=0, warmup_start_lr=0.0, max_grad_norm=1.0,
-                micro_batch_groups=0, importance_weights=False, eps_low=0.5, eps_high=2.0, kl_coef=0.0,
+                micro_batch_groups=0, correction="none", geo_band=[0.99, 1.01], eps_low=0.5, eps_high=2.0, kl_coef=0.0,
                 entropy_coef=0.0, steps=100, lr_decay="none")
     return OmegaConf.create(base | kw)
 
@@ -121,8 +121,8 @@ def test_mopd_step_moves_the_student_toward_the_teacher(tiny_dense_model, tmp_pa
     batch.teacher_logprobs = policy_logprobs(teacher, batch)
     batch.inf_logprobs = policy_logprobs(student, batch)  # sampled by the student: ratio 1, nothing truncated
     opt = torch.optim.SGD(student.parameters(), lr=0.5)
-    before = train_step(Policy(student), opt, batch, cfg(algorithm="mopd"), step=0)
-    assert before["mopd/truncated_frac"] == 0.0 and before["mopd/reverse_kl"] != 0.0
+    before = train_step(Policy(student), opt, batch, cfg(algorithm="mopd", correction="icepop"), step=0)
+    assert before["correction/masked_frac"] == 0.0 and before["mopd/reverse_kl"] != 0.0
     after = policy_logprobs(student, batch)
     m = batch.response_mask
     # the per-token gap to the teacher shrinks (reverse KL estimate on the same tokens)
@@ -134,7 +134,7 @@ def test_mopd_with_the_teacher_equal_to_the_student_is_no_update(tiny_dense_mode
     batch = make_batch()
     batch.teacher_logprobs = batch.inf_logprobs = policy_logprobs(model, batch)
     before = copy.deepcopy(model.state_dict())
-    metrics = train_step(Policy(model), torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg(algorithm="mopd"), 0)
+    metrics = train_step(Policy(model), torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg(algorithm="mopd", correction="icepop"), 0)
     assert metrics["grad_norm"] == 0.0 and abs(metrics["mopd/reverse_kl"]) < 1e-6
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -142,7 +142,7 @@ def test_mopd_with_the_teacher_equal_to_the_student_is_no_update(tiny_dense_mode
 def test_mopd_without_teacher_logprobs_is_a_clear_error(tiny_dense_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_dense_model)
     with pytest.raises(ValueError, match="teacher_logprobs"):
-        train_step(Policy(model), torch.optim.SGD(model.parameters(), lr=0.1), make_batch(), cfg(algorithm="mopd"), 0)
+        train_step(Policy(model), torch.optim.SGD(model.parameters(), lr=0.1), make_batch(), cfg(algorithm="mopd", correction="icepop"), 0)
 
 
 def test_kl_penalty_reports_k3_to_the_reference_and_pulls_toward_it(tiny_dense_model):
@@ -204,9 +204,9 @@ def test_importance_weights_truncate_tokens_outside_the_band(tiny_dense_model):
     inf[0, batch.response_mask[0]] -= 5.0  # row 0's sampler log-probs far below the trainer's: ratio e^5
     batch.inf_logprobs = inf
     metrics = train_step(Policy(model), torch.optim.SGD(model.parameters(), lr=0.0), batch,
-                         cfg(importance_weights=True), 0)
-    assert metrics["is_truncated_frac"] == pytest.approx(batch.response_mask[0].sum().item()
-                                                         / batch.response_mask.sum().item())
+                         cfg(correction="icepop", geo_band=[0.99, 1.01]), 0)
+    assert metrics["correction/masked_frac"] == pytest.approx(batch.response_mask[0].sum().item()
+                                                                / batch.response_mask.sum().item())
 
 
 # --- checkpoint and resume through the trainer's own build / save_state ---------------------------
@@ -218,7 +218,7 @@ def test_resume_reproduces_the_next_step_exactly(tiny_model, tmp_path):
     from cascade_rl.supervisor.config import compose
 
     overrides = [f"model.path={tiny_model}", f"run_dir={tmp_path}", "trainer.warmup_steps=5",
-                 "trainer.warmup_start_lr=1e-5", "trainer.lr=1e-3", "trainer.importance_weights=true"]
+                 "trainer.warmup_start_lr=1e-5", "trainer.lr=1e-3", "trainer.correction=icepop"]
     cfg = compose("tiny", overrides, check=False)  # the trainer alone: no data needed
     batches = [make_batch(seed=s) for s in range(3)]
     policy, _, opt, tok, state = build(cfg, parallel.Ranks())

@@ -48,7 +48,7 @@ def main() -> None:
     ranks = parallel.init(world)
     torch.manual_seed(0)
     cfg = OmegaConf.create(dict(algorithm="grpo", lr=1e-3, warmup_steps=0, warmup_start_lr=0.0, max_grad_norm=1.0,
-                                micro_batch_groups=1, importance_weights=True, eps_low=0.5, eps_high=2.0,
+                                micro_batch_groups=1, correction="icepop", geo_band=[0.99, 1.01], eps_low=0.5, eps_high=2.0,
                                 kl_coef=0.0, entropy_coef=0.01, steps=100, lr_decay="none"))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     policy = parallel.parallelize(Policy(model, temperature=1.0, chunk_tokens=7, pack=True), ranks)
