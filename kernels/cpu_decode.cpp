@@ -94,8 +94,9 @@ void attend_group(const float* q, const float* kb, const float* vb, int64_t len,
 // (w13 [E, H, 2I] = gate | up, w2 [E, I, H]) and the weighted sum per token.
 // Pairs are counting-sorted by expert; experts run in parallel, largest first (dynamic schedule),
 // each one GEMM per projection on its contiguous rows.
+// `routes`: int64 [N, top_k] to receive each token's experts (routing replay), or empty for none.
 at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& router, const at::Tensor& w13,
-                       const at::Tensor& w2, int64_t top_k, bool normalize) {
+                       const at::Tensor& w2, int64_t top_k, bool normalize, at::Tensor routes) {
   check_f32(x, "x", 2);
   check_f32(router, "router", 2);
   check_f32(w13, "w13", 3);
@@ -131,6 +132,11 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& router, const at::
       }
     }
   });
+  if (routes.numel() > 0) {
+    TORCH_CHECK(routes.scalar_type() == at::kLong && routes.is_contiguous() && routes.numel() == pairs,
+                "routes must be a contiguous int64 [N, top_k]");
+    std::copy(expert.begin(), expert.end(), routes.data_ptr<int64_t>());
+  }
 
   // counting sort of the pairs by expert (stable): pair p's rows live at row_of[p]
   std::vector<int64_t> start(e + 1, 0), row_of(pairs);
@@ -304,7 +310,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // w2 [H, I]; then embed [V, H], norm [H], lm_head [V, H]. Returns the logits [B, V].
 at::Tensor decode_forward(const at::Tensor& tokens, const at::Tensor& positions, at::TensorList weights,
                           const at::Tensor& rope_cos, const at::Tensor& rope_sin, at::Tensor k_cache,
-                          at::Tensor v_cache, int64_t heads, int64_t top_k, bool normalize, double eps) {
+                          at::Tensor v_cache, int64_t heads, int64_t top_k, bool normalize, double eps,
+                          at::Tensor routes) {
   TORCH_CHECK(weights.size() >= 3 && (weights.size() - 3) % 8 == 0, "weights: 8 per layer, then embed, norm, lm_head");
   const int64_t layers = static_cast<int64_t>(weights.size() - 3) / 8;
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == layers, "k_cache must be [layers, slots, kv, max_len, hd]");
@@ -322,7 +329,8 @@ at::Tensor decode_forward(const at::Tensor& tokens, const at::Tensor& positions,
     x.addmm_(a, w[3].detach().t());
     h = rms_norm(x, w[4].detach(), eps);
     if (w[5].numel() > 0) {
-      x.add_(moe_forward(h, w[5], w[6], w[7], top_k, normalize));
+      x.add_(moe_forward(h, w[5], w[6], w[7], top_k, normalize,
+                         routes.numel() > 0 ? routes.select(0, l) : routes));
     } else {  // dense SwiGLU
       at::Tensor gu = at::mm(h, w[6].detach().t());
       const int64_t inter = gu.size(1) / 2;
@@ -334,9 +342,11 @@ at::Tensor decode_forward(const at::Tensor& tokens, const at::Tensor& positions,
 
 TORCH_LIBRARY(cascade_rl_cpu, m) {
   m.def("decode_forward(Tensor tokens, Tensor positions, Tensor[] weights, Tensor rope_cos, Tensor rope_sin, "
-        "Tensor(a!) k_cache, Tensor(b!) v_cache, int heads, int top_k, bool normalize, float eps) -> Tensor");
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, int heads, int top_k, bool normalize, float eps, "
+        "Tensor(c!) routes) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("moe_forward(Tensor x, Tensor router, Tensor w13, Tensor w2, int top_k, bool normalize) -> Tensor");
+  m.def("moe_forward(Tensor x, Tensor router, Tensor w13, Tensor w2, int top_k, bool normalize, Tensor(a!) routes) "
+        "-> Tensor");
   m.def("attend_decode(Tensor qkv, Tensor qk_norm, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor positions, int heads, float eps) -> Tensor");
 }

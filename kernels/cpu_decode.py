@@ -23,6 +23,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 log = logging.getLogger(__name__)
+_NO_ROUTES = torch.empty(0, dtype=torch.long)  # the ops' "no routes wanted"
 
 
 @functools.cache
@@ -52,9 +53,11 @@ def rms_norm(x, weight, eps: float):
     return torch.ops.cascade_rl_cpu.rms_norm(x, weight, eps)
 
 
-def moe_forward(x, router, w13, w2, top_k: int, normalize: bool):
+def moe_forward(x, router, w13, w2, top_k: int, normalize: bool, routes=None):
+    """``routes``: an int64 [N, top_k] tensor the op fills with each token's experts (None: not wanted)."""
     _build()
-    return torch.ops.cascade_rl_cpu.moe_forward(x, router, w13, w2, top_k, normalize)
+    return torch.ops.cascade_rl_cpu.moe_forward(x, router, w13, w2, top_k, normalize,
+                                                _NO_ROUTES if routes is None else routes)
 
 
 def attend_decode(qkv, qk_norm, cos, sin, k_cache, v_cache, positions, heads: int, eps: float):
@@ -63,7 +66,10 @@ def attend_decode(qkv, qk_norm, cos, sin, k_cache, v_cache, positions, heads: in
 
 
 def decode_forward(tokens, positions, weights, rope_cos, rope_sin, k_cache, v_cache, heads: int, top_k: int,
-                   normalize: bool, eps: float):
+                   normalize: bool, eps: float, routes=None):
+    """``routes``: an int64 [layers, B, top_k] tensor the op fills with the experts of each MoE layer (dense
+    layers' rows are left as they are; None: not wanted)."""
     _build()
     return torch.ops.cascade_rl_cpu.decode_forward(tokens, positions, weights, rope_cos, rope_sin, k_cache, v_cache,
-                                                   heads, top_k, normalize, eps)
+                                                   heads, top_k, normalize, eps,
+                                                   _NO_ROUTES if routes is None else routes)

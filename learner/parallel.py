@@ -96,7 +96,7 @@ def shard_rows(n_groups: int, group_size: int, ranks: Ranks) -> slice:
     return slice(ranks.rank * per_rank * group_size, (ranks.rank + 1) * per_rank * group_size)
 
 
-SUMMED = ("response_tokens", "zero_adv_groups", "masked_rows")
+SUMMED = ("response_tokens", "zero_adv_groups", "masked_rows", "routing/routes")
 
 
 def reduce_metrics(metrics: dict[str, float], ranks: Ranks) -> dict[str, float]:

@@ -62,6 +62,7 @@ class Batch:
     rewards: torch.Tensor  # [N]
     group_size: int
     teacher_logprobs: torch.Tensor | None = None  # [N, L], MOPD
+    routes: torch.Tensor | None = None  # [N, L, MoE layers, top_k] int16, the engine's experts (-1: none)
 
     @classmethod
     def from_message(cls, msg: TrainBatch) -> Batch:
@@ -81,6 +82,7 @@ class Batch:
             rewards=torch.from_numpy(msg.rewards.copy()),
             group_size=msg.group_size,
             teacher_logprobs=None if msg.teacher_logprobs is None else torch.from_numpy(msg.teacher_logprobs.copy()),
+            routes=None if msg.routes is None else torch.from_numpy(msg.routes.copy()),
         )
 
     @property
@@ -137,11 +139,11 @@ def train_step(policy: Policy, optimizer, batch: Batch, cfg, step: int,
     trainer_lp = torch.zeros_like(batch.inf_logprobs)
     for rows, weight in batch.groups(cfg.micro_batch_groups):
         mb = batch.rows(rows)
-        logprobs, entropy = policy(mb.input_ids, mb.lengths, mb.response_mask, with_entropy=True)
+        logprobs, entropy = policy(mb.input_ids, mb.lengths, mb.response_mask, with_entropy=True, routes=mb.routes)
         ref = None
         if reference is not None:
             with torch.no_grad():
-                ref, _ = reference(mb.input_ids, mb.lengths, mb.response_mask)
+                ref, _ = reference(mb.input_ids, mb.lengths, mb.response_mask, routes=mb.routes)
         loss, stats = objective(Terms(logprobs, entropy, mb.inf_logprobs, mb.loss_mask, advantages[rows],
                                       batch.group_size, ref, mb.teacher_logprobs), cfg)
         (loss * weight).backward()
@@ -157,6 +159,7 @@ def train_step(policy: Policy, optimizer, batch: Batch, cfg, step: int,
     optimizer.zero_grad(set_to_none=True)
     mismatch = mismatch_stats(trainer_lp, batch.inf_logprobs, batch.response_mask)
     per_group = advantages.view(-1, batch.group_size)
+    routing = routing_stats(policy)
     return {
         **{k: v.item() for k, v in sums.items()},
         "grad_norm": float(grad_norm),
@@ -167,7 +170,20 @@ def train_step(policy: Policy, optimizer, batch: Batch, cfg, step: int,
         "zero_adv_groups": int((per_group == 0).all(dim=1).sum()),
         "masked_rows": int((batch.response_mask.any(1) & ~batch.loss_mask.any(1)).sum()),
         **{f"mismatch/{k}": v for k, v in mismatch.items()},
+        **routing,
     }
+
+
+def routing_stats(policy: Policy) -> dict[str, float]:
+    """MoE routes the step compared with the engine's: ``routing/disagree_frac``, the fraction of (token, layer)
+    routes whose expert set the trainer's own router picks otherwise (replayed or not), and how many were
+    compared; nothing when the batch carried no routes."""
+    replay = getattr(policy, "replay", None)
+    stats = replay.take_stats() if replay is not None else {"routes": 0}
+    if not int(stats["routes"]):
+        return {}
+    return {"routing/disagree_frac": float(stats["disagree"]) / int(stats["routes"]),
+            "routing/routes": int(stats["routes"])}
 
 
 def build(cfg, ranks: parallel.Ranks, device: torch.device | str = "cpu"):
@@ -181,10 +197,10 @@ def build(cfg, ranks: parallel.Ranks, device: torch.device | str = "cpu"):
     if t.kl_coef > 0:  # the stage's starting policy; each rank holds a full copy (no gradient, no optimizer)
         reference = Policy(load_model(cfg.model.path, cfg, device).requires_grad_(False).eval(),
                            cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl,
-                           t.share_prefix)
+                           t.share_prefix, t.routing_replay)
     policy = parallel.parallelize(
         Policy(model, cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl,
-               t.share_prefix),
+               t.share_prefix, t.routing_replay),
         ranks)
     optimizer = MasterAdamW(policy.parameters(), lr=lr_at(0, t), betas=tuple(t.betas), weight_decay=t.weight_decay)
     state = {"step": 0, "extra": {}}

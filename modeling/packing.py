@@ -33,6 +33,7 @@ Run the tests with ``pytest tests/test_packing.py``; the benchmark with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -302,14 +303,17 @@ def share_prefixes(input_ids: Tensor, lengths: Tensor, target_mask: Tensor, pad_
                         torch.tensor(row_lane, **t), torch.tensor(row_offset, **t))
 
 
-def shared_prefix_hidden(model, s: SharedPrefix, rows: Tensor, cols: Tensor) -> Tensor:
+def shared_prefix_hidden(model, s: SharedPrefix, rows: Tensor, cols: Tensor, around=None) -> Tensor:
     """Last hidden states [M, H] at positions ``cols - 1`` of ``rows`` (the ones predicting tokens
-    ``cols``), through the two passes of ``s`` (an HF causal LM's base model, sdpa or eager attention)."""
+    ``cols``), through the two passes of ``s`` (an HF causal LM's base model, sdpa or eager attention).
+    ``around(i)``: a context for pass i (0: the prefixes, 1: the suffix lanes), e.g. routing replay's."""
     from transformers import DynamicCache
 
+    around = around or (lambda i: contextlib.nullcontext())
     base = model.base_model
     padding = (torch.arange(s.prefix_ids.shape[1], device=s.prefix_ids.device)[None] < s.prefix_lens[:, None])
-    out = base(input_ids=s.prefix_ids, attention_mask=padding.long(), use_cache=True)
+    with around(0):
+        out = base(input_ids=s.prefix_ids, attention_mask=padding.long(), use_cache=True)
     past = DynamicCache(config=model.config)
     for layer, cached in enumerate(out.past_key_values.layers):
         past.update(cached.keys.index_select(0, s.lane_prefix), cached.values.index_select(0, s.lane_prefix), layer)
@@ -317,8 +321,9 @@ def shared_prefix_hidden(model, s: SharedPrefix, rows: Tensor, cols: Tensor) -> 
     if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
         mask = torch.zeros(mask.shape, dtype=out.last_hidden_state.dtype, device=mask.device).masked_fill(
             ~mask, torch.finfo(out.last_hidden_state.dtype).min)
-    lanes = base(input_ids=s.lane_ids, position_ids=s.lane_pos, attention_mask=mask, past_key_values=past,
-                 use_cache=True).last_hidden_state
+    with around(1):
+        lanes = base(input_ids=s.lane_ids, position_ids=s.lane_pos, attention_mask=mask, past_key_values=past,
+                     use_cache=True).last_hidden_state
     prev, start = cols - 1, s.row_start[rows]
     in_prefix = (prev < start)[:, None]
     from_prefix = out.last_hidden_state[s.row_prefix[rows], prev.clamp(max=s.prefix_ids.shape[1] - 1)]

@@ -26,12 +26,15 @@ parameters are gathered for exactly that span.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
 from cascade_rl.protocol.registry import Registry
 
 from . import logprobs as torch_logprobs
+from . import routing
 from .packing import (
     VARLEN_KWARGS,
     pack,
@@ -60,52 +63,72 @@ def triton_logprobs(*args, **kwargs):
 class Policy(nn.Module):
     def __init__(self, model: nn.Module, temperature: float = 1.0, chunk_tokens: int = 1024,
                  pack: bool = True, pack_tokens: int = 8192, logprob_impl: str = "torch",
-                 share_prefix: bool = True) -> None:
+                 share_prefix: bool = True, routing_replay: bool = False) -> None:
         """``pack_tokens`` caps one packed sequence: with SDPA transformers builds a [T, T] mask for it
-        (flash-attn varlen needs none), so a micro-batch runs as several packs of at most that size."""
+        (flash-attn varlen needs none), so a micro-batch runs as several packs of at most that size.
+        ``routing_replay``: an MoE model's routers take the experts of the ``routes`` a forward is given
+        (modeling/routing.py); without it the routes are only compared with the model's own choice."""
         super().__init__()
         self.model = model
         self.temperature, self.chunk_tokens, self.pack, self.pack_tokens = temperature, chunk_tokens, pack, pack_tokens
         self.linear_logprobs = LOGPROB_IMPLS[logprob_impl]
         self.share_prefix = share_prefix
+        self.replay = routing.RoutingReplay.install(model, routing_replay)  # None for a dense model
 
     def forward(self, input_ids: Tensor, lengths: Tensor, target_mask: Tensor,
-                with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                with_entropy: bool = False, routes: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """input_ids [N, L] right-padded with ``lengths`` [N] real tokens; ``target_mask`` [N, L] marks the
         tokens (t >= 1) whose log-prob is wanted. Returns log-probs and entropies [N, L] (fp32), 0 elsewhere;
-        the entropy at t is that of the distribution token t was drawn from."""
+        the entropy at t is that of the distribution token t was drawn from. ``routes`` [N, L, MoE layers, k]:
+        the engine's experts of each token (-1: none), replayed or compared (``routing_replay``)."""
         if bool(target_mask[:, 0].any()):
             raise ValueError("a row's first token has no prediction: target_mask[:, 0] must be False")
         head = self.model.get_output_embeddings().weight
         n, length = input_ids.shape
         rows, cols = target_mask.nonzero(as_tuple=True)
+        if routes is not None and self.replay is None:
+            routes = None  # a dense model: nothing to route
         if self.pack and self.model.config._attn_implementation in VARLEN_KWARGS:
-            return self._varlen(input_ids, lengths, target_mask, head, with_entropy)
+            return self._varlen(input_ids, lengths, target_mask, head, with_entropy, routes)
         shared = (share_prefixes(input_ids, lengths, target_mask) if self.pack and self.share_prefix
                   and self.model.config._attn_implementation in ("sdpa", "eager") else None)
         if shared is not None:  # each distinct prompt once, then the responses with its keys/values as the past
-            h = shared_prefix_hidden(self.model, shared, rows, cols)
+            passes = (routing.prefix_sources(shared, lengths, target_mask.any(dim=1), length)
+                      if routes is not None else (None, None))
+            h = shared_prefix_hidden(self.model, shared, rows, cols, around=lambda i: self._routed(routes, passes[i]))
         elif self.pack:  # rows bin-packed into lanes as wide as the longest: one pass, block-diagonal attention
             lanes = pack_lanes(input_ids, lengths)  # lane tails hold token 0: never read, attend only themselves
-            hidden = self.model.base_model(input_ids=lanes.input_ids, position_ids=lanes.position_ids,
-                                           attention_mask=None, use_cache=False).last_hidden_state
+            src = None if routes is None else routing.lane_sources(lanes.lane, lanes.offset, lengths,
+                                                                   *lanes.input_ids.shape, length)
+            with self._routed(routes, src):
+                hidden = self.model.base_model(input_ids=lanes.input_ids, position_ids=lanes.position_ids,
+                                               attention_mask=None, use_cache=False).last_hidden_state
             h = hidden[lanes.lane[rows], lanes.offset[rows] + cols - 1]
         else:
-            hidden = self.model.base_model(input_ids=input_ids, attention_mask=self._padding_mask(lengths, length),
-                                           use_cache=False).last_hidden_state  # [N, L, H]
-            h = hidden[rows, cols - 1]
+            src = None if routes is None else routing.padded_sources(lengths, length)
+            with self._routed(routes, src):
+                hidden = self.model.base_model(input_ids=input_ids, use_cache=False,
+                                               attention_mask=self._padding_mask(lengths, length)).last_hidden_state
+            h = hidden[rows, cols - 1]  # [M, H] of hidden [N, L, H]
         lp, ent = self.linear_logprobs(h, head, input_ids[rows, cols], self.temperature, self.chunk_tokens,
                                        with_entropy)
         flat = rows * length + cols
         return self._scatter(lp, flat, n, length), self._scatter(ent, flat, n, length)
 
-    def _varlen(self, input_ids, lengths, target_mask, head, with_entropy):
+    def _routed(self, routes: Tensor | None, src: Tensor | None):
+        """The forwards inside take (or are compared with) ``routes`` laid out as ``src``; none: as they are."""
+        if routes is None:
+            return contextlib.nullcontext()
+        return self.replay.sources(routes, src)
+
+    def _varlen(self, input_ids, lengths, target_mask, head, with_entropy, routes=None):
         """A varlen kernel: [1, T] packs of at most ``pack_tokens`` with cu_seqlens, no mask at all."""
         n, length = input_ids.shape
         logprobs = input_ids.new_zeros((n, length), dtype=torch.float32)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
         for p in pack(input_ids, lengths, self.pack_tokens):
-            hidden = packed_forward(self.model, p, hidden_states=True)[0]  # [T, H]
+            with self._routed(routes, None if routes is None else routing.pack_sources(p, length)):
+                hidden = packed_forward(self.model, p, hidden_states=True)[0]  # [T, H]
             (where,) = pack_values(target_mask, p)[0].nonzero(as_tuple=True)  # never a row's first token
             lp, ent = self.linear_logprobs(hidden[where - 1], head, p.input_ids[0, where], self.temperature,
                                            self.chunk_tokens, with_entropy)

@@ -21,6 +21,7 @@ def build_batch(step: int, groups: list[Group], group_size: int, pad_id: int, mo
     inf_logprobs = np.zeros((len(rows), width), np.float32)
     teacher = [lp for g in groups for lp in g.teacher] if mopd else None
     teacher_logprobs = np.zeros((len(rows), width), np.float32) if mopd else None
+    routes = batch_routes([r for _, r, _ in rows], width)
     for i, (_, r, _) in enumerate(rows):
         p, n = len(r.prompt_ids), len(r.response_ids)
         input_ids[i, :p] = r.prompt_ids
@@ -39,9 +40,26 @@ def build_batch(step: int, groups: list[Group], group_size: int, pad_id: int, mo
         versions=np.array([r.policy_version for _, r, _ in rows], np.int32),
         teacher_logprobs=teacher_logprobs,
         loss_masked=np.array([masked for _, _, masked in rows], bool),
+        routes=routes,
         cursor=dict(cursor),
         ids=[rid for rid, _, _ in rows],
     )
+
+
+def batch_routes(rollouts: list, width: int) -> np.ndarray | None:
+    """The rows' routes [N, width, MoE layers, top_k] (-1 where a row has none: its last token, padding, a rollout
+    that came without), or None when no rollout carries any."""
+    shapes = {r.routes.shape[1:] for r in rollouts if r.routes is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"rollouts of one batch carry routes of different shapes {sorted(shapes)}: one model, "
+                         "one engine kind per run")
+    out = np.full((len(rollouts), width, *shapes.pop()), -1, np.int16)
+    for i, r in enumerate(rollouts):
+        if r.routes is not None:
+            out[i, : len(r.routes)] = r.routes
+    return out
 
 
 def step_metrics(step: int, version: int, groups: list[Group], overlong_penalty: bool, t_sample: float,

@@ -37,6 +37,7 @@ class Trajectory:
     messages: list[dict] = dataclasses.field(default_factory=list)  # assistant and tool turns, as text
     state: dict = dataclasses.field(default_factory=dict)  # the environment's, handed back at its next step
     versions: list[int] = dataclasses.field(default_factory=list)  # policy version of each model turn
+    routes: np.ndarray | None = None  # the last turn's rollout's: its prompt is every earlier turn (R3)
     turn: int = 0  # model turns so far
     phase: Phase = Phase.gen
     finish_reason: str = "stop"
@@ -63,6 +64,7 @@ class Trajectory:
         self.model.append(True)
         self.messages.append({"role": "assistant", "content": text})
         self.versions.append(r.policy_version)
+        self.routes = r.routes  # the last turn's cover its whole prompt (every earlier turn) and its response
         self.finish_reason = r.finish_reason
         self.turn += 1
 
@@ -89,9 +91,11 @@ class Trajectory:
         Its policy version is its oldest turn's (staleness counts from there)."""
         r = self.first
         mask = np.concatenate([np.full(len(s), m, bool) for s, m in zip(self.segments, self.model)])
+        ran = len(prompt_ids) + self.tokens() - 1
+        routes = self.routes if self.routes is not None and len(self.routes) == ran else None  # else not this text's
         return Rollout(r.group_id, r.index, r.domain, prompt_ids, self.ids(),
                        np.concatenate(self.logprobs).astype(np.float32), self.finish_reason, min(self.versions),
-                       r.sampler_id, r.t_gen, r.attempt, turn=self.turn, loss_mask=mask)
+                       r.sampler_id, r.t_gen, r.attempt, turn=self.turn, loss_mask=mask, routes=routes)
 
 
 def next_phase(t: Trajectory, max_turns: int, budget: int) -> Phase:

@@ -24,7 +24,7 @@ import numpy as np
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 4 << 20  # a header is metadata; arrays travel in their own frames
 MAX_ARRAY_DIMS = 4
-ALLOWED_DTYPES = ("bool", "uint8", "int32", "int64", "float16", "float32", "float64")
+ALLOWED_DTYPES = ("bool", "uint8", "int16", "int32", "int64", "float16", "float32", "float64")
 
 _REGISTRY: dict[str, type] = {}
 

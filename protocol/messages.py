@@ -85,12 +85,19 @@ class Rollout:
     turn: int = 0  # the request's ``turn`` (multi-turn continuations)
     loss_mask: np.ndarray | None = array("bool", default=None)  # [R] True for model tokens; None: all are.
     # A multi-turn trajectory's observation tokens are False: no loss, no gradient, no mismatch metric
+    routes: np.ndarray | None = array("int16", 3, default=None)  # [P + R - 1, MoE layers, top_k]: the experts the
+    # engine chose for every token it ran (prompt, then response but the last); None: not asked for (R3)
 
     def validate(self) -> str:
         if self.finish_reason not in ("stop", "length", "error"):
             return f"finish_reason {self.finish_reason!r}"
         if self.finish_reason != "error" and len(self.response_ids) != len(self.inf_logprobs):
             return f"{len(self.response_ids)} response ids but {len(self.inf_logprobs)} log-probs"
+        ran = len(self.prompt_ids) + len(self.response_ids) - 1
+        if self.routes is not None and self.finish_reason != "error" and len(self.routes) != ran:
+            return f"routes for {len(self.routes)} tokens, but the engine ran {ran} (prompt + response - 1)"
+        if self.routes is not None and self.routes.size and int(self.routes.min()) < 0:
+            return "routes hold a negative expert id"
         if self.loss_mask is not None and len(self.loss_mask) != len(self.response_ids):
             return f"{len(self.response_ids)} response ids but a loss mask of {len(self.loss_mask)}"
         return ""
@@ -233,6 +240,8 @@ class TrainBatch:
     versions: np.ndarray = array("int32", 1)  # [N] policy version that sampled each row
     teacher_logprobs: np.ndarray | None = array("float32", 2, default=None)  # [N, L] for MOPD
     loss_masked: np.ndarray | None = array("bool", 1, default=None)  # [N] rows trained with no loss
+    routes: np.ndarray | None = array("int16", 4, default=None)  # [N, L, MoE layers, top_k] the engine's experts of
+    # input_ids[t] (-1: none, e.g. each row's last token and padding); None: the rollouts carried none
     cursor: dict[str, int] = field(default_factory=dict)  # the orchestrator's data cursor, saved with checkpoints
     ids: list[str] = field(default_factory=list)  # [N] each row's rollout id (the ledger's; trained_ids.jsonl)
 
@@ -251,6 +260,8 @@ class TrainBatch:
             return "teacher_logprobs shape mismatch"
         if self.loss_masked is not None and self.loss_masked.shape != (n,):
             return "loss_masked must have one entry per row"
+        if self.routes is not None and self.routes.shape[:2] != (n, length):
+            return f"routes shape {self.routes.shape[:2]} != {(n, length)} (+ layers, top_k)"
         return ""
 
 

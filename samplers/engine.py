@@ -36,6 +36,8 @@ class Sample:
     response_ids: np.ndarray  # int32 [R]
     logprobs: np.ndarray  # float32 [R]: log-prob of each sampled token under the temperature-scaled policy
     finish_reason: str  # stop | length
+    routes: np.ndarray | None = None  # int16 [P + R - 1, MoE layers, top_k]: the experts of every token the engine
+    # ran (the prompt's, then the response's but the last), when the engine was asked for them (routing replay)
 
 
 class Engine(Protocol):

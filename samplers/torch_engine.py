@@ -124,16 +124,23 @@ class Run:
     left: list[int] = dataclasses.field(default_factory=list)  # rows of each request still running
     first_row: list[int] = dataclasses.field(default_factory=list)  # each request's first row
     finished: list[int] = dataclasses.field(default_factory=list)  # requests whose rows all finished this step
+    routes: Tensor | None = None  # [rows, prompt + max_tokens, MoE layers, k] int16, -1 unset: return_routes
 
     @classmethod
-    def start(cls, requests: list[GenerationRequest], n_slots: int, device) -> Run:
+    def start(cls, requests: list[GenerationRequest], n_slots: int, device, route_shape: tuple[int, int] | None = None
+              ) -> Run:
+        """``route_shape`` (MoE layers, top_k): keep every row's experts, prompt and response."""
         row_request = [i for i, r in enumerate(requests) for _ in range(r.n)]
         n, width = len(row_request), max(r.max_tokens for r in requests)
+        routes = None
+        if route_shape is not None:
+            total = max(len(r.prompt_ids) + r.max_tokens for r in requests)
+            routes = torch.full((n, total, *route_shape), -1, dtype=torch.int16, device=device)
         return cls(requests, row_request, deque(range(n)), Slots.empty(n_slots, device),
                    torch.zeros((n, width), dtype=torch.long, device=device),
                    torch.zeros((n, width), dtype=torch.float32, device=device), [0] * n, ["length"] * n,
                    any(r.stop for r in requests), left=[r.n for r in requests],
-                   first_row=np.cumsum([0] + [r.n for r in requests[:-1]]).tolist())
+                   first_row=np.cumsum([0] + [r.n for r in requests[:-1]]).tolist(), routes=routes)
 
 
 @register_engine("torch")
@@ -144,18 +151,21 @@ class TorchEngine:
     @classmethod
     def from_config(cls, cfg, device: torch.device, url: str = "") -> TorchEngine:
         """The run's model in ``model.dtype`` on the sampler's ``device``."""
-        return cls(cfg.model.path, dtype=cfg.model.dtype, device=str(device))
+        return cls(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
+                   return_routes=cfg.sampler.return_routes or cfg.trainer.routing_replay)
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 256,
                  prefill_tokens: int = 8192, moe_impl: str | None = None, ignore_eos: bool = False,
-                 cpu_kernels: bool | None = None, prefix_cache_tokens: int = 1 << 18) -> None:
+                 cpu_kernels: bool | None = None, prefix_cache_tokens: int = 1 << 18, return_routes: bool = False
+                 ) -> None:
         """``max_batch``: decode slots (rows sampled at once); ``prefill_tokens``: most padded prompt tokens
         in one prefill pass; ``moe_impl``: "grouped" or "dense" (samplers/torch_model.py) without the C++
         kernels, by default grouped on CPU and dense elsewhere (CUDA's ``_grouped_mm`` wants bf16 on recent
         GPUs; untested here); ``ignore_eos``: rows run to ``max_tokens`` (benchmarks); ``cpu_kernels``: the
         C++ kernels (kernels/cpu_decode.cpp: MoE, RMS norm, decode attention), by default on for fp32 on CPU
         when they build; ``prefix_cache_tokens``: most tokens of multi-turn rows' K/V kept between their turns
-        (0: none kept, every turn prefills its whole trajectory)."""
+        (0: none kept, every turn prefills its whole trajectory); ``return_routes``: each sample carries the
+        experts every MoE layer chose for each of its tokens (``Sample.routes``; routing replay)."""
         self.device, self.dtype = torch.device(device), torch_dtype(dtype)
         fits = self.device.type == "cpu" and self.dtype == torch.float32
         if cpu_kernels and not fits:
@@ -167,6 +177,9 @@ class TorchEngine:
         self.model = Transformer.from_pretrained(model_path, self.dtype, self.device, moe_impl=moe_impl)
         if self.cpu_kernels:
             self.model.use_cpu_kernels()
+        a = self.model.args
+        self.route_shape = (len(a.moe_layers), a.top_k) if return_routes and a.moe_layers else None
+        self.model.record_routes(self.route_shape is not None)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_ids = torch.tensor(eos_token_ids(model_path, self.tokenizer), device=self.device)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(self.eos_ids[0])
@@ -175,8 +188,9 @@ class TorchEngine:
         self.max_batch, self.prefill_tokens, self.ignore_eos = max_batch, prefill_tokens, ignore_eos
         self.cache: KVCache | None = None
         self.version = 0
-        # multi-turn rows' K/V between their turns (GenerationRequest.prefix_keys): key -> (token ids, K/V)
-        self.prefixes: OrderedDict[str, tuple[np.ndarray, tuple[Tensor, Tensor]]] = OrderedDict()
+        # multi-turn rows' K/V between their turns (GenerationRequest.prefix_keys): key -> (token ids, K/V, their
+        # routes or None)
+        self.prefixes: OrderedDict[str, tuple[np.ndarray, tuple[Tensor, Tensor], Tensor | None]] = OrderedDict()
         self.prefix_tokens, self.prefix_cache_tokens = 0, prefix_cache_tokens
         self.counters = Counter()  # prefix_hits, prefix_tokens_reused
 
@@ -207,7 +221,7 @@ class TorchEngine:
             if reason := self.check(r):
                 raise ValueError(f"request {r.key}: {reason}")
         self._ensure_cache(sum(r.n for r in requests), max(len(r.prompt_ids) + r.max_tokens for r in requests))
-        run = Run.start(requests, self.cache.slots, self.device)
+        run = Run.start(requests, self.cache.slots, self.device, self.route_shape)
         seeds = [r.seed for r in requests if r.seed is not None]
         generator = torch.Generator(self.device).manual_seed(hash(tuple(seeds)) & 0xFFFFFFFF) if seeds else None
         logits = torch.empty((0, self.vocab_size), device=self.device)
@@ -249,10 +263,14 @@ class TorchEngine:
         s.top_p[a:b] = torch.tensor([q.top_p for q in reqs], dtype=torch.float32, device=dev)
         run.active = b
         kept = {j: hit for j, r in enumerate(take) if (hit := self._kept_prefix(run, r)) is not None}
+        routes: list[Tensor] | None = [] if run.routes is not None else None  # each prefilled prompt's
         if not kept:
             src_t = torch.tensor(src, device=dev)
-            return self._prefill([run.requests[g].prompt_ids for g in groups], torch.arange(a, b, device=dev),
-                                 src_t)[src_t]
+            logits = self._prefill([run.requests[g].prompt_ids for g in groups], torch.arange(a, b, device=dev),
+                                   src_t, routes)[src_t]
+            for j, r in enumerate(take) if routes is not None else ():
+                run.routes[r, : len(routes[src[j]])] = routes[src[j]]
+            return logits
         # rows whose earlier turns' K/V is kept prefill only what follows it; the others as usual
         logits = torch.empty((len(take), self.vocab_size), device=dev)
         fresh = [j for j in range(len(take)) if j not in kept]
@@ -260,18 +278,28 @@ class TorchEngine:
             order = list(dict.fromkeys(src[j] for j in fresh))
             src_t = torch.tensor([order.index(src[j]) for j in fresh], device=dev)
             logits[fresh] = self._prefill([run.requests[groups[g]].prompt_ids for g in order],
-                                          torch.tensor([a + j for j in fresh], device=dev), src_t)[src_t].float()
+                                          torch.tensor([a + j for j in fresh], device=dev), src_t, routes)[src_t].float()
+            for j in fresh if routes is not None else ():
+                r = routes[order.index(src[j])]
+                run.routes[take[j], : len(r)] = r
         rows = list(kept)
         for j in rows:
             self.cache.restore(a + j, kept[j][1])
         logits[rows] = self._extend([reqs[j].prompt_ids[len(kept[j][0]):] for j in rows],
                                     torch.tensor([a + j for j in rows], device=dev),
                                     torch.tensor([len(kept[j][0]) for j in rows], device=dev))
+        if run.routes is not None:  # the kept turns' routes, then the new tokens'
+            extended = self.model.last_routes()
+            for i, j in enumerate(rows):
+                done, total = len(kept[j][0]), len(reqs[j].prompt_ids)
+                if kept[j][2] is not None:
+                    run.routes[take[j], :done] = kept[j][2]
+                run.routes[take[j], done:total] = extended[i, : total - done].to(torch.int16)
         return logits
 
     # --- multi-turn: K/V kept across calls ---
 
-    def _kept_prefix(self, run: Run, r: int) -> tuple[np.ndarray, tuple[Tensor, Tensor]] | None:
+    def _kept_prefix(self, run: Run, r: int) -> tuple[np.ndarray, tuple[Tensor, Tensor], Tensor | None] | None:
         """The kept K/V of row ``r``'s earlier turns, if its request names it and its prompt extends them (taken:
         the row keeps it again when it stops)."""
         req = run.requests[run.row_request[r]]
@@ -282,7 +310,7 @@ class TorchEngine:
         if hit is None:
             return None
         self.prefix_tokens -= len(hit[0])
-        ids, kv = hit
+        ids = hit[0]
         if len(ids) >= len(req.prompt_ids) or not np.array_equal(req.prompt_ids[: len(ids)], ids):
             return None
         self.counters["prefix_hits"] += 1
@@ -298,10 +326,11 @@ class TorchEngine:
         n = int(run.slots.pos[slot])  # in the cache: the prompt and every sampled token but the last
         ids = np.concatenate([req.prompt_ids, run.tokens[r, : n - len(req.prompt_ids)].to(torch.int32).cpu().numpy()])
         key = req.prefix_keys[r - run.first_row[run.row_request[r]]]
-        self.prefixes[key] = (ids, self.cache.save(slot, n))
+        routes = None if run.routes is None else run.routes[r, :n].clone()
+        self.prefixes[key] = (ids, self.cache.save(slot, n), routes)
         self.prefix_tokens += n
         while self.prefix_tokens > self.prefix_cache_tokens and self.prefixes:
-            old_ids, _ = self.prefixes.pop(next(iter(self.prefixes)))
+            old_ids = self.prefixes.pop(next(iter(self.prefixes)))[0]
             self.prefix_tokens -= len(old_ids)
 
     def _extend(self, suffixes: list[np.ndarray], slots: Tensor, starts: Tensor) -> Tensor:
@@ -317,8 +346,10 @@ class TorchEngine:
         logits = self.model(tokens.to(self.device), positions, self.cache.extend(slots, starts), last=lengths - 1)
         return logits.float()
 
-    def _prefill(self, prompts: list[np.ndarray], slots: Tensor, src: Tensor) -> Tensor:
-        """Last-position logits of each prompt; slot ``slots[j]`` gets the K/V of prompt ``src[j]``."""
+    def _prefill(self, prompts: list[np.ndarray], slots: Tensor, src: Tensor, routes: list[Tensor] | None = None
+                 ) -> Tensor:
+        """Last-position logits of each prompt; slot ``slots[j]`` gets the K/V of prompt ``src[j]``. ``routes``:
+        each prompt's experts [P, MoE layers, k] are appended to it."""
         out, g0 = [], 0
         while g0 < len(prompts):  # chunks of at most prefill_tokens padded tokens (and at least one prompt)
             g1, width = g0 + 1, len(prompts[g0])
@@ -332,6 +363,9 @@ class TorchEngine:
             positions = torch.arange(width, device=self.device).expand(g1 - g0, -1)
             attend = self.cache.prefill(slots[sel], src[sel] - g0)
             out.append(self.model(tokens.to(self.device), positions, attend, last=lengths - 1).float())
+            if routes is not None:
+                chunk = self.model.last_routes().to(torch.int16)
+                routes.extend(chunk[i, : len(p)] for i, p in enumerate(prompts[g0:g1]))
             g0 = g1
         return torch.cat(out)
 
@@ -385,6 +419,8 @@ class TorchEngine:
         s, b = run.slots, run.active
         pos = s.pos[:b]
         logits = self.model.decode(s.last[:b], pos, self.cache).float()
+        if run.routes is not None:  # the experts of each slot's last token, at its position
+            run.routes[s.row[:b], pos] = self.model.last_routes()[:, 0].to(torch.int16)
         pos += 1  # in place: s.pos
         return logits
 
@@ -406,7 +442,11 @@ class TorchEngine:
         rows = range(first, first + run.requests[i].n)
         tokens = run.tokens[first: first + len(rows)].to(torch.int32).cpu().numpy()
         logps = run.logps[first: first + len(rows)].cpu().numpy()
-        return [Sample(tokens[k, : run.length[r]].copy(), logps[k, : run.length[r]].copy(), run.finish[r])
+        routes = None if run.routes is None else run.routes[first: first + len(rows)].cpu().numpy()
+        # a row's routes: every token the engine ran, the prompt's and the response's but the last
+        ran = len(run.requests[i].prompt_ids) - 1
+        return [Sample(tokens[k, : run.length[r]].copy(), logps[k, : run.length[r]].copy(), run.finish[r],
+                       None if routes is None else routes[k, : ran + run.length[r]].copy())
                 for k, r in enumerate(rows)]
 
     def _samples(self, run: Run) -> list[list[Sample]]:

@@ -236,14 +236,21 @@ class MoE(nn.Module):
         self.router = nn.Linear(a.dim, a.n_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(a.n_experts, a.dim, 2 * a.moe_intermediate_size))  # gate | up
         self.w2 = nn.Parameter(torch.empty(a.n_experts, a.moe_intermediate_size, a.dim))
+        self.keep_routes = False  # Transformer.record_routes: keep the last forward's experts in ``routes``
+        self.routes: Tensor | None = None  # [..., top_k] int64, x's leading shape
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if self.impl == "cpu":  # routing, experts and combine in one C++ op
-            return cpu_decode.moe_forward(flat, self.router.weight, self.w13, self.w2, self.top_k,
-                                          self.normalize).view_as(x)
-        weights, experts = route(self.router(flat), self.top_k, self.normalize)
-        return EXPERTS[self.impl](flat, weights, experts, self.w13, self.w2).view_as(x)
+            routes = flat.new_empty((flat.shape[0], self.top_k), dtype=torch.long) if self.keep_routes else None
+            y = cpu_decode.moe_forward(flat, self.router.weight, self.w13, self.w2, self.top_k, self.normalize,
+                                       routes).view_as(x)
+        else:
+            weights, routes = route(self.router(flat), self.top_k, self.normalize)
+            y = EXPERTS[self.impl](flat, weights, routes, self.w13, self.w2).view_as(x)
+        if self.keep_routes:
+            self.routes = routes.view(*x.shape[:-1], self.top_k)
+        return y
 
 
 class Block(nn.Module):
@@ -269,6 +276,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.cpu_kernels = False  # use_cpu_kernels
+        self.keep_routes = False  # record_routes
         cos, sin = rope_table(args)
         self.rope_cos = nn.Buffer(cos, persistent=False)
         self.rope_sin = nn.Buffer(sin, persistent=False)
@@ -287,6 +295,21 @@ class Transformer(nn.Module):
                 m.impl = "cpu"
         return self
 
+    def moe_blocks(self) -> list[MoE]:
+        return [b.ffn for b in self.layers if isinstance(b.ffn, MoE)]
+
+    def record_routes(self, on: bool = True) -> Transformer:
+        """Keep the experts every MoE layer picks for each token of the next forward (``last_routes``)."""
+        self.keep_routes = on
+        for m in self.moe_blocks():
+            m.keep_routes, m.routes = on, None
+        return self
+
+    def last_routes(self) -> Tensor:
+        """The experts of the last forward or decode step: int64 ``[B, T, MoE layers, top_k]`` (T = 1 for a
+        decode step); ``record_routes`` must be on."""
+        return torch.stack([m.routes for m in self.moe_blocks()], dim=-2)
+
     def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
         """Logits ``[B, V]`` of one new token per slot ``0..B-1`` (``tokens [B]`` at ``positions [B]``), its
         K/V written into ``cache``. With the CPU kernels, one C++ op for the whole step."""
@@ -300,8 +323,15 @@ class Transformer(nn.Module):
             weights += [f.router.weight, f.w13, f.w2] if isinstance(f, MoE) else [no_router, f.w13.weight, f.w2.weight]
         weights += [self.embed.weight, self.norm.weight, self.lm_head.weight]
         a = self.args
-        return cpu_decode.decode_forward(tokens, positions, weights, self.rope_cos, self.rope_sin, cache.k, cache.v,
-                                         a.n_heads, max(a.top_k, 1), a.norm_topk_prob, a.rms_norm_eps)
+        routes = (tokens.new_empty((a.n_layers, len(tokens), a.top_k)) if self.keep_routes and a.moe_layers
+                  else None)
+        logits = cpu_decode.decode_forward(tokens, positions, weights, self.rope_cos, self.rope_sin, cache.k,
+                                           cache.v, a.n_heads, max(a.top_k, 1), a.norm_topk_prob, a.rms_norm_eps,
+                                           routes)
+        if routes is not None:
+            for layer, m in zip(a.moe_layers, self.moe_blocks()):
+                m.routes = routes[layer][:, None]  # [B, 1, k]
+        return logits
 
     def tie(self) -> None:
         if self.args.tie_word_embeddings:

@@ -138,7 +138,7 @@ class Sampler:
                 index = req.index if req.index >= 0 else k
                 reply(batch[i], Rollout(req.group_id, index, req.domain, req.prompt_ids, s.response_ids, s.logprobs,
                                         s.finish_reason, self.engine.version, self.worker_id, t_gen, req.attempt,
-                                        turn=req.turn))
+                                        turn=req.turn, routes=s.routes))
                 self.counters["rollouts"] += 1
                 self.counters["tokens"] += len(s.response_ids)
             sent.add(i)

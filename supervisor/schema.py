@@ -240,6 +240,10 @@ class SamplerConfig:
     batch_window_s: float = 0.003
     """After the first request of a burst, how long the sampler waits for the rest before it generates (the
     orchestrator dispatches a step's groups back to back, so they share one batch)."""
+    return_routes: bool = False
+    """MoE: each rollout carries the experts the engine chose for each token at each MoE layer (torch engine;
+    vLLM's enable_return_routed_experts), for the trainer's ``routing/disagree_frac``; on whenever
+    trainer.routing_replay is."""
     stream_groups: bool = False
     """Send a group's rollouts as soon as its rows finish (engines that can: torch), so scoring overlaps the
     rest of the batch. Off by default: on 2 shared CPU cores the scoring then slows the decode (measured

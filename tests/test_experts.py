@@ -55,6 +55,33 @@ def test_swapped_experts_match_hf_forward_and_gradients(micro_moe, impl, monkeyp
     assert any("experts.gate_up_proj" in n for n in grads["hf"][1]) and any("mlp.gate.weight" in n for n in grads["hf"][1])
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_routing_replay_takes_the_given_experts_with_every_impl(micro_moe, impl):
+    """R3 lives in the router, so hf, torch and triton experts replay the same routes: the same log-probs and the
+    same router gradients, and not those of the model's own routes."""
+    from cascade_rl.modeling.policy import Policy
+    from cascade_rl.modeling.routing import moe_routers
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 300, (2, 9), generator=g)
+    lengths = torch.tensor([9, 7])
+    pos = torch.arange(9)[None]
+    mask = (pos >= 4) & (pos < lengths[:, None])
+    routes = torch.rand(2, 9, 2, 4, generator=g).argsort(-1)[..., :2].to(torch.int16)  # 2 of 4 experts, 2 layers
+    out = {}
+    for name in ("hf", impl):
+        model = use_moe_impl(AutoModelForCausalLM.from_pretrained(micro_moe), name)
+        lp, _ = Policy(model, routing_replay=True)(ids, lengths, mask, routes=routes)
+        lp[mask].sum().backward()
+        out[name] = (lp.detach(), [r.weight.grad.clone() for r in moe_routers(model)])
+        with torch.no_grad():
+            own, _ = Policy(model)(ids, lengths, mask)
+        assert (own[mask] - lp[mask]).abs().max() > 1e-3
+    torch.testing.assert_close(out[impl][0], out["hf"][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(out[impl][1], out["hf"][1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
 def test_trainer_trains_the_moe_to_the_same_losses_with_each_impl(micro_moe, tmp_path, monkeypatch):
     from cascade_rl.kernels import moe
 

@@ -201,6 +201,10 @@ def _fix_ready(draw, kw: dict) -> None:
 
 def _fix_rollout(draw, kw: dict) -> None:  # arrays share one length, so response ids and log-probs match
     kw["finish_reason"] = draw(st.sampled_from(["stop", "length", "error"]))
+    if kw.get("routes") is not None:  # the experts of every token the engine ran: prompt + response - 1
+        ran = len(kw["prompt_ids"]) + len(kw["response_ids"]) - 1
+        ids = draw(st.lists(st.integers(0, 2**15 - 1), min_size=4 * ran, max_size=4 * ran)) if ran > 0 else []
+        kw["routes"] = np.array(ids, np.int16).reshape(max(ran, 0), 2, 2) if ran >= 0 else None
 
 
 def _fix_deadline(draw, kw: dict) -> None:

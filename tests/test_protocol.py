@@ -58,6 +58,7 @@ def _train_batch(n: int = 4, length: int = 6, group_size: int = 2, teacher: bool
         versions=np.arange(n, dtype=np.int32) + 40,
         teacher_logprobs=(-rng.random((n, length), dtype=np.float32)) if teacher else None,
         loss_masked=(np.arange(n) % 3 == 0) if teacher else None,
+        routes=rng.integers(-1, 128, size=(n, length, 3, 8), dtype=np.int16) if teacher else None,  # R3
     )
 
 
@@ -115,6 +116,7 @@ def sample_messages() -> list[Any]:
         _rollout(n_resp=3, finish_reason="error", inf_logprobs=np.zeros(0, dtype=np.float32), error="killed"),
         _rollout(inf_logprobs=np.array([-np.inf, -0.0, np.nan, 1e-30, -1e30], dtype=np.float32)),  # special floats
         _rollout(turn=2, loss_mask=np.array([True, True, False, False, True])),  # a multi-turn trajectory
+        _rollout(routes=np.arange(13 * 48 * 8, dtype=np.int16).reshape(13, 48, 8) % 128),  # R3: 48 layers, top-8
         PromptRequest(group_id="g-1", domain="tool_use", prompt_ids=np.arange(12, dtype=np.int32), n=1, attempt=1,
                       index=3, turn=2),  # a multi-turn row's next turn
         EnvRequest(key="g-1/3:env1/0", env="python", domain="tool_use",
@@ -235,7 +237,7 @@ def test_samples_cover_every_registered_type_and_array_dtype():
         if "array" in f.metadata
     }
     assert declared == {("int32", 1), ("float32", 1), ("int32", 2), ("float32", 2), ("bool", 2), ("bool", 1),
-                        ("uint8", 1)}
+                        ("uint8", 1), ("int16", 3), ("int16", 4)}
 
 
 @pytest.mark.parametrize("msg", sample_messages(), ids=lambda m: m.TYPE)
@@ -264,7 +266,7 @@ def test_train_batch_arrays_keep_dtype_shape_and_optional_teacher():
     np.testing.assert_array_equal(a.teacher_logprobs, with_teacher.teacher_logprobs)
     assert a.loss_masked.dtype == np.bool_ and a.loss_masked.tolist() == [True, False, False, True]
     assert b.teacher_logprobs is None and b.loss_masked is None
-    assert len(encode(without)) == len(encode(with_teacher)) - 2  # no frame for an absent optional array
+    assert len(encode(without)) == len(encode(with_teacher)) - 3  # no frame for an absent optional array
     assert _header(encode(without))["teacher_logprobs"] is None
 
     # An absent key for an optional array decodes to its default, too.
@@ -279,7 +281,7 @@ def test_encode_converts_and_compacts_arrays():
     tb.input_ids = base[::1, ::2][:4, :4].T  # Fortran-ordered, strided view, int64
     tb.response_mask = np.ones((4, 4), dtype=np.int8)
     tb.inf_logprobs = np.full((4, 4), -0.5)  # float64
-    tb.teacher_logprobs = None
+    tb.teacher_logprobs = tb.routes = None
     tb.rewards = [1, 0, 1, 0]  # a plain list
     tb.versions = np.array([1, 1, 2, 2], dtype=np.uint8)
     out = decode(encode(tb))
