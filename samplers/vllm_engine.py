@@ -15,6 +15,10 @@ Contract, as in samplers/torch_engine.py, and how vLLM meets it:
   threshold) report T=1 log-probs, as the torch engine's T=0 rows do.
 - The response keeps its EOS / stop tokens (vLLM's ``token_ids`` do; only its text drops them).
 - vLLM refuses ``n > 1`` when greedy, so a greedy request becomes n prompts with n=1.
+- Routes (routing replay): ``enable_return_routed_experts`` gives each completion ``routed_experts``
+  [prompt + response - 1, layers, top_k]. vLLM 0.32 records them only under its Model Runner V2
+  (``VLLM_USE_V2_MODEL_RUNNER=1``, set here), which needs Triton on a GPU: on CPU the engine refuses
+  ``return_routes`` with that reason. Untested here (no GPU): bench/gpu_checks.sh runs it.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, forced): no spawned
 process, no ``if __name__ == "__main__"`` requirement, and ``load_weights`` can run a function
@@ -107,13 +111,16 @@ class VLLMEngine:
 
     @classmethod
     def from_config(cls, cfg, device, url: str = "") -> VLLMEngine:
-        return cls(cfg.model.path, **vllm_options(cfg, device))
+        return cls(cfg.model.path, return_routes=bool(cfg.sampler.return_routes or cfg.trainer.routing_replay),
+                   **vllm_options(cfg, device))
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None, seed: int = 0,
                  max_model_len: int | None = None, kv_cache_gib: int = 1, ignore_eos: bool = False,
-                 enforce_eager: bool = True, **llm_kwargs) -> None:
+                 enforce_eager: bool = True, return_routes: bool = False, **llm_kwargs) -> None:
         """``ignore_eos``: rows run to ``max_tokens`` (benchmarks); ``enforce_eager``: no CUDA graphs or
-        torch.compile (start-up in seconds); ``llm_kwargs`` go to ``vllm.LLM`` (e.g. gpu_memory_utilization)."""
+        torch.compile (start-up in seconds); ``return_routes``: each sample carries the experts of every token
+        (vLLM's ``enable_return_routed_experts``; routing replay); ``llm_kwargs`` go to ``vllm.LLM`` (e.g.
+        gpu_memory_utilization)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -122,6 +129,13 @@ class VLLMEngine:
 
         if device is not None and device.split(":")[0] != current_platform.device_type:
             raise ValueError(f"this vLLM build runs on {current_platform.device_type!r}, not {device!r}")
+        if return_routes:  # vLLM records them through its aux-output connector, which needs Model Runner V2
+            if current_platform.device_type == "cpu":
+                raise ValueError("vLLM returns routed experts only with its Model Runner V2, which needs Triton on a "
+                                 "GPU (vllm 0.32 on CPU refuses it): sample with sampler.engine=torch, or set "
+                                 "trainer.routing_replay=false and sampler.return_routes=false")
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+            llm_kwargs["enable_return_routed_experts"] = True
         self.llm = LLM(model=model_path, dtype=dtype_name(dtype), seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **llm_kwargs)
         config = self.llm.llm_engine.model_config
@@ -165,7 +179,7 @@ class VLLMEngine:
             prompts += [prompt] * copies
             params += [sp] * copies
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        samples = [to_sample(c) for o in outputs for c in o.outputs]
+        samples = [to_sample(c, len(o.prompt_token_ids)) for o in outputs for c in o.outputs]
         grouped, start = [], 0
         for r in requests:
             grouped.append(samples[start : start + r.n])
@@ -173,12 +187,18 @@ class VLLMEngine:
         return grouped
 
 
-def to_sample(completion) -> Sample:
-    """One vLLM ``CompletionOutput`` (flat log-probs, one per position) as a ``Sample``."""
+def to_sample(completion, prompt_len: int = 0) -> Sample:
+    """One vLLM ``CompletionOutput`` (flat log-probs, one per position; ``routed_experts`` [tokens run, layers,
+    top_k] when asked for) as a ``Sample``."""
     if completion.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a sequence with {completion.finish_reason!r}")
     ids = np.asarray(completion.token_ids, np.int32)
     lp = completion.logprobs
     if list(lp.token_ids) != list(completion.token_ids):  # one entry per position, the sampled token
         raise RuntimeError("vLLM log-probs do not line up with the sampled tokens")
-    return Sample(ids, np.asarray(lp.logprobs, np.float32), completion.finish_reason)
+    routes = getattr(completion, "routed_experts", None)
+    if routes is not None:
+        routes = np.asarray(routes).astype(np.int16)[: prompt_len + len(ids) - 1]
+        if len(routes) != prompt_len + len(ids) - 1:
+            raise RuntimeError(f"vLLM returned routes for {len(routes)} tokens, expected {prompt_len + len(ids) - 1}")
+    return Sample(ids, np.asarray(lp.logprobs, np.float32), completion.finish_reason, routes)

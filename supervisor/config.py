@@ -142,6 +142,12 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"{' and '.join(triton)}=triton run on GPUs, but {' and '.join(on_cpu)} name none: give them "
                         f"GPUs (e.g. gpus.trainer=[0]), or choose {'hf' if triton[0] == 'model.moe_impl' else 'torch'} "
                         f"(TRITON_INTERPRET=1 runs Triton's interpreter on the CPU, for tests only)")
+    if t.routing_replay or cfg.sampler.return_routes:
+        engine = cfg.sampler.engine
+        if engine == "sglang" or (engine == "vllm" and not cfg.gpus.samplers):
+            problems.append(f"trainer.routing_replay / sampler.return_routes need an engine that returns routes: the "
+                            f"torch engine, or vllm on GPUs (gpus.samplers); {engine}"
+                            f"{' on the CPU' if engine == 'vllm' else ''} does not")
     if t.algorithm == "mopd" and (t.kl_coef or t.entropy_coef):
         problems.append("trainer.kl_coef / entropy_coef apply to grpo only")
     if problems:

@@ -221,3 +221,12 @@ def test_routes_travel_with_the_rollout_into_the_train_batch(tiny_model):
     np.testing.assert_array_equal(out[0, : len(s.routes)], s.routes)
     assert (out[0, len(s.routes):] == -1).all() and (out[1] == -1).all()
     assert batch_routes([other], width) is None
+
+
+def test_a_launch_that_wants_routes_from_an_engine_that_cannot_give_them_is_refused(tmp_path):
+    from cascade_rl.supervisor.config import ConfigError, compose
+
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(ConfigError, match=f"routing_replay.*{engine}"):
+            compose("tiny", ["trainer.routing_replay=true", f"sampler.engine={engine}", f"run_dir={tmp_path}"],
+                    check=True)

@@ -176,3 +176,12 @@ def test_weight_reload_from_tensors_takes_effect(setup, tmp_path):
     assert max_logprob_error(other, reqs, engine.generate(reqs), 0.7) <= TOL
     save_model(hf, str(tmp_path / "old.safetensors"))  # back to the start, for the other tests
     engine.load_weights(str(tmp_path / "old.safetensors"), version=10)
+
+
+def test_routes_on_cpu_are_refused_with_the_reason(tiny_model):
+    """vLLM 0.32 records routed experts only under Model Runner V2 (Triton, GPU): on CPU the engine says so and
+    names the way out, before it starts an engine."""
+    from cascade_rl.samplers.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match="Model Runner V2.*sampler.engine=torch"):
+        VLLMEngine(tiny_model, return_routes=True)
