@@ -1,6 +1,13 @@
-"""Async vs strictly on-policy: steps/hour, trainer idle fraction and reward per minute at max_staleness 0, 1, 2.
+"""Async vs strictly on-policy, and in-flight weight updates: steps/hour, trainer idle fraction, reward, staleness
+and version spans of four schedules.
 
-    .venv/bin/python bench/async_vs_sync.py [--quick] [--delays 0,0.5]
+    .venv/bin/python bench/async_vs_sync.py [--quick] [--delays 0,0.5] [--modes sync,ahead,inflight,inflight_keep]
+
+- ``sync``: max_staleness 0, strictly on-policy (the paper);
+- ``ahead``: max_staleness 1, the next batch sampled while the trainer steps, new weights taken between batches;
+- ``inflight``: the same, the sampler taking new weights between decode steps (``sampler.inflight_updates``),
+  its running rows' K/V recomputed under them;
+- ``inflight_keep``: in-flight with the old K/V kept (``sampler.inflight_kv=keep``).
 
 Each setting is one real `cascade-rl launch` of the tiny demo model (SFT'd if models/tiny-sft exists, else
 the random tiny model) on the same task, hardware and seed; the settings run alternately, the order
@@ -9,9 +16,9 @@ with a slow sampler the overlap of sampling and training is what async buys; on 
 sampler and the trainer also compete for the same cores, which caps the gain without a delay.
 
 The orchestrator samples one batch ahead when max_staleness >= 1 (rollouts are at most one version old
-when trained), so k = 2 behaves as k = 1; it is run to show that.
+when trained; k = 2 measured the same as k = 1 before, so it is not run).
 
-Writes bench/results/async_vs_sync.json; the last stdout line is the summary (k = 1 vs k = 0, steps/hour,
+Writes bench/results/async_vs_sync.json; the last stdout line is the summary (ahead vs sync, steps/hour,
 at the largest delay).
 """
 
@@ -44,21 +51,34 @@ def model_dir() -> str:
     return str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
 
 
-def launch(k: int, delay: float, steps: int, model: str, work: Path) -> dict:
-    run_dir = work / f"k{k}-d{delay}-{time.monotonic_ns()}"
+MODES = {  # name -> launch overrides
+    "sync": ["orchestrator.max_staleness=0"],
+    "ahead": ["orchestrator.max_staleness=1"],
+    "inflight": ["orchestrator.max_staleness=1", "sampler.inflight_updates=true"],
+    "inflight_keep": ["orchestrator.max_staleness=1", "sampler.inflight_updates=true", "sampler.inflight_kv=keep"],
+}
+
+
+def launch(mode: str, delay: float, steps: int, model: str, work: Path) -> dict:
+    run_dir = work / f"{mode}-d{delay}-{time.monotonic_ns()}"
     args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}",
-            f"orchestrator.max_staleness={k}", "trainer.correction=icepop", "trainer.prompts_per_step=8",
+            *MODES[mode], "trainer.correction=icepop", "trainer.prompts_per_step=8",
             "trainer.group_size=8", "sampling.max_tokens=32", "trainer.lr=2e-5", *math_data(8),
             f"sampler.delay_s={delay}", "supervisor.progress=none"]
     r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=1800,
                        env=dict(os.environ, XDG_STATE_HOME=str(work / "state")))
     if r.returncode != 0:
-        raise RuntimeError(f"launch failed (k={k}, delay={delay}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+        raise RuntimeError(f"launch failed ({mode}, delay={delay}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     s = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [m["reward_mean"] for m in metrics if "version" in m]
     minutes = s["loop_s"] / 60
-    return {"k": k, "delay_s": delay, "steps": steps, "loop_s": s["loop_s"], "steps_per_hour": steps / s["loop_s"] * 3600,
+    sampler = next((w.get("counters", {}) for w in s.get("workers", []) if w.get("role") == "sampler"), {})
+    return {"mode": mode, "delay_s": delay, "steps": steps, "loop_s": s["loop_s"],
+            "steps_per_hour": steps / s["loop_s"] * 3600,
+            "version_spanning_frac": s["version_span"]["spanning"] / max(1, s["version_span"]["trained"]),
+            "inflight_loads": sampler.get("inflight_loads", 0),
+            "recomputed_tokens": sampler.get("inflight_recomputed_tokens", 0),
             "trainer_busy_frac": s["trainer_busy_frac"], "trainer_idle_frac": 1 - s["trainer_busy_frac"],
             "reward_mean": statistics.mean(rewards), "reward_per_minute": sum(rewards) / minutes,
             "staleness_mean": statistics.mean(m["staleness_mean"] for m in metrics if "version" in m),
@@ -71,28 +91,32 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--delays", default="0,0.5")
+    ap.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES))
     args = ap.parse_args(argv)
     rounds, steps = args.rounds or (1 if args.quick else 2), args.steps or (6 if args.quick else 16)
     delays = [float(x) for x in args.delays.split(",")]
+    modes = args.modes.split(",")
     model = model_dir()
     work = Path(tempfile.mkdtemp(prefix="crl-async-"))
-    settings = [(k, d) for d in delays for k in (0, 1, 2)]
+    settings = [(m, d) for d in delays for m in modes]
     runs = []
     for r in range(rounds):
-        for k, d in settings[r % len(settings):] + settings[: r % len(settings)]:
-            runs.append(launch(k, d, steps, model, work))
+        for m, d in settings[r % len(settings):] + settings[: r % len(settings)]:
+            runs.append(launch(m, d, steps, model, work))
             x = runs[-1]
-            print(f"k={k} delay={d}: {x['steps_per_hour']:.0f} steps/h, trainer idle {x['trainer_idle_frac']:.0%}, "
-                  f"reward {x['reward_mean']:.3f}, staleness {x['staleness_mean']:.2f}", file=sys.stderr)
+            print(f"{m} delay={d}: {x['steps_per_hour']:.0f} steps/h, trainer idle {x['trainer_idle_frac']:.0%}, "
+                  f"reward {x['reward_mean']:.3f}, staleness {x['staleness_mean']:.2f}, rollouts spanning two "
+                  f"versions {x['version_spanning_frac']:.0%}, in-flight loads {x['inflight_loads']}",
+                  file=sys.stderr)
 
     table = {}
-    for k, d in settings:
-        xs = [x for x in runs if x["k"] == k and x["delay_s"] == d]
-        table[f"k{k}_d{d}"] = {key: statistics.median(x[key] for x in xs) for key in
-                               ("steps_per_hour", "trainer_idle_frac", "reward_mean", "reward_per_minute",
-                                "staleness_mean")}
+    for m, d in settings:
+        xs = [x for x in runs if x["mode"] == m and x["delay_s"] == d]
+        table[f"{m}_d{d}"] = {key: statistics.median(x[key] for x in xs) for key in
+                              ("steps_per_hour", "trainer_idle_frac", "reward_mean", "reward_per_minute",
+                               "staleness_mean", "version_spanning_frac", "inflight_loads", "recomputed_tokens")}
     d = max(delays)
-    sync, async1 = table[f"k0_d{d}"], table[f"k1_d{d}"]
+    sync, async1 = table[f"sync_d{d}"], table[f"ahead_d{d}"]
     summary = {"name": "async_vs_sync", "metric": f"steps/hour, max_staleness 1 vs 0 (tiny model, sampler delay {d} s)",
                "value": round(async1["steps_per_hour"], 1), "baseline": "max_staleness 0 (strictly on-policy)",
                "baseline_value": round(sync["steps_per_hour"], 1),

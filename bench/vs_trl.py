@@ -1,6 +1,6 @@
 """cascade-rl GRPO vs TRL's GRPOTrainer: the same model, prompts, reward and hardware, runs alternating.
 
-    .venv/bin/python bench/vs_trl.py [--quick] [--rounds 3] [--steps 20]      (or: make bench-trl)
+    .venv/bin/python bench/vs_trl.py [--quick] [--rounds 3] [--steps 20] [--size tiny|10m|50m]   (make bench-trl)
 
 The setup, identical for both (issue 9): the SFT'd tiny Qwen3-MoE of ``make run`` (models/tiny-sft; built
 here if missing), reasoning-gym arithmetic, the prompts cascade-rl's orchestrator draws (seed 0) fed to TRL in
@@ -15,6 +15,11 @@ TRL's reward function), the same number of steps. Three systems run in every rou
 - ``trl``: TRL 1.16 ``GRPOTrainer`` (bench/_trl_grpo.py) in its own virtual environment, ``.venv-trl``, built
   here on first use (TRL is never a dependency of the project): use_cpu, bf16 off, no vLLM, no reporting,
   one 64-row micro-batch per step, gradient checkpointing off (TRL's default is on; it only costs time here).
+
+``--size 10m|50m``: the same with ``make-tiny-model --size`` models (Qwen3-MoE, 10.7M and 56.8M parameters, random
+weights, built once under bench/results/models as bench/scaling.py builds them): their responses run to the 64-token
+limit on both sides, so each step samples 8 x 8 x 64 tokens and the reward is 0 (the step still computes every
+loss term; timing is what these sizes measure). Target there: <= 0.5x; at tiny <= 0.40x in every round.
 
 Per run: median step wall time over the steps after ``--warmup``, generation tokens/s, trainer seconds per
 step, peak memory (each process's peak RSS, summed over the run's process tree) and reward per step.
@@ -47,7 +52,8 @@ RESULTS = ROOT / "bench" / "results"
 TRL_VENV = ROOT / ".venv-trl"
 TRL_VERSION = "1.16.0"
 CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
-TARGET = 0.5  # ours_sync step time / TRL step time
+TARGETS = {"tiny": 0.40, "10m": 0.5, "50m": 0.5}  # ours_sync step time / TRL step time, in every round
+STEPS = {"tiny": 20, "10m": 10, "50m": 6}  # per run (--steps overrides)
 SETUP = {"prompts_per_step": 8, "group_size": 8, "max_tokens": 64, "lr": 3e-6, "seed": 0}
 
 
@@ -73,9 +79,14 @@ def trl_python() -> Path:
     return py
 
 
-def model_dir() -> Path:
-    """The SFT'd tiny model of ``make run``; built the same way if missing (about 3 minutes)."""
-    return sft_model()
+def model_dir(size: str = "tiny") -> Path:
+    """The SFT'd tiny model of ``make run`` (built the same way if missing, about 3 minutes), or the random-weight
+    model of ``size`` that bench/scaling.py measures."""
+    if size == "tiny":
+        return sft_model()
+    from scaling import build
+
+    return build(size)[0]
 
 
 def write_prompts(model: Path, steps: int, path: Path) -> None:
@@ -229,10 +240,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the step-time medians")
+    ap.add_argument("--size", choices=sorted(TARGETS), default="tiny", help="the model (see the docstring)")
     args = ap.parse_args(argv)
-    rounds, steps = args.rounds or (1 if args.quick else 3), args.steps or (10 if args.quick else 20)
+    rounds = args.rounds or (1 if args.quick else 3)
+    steps = args.steps or (10 if args.quick and args.size == "tiny" else STEPS[args.size])
+    warmup = min(args.warmup, steps - 3)
     py = trl_python()
-    model = model_dir()
+    model = model_dir(args.size)
     work = Path(tempfile.mkdtemp(prefix="crl-vs-trl-"))
     prompts = work / "prompts.jsonl"
     write_prompts(model, steps, prompts)
@@ -242,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name in systems[r % 3:] + systems[: r % 3]:
             run = (run_trl(py, model, prompts, steps, work) if name == "trl"
                    else run_ours(int(name == "ours_async"), model, steps, work))
-            run.update(system=name, round=r, summary=digest(run, args.warmup))
+            run.update(system=name, round=r, summary=digest(run, warmup))
             runs.append(run)
             d = run["summary"]
             print(f"round {r} {name}: {d['step_s']:.3f} s/step (sample {d['sample_s']:.3f}, train "
@@ -263,20 +277,24 @@ def main(argv: list[str] | None = None) -> dict:
                                                           if x["system"] == name) for i in range(steps)]
     sync_ratio = statistics.median(ratios["ours_sync"])
     async_ratio = statistics.median(ratios["ours_async"])
-    summary = {"name": "vs_trl", "metric": "GRPO step wall time, cascade-rl strictly on-policy / TRL GRPOTrainer "
-                                          "(tiny MoE, 8x8 rollouts, 64 tokens, median after warm-up)",
+    target = TARGETS[args.size]
+    summary = {"name": "vs_trl" if args.size == "tiny" else f"vs_trl_{args.size}",
+               "metric": f"GRPO step wall time, cascade-rl strictly on-policy / TRL GRPOTrainer ({args.size} MoE, "
+                         f"8x8 rollouts, 64 tokens, median after warm-up)",
                "value": round(table["ours_sync"]["step_s"], 4), "baseline": f"TRL {TRL_VERSION} GRPOTrainer",
                "baseline_value": round(table["trl"]["step_s"], 4), "ratio": round(sync_ratio, 3),
                "ratio_range": [round(min(ratios["ours_sync"]), 3), round(max(ratios["ours_sync"]), 3)],
-               "async_ratio": round(async_ratio, 3), "target": f"<= {TARGET}", "pass": sync_ratio <= TARGET,
+               "per_round": [round(x, 3) for x in ratios["ours_sync"]],
+               "async_ratio": round(async_ratio, 3), "target": f"<= {target} every round",
+               "pass": max(ratios["ours_sync"]) <= target,
                # the issue's second target: async below sync. On 2 shared CPU cores it is not (the sampler
                # and the trainer run at once on the same cores); reported, not hidden
                "async_below_sync": async_ratio < sync_ratio, "machine": machine()}
-    out = {**summary, "setup": SETUP, "steps": steps, "rounds": rounds, "warmup": args.warmup,
+    out = {**summary, "setup": SETUP, "size": args.size, "steps": steps, "rounds": rounds, "warmup": warmup,
            "ratios": ratios, "table": table, "runs": runs, "quick": args.quick,
            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "vs_trl.json").write_text(json.dumps(out, indent=1))
+    (RESULTS / f"{summary['name']}.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(summary))
     return summary
 

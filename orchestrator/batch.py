@@ -46,6 +46,14 @@ def build_batch(step: int, groups: list[Group], group_size: int, pad_id: int, mo
     )
 
 
+def version_span(r) -> int:
+    """Newest minus oldest policy version among a rollout's tokens (0 unless the sampler took new weights while
+    it generated the rollout)."""
+    if r.token_versions is None or not len(r.token_versions):
+        return 0
+    return int(r.token_versions.max()) - r.policy_version
+
+
 def batch_routes(rollouts: list, width: int) -> np.ndarray | None:
     """The rows' routes [N, width, MoE layers, top_k] (-1 where a row has none: its last token, padding, a rollout
     that came without), or None when no rollout carries any."""
@@ -78,6 +86,7 @@ def step_metrics(step: int, version: int, groups: list[Group], overlong_penalty:
         "truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts])),
         "staleness_mean": float(np.mean([step - r.policy_version for r in rollouts])),
         "staleness_max": max(step - r.policy_version for r in rollouts),  # <= orchestrator.max_staleness
+        "version_span_max": max(version_span(r) for r in rollouts),  # in-flight updates: > 0
         "gen_tokens_per_s": tokens / max(t_sample, 1e-9),
         **{f"multi_turn/{k}": v for k, v in turns.summary([t for g in groups for t in g.trajectories.values()]).items()},
         "sample_s": t_sample,

@@ -9,7 +9,9 @@ ends in exactly one fate, written as one line of ``<run_dir>/ledger.jsonl``:
 * ``filtered``: dropped with the reason (a sampler or teacher error, uniform rewards under dynamic filtering);
 * ``stale``: older than ``orchestrator.max_staleness`` allows.
 
-``version`` is the policy version that sampled it (null if it never arrived). A reply that arrives for a rollout
+``version`` is the policy version that sampled it (null if it never arrived); a rollout whose tokens span
+versions (in-flight weight updates: the sampler took new weights mid-generation) has ``version`` its oldest
+token's and ``version_max`` its newest's, and ``version_span`` sums them up for ``summary.json``. A reply that arrives for a rollout
 whose attempt was superseded (a re-dispatch) or that already has it is dropped and written as a line with fate
 ``duplicate`` and that reply's attempt: an event, not the rollout's fate (a teacher reply answers a whole group:
 it is written against the group's first rollout). ``books`` counts ids, not residuals:
@@ -48,6 +50,7 @@ class Ledger:
         self.entries: dict[str, Entry] = {}
         self.reasons: Counter = Counter()  # filtered rollouts by reason
         self.duplicates = 0
+        self.spans: Counter = Counter()  # trained rollouts by version span (newest - oldest token version)
         self._out = None
         if path is not None:
             records.keep_steps_before(path, resume_step)
@@ -70,7 +73,12 @@ class Ledger:
                 raise RuntimeError(f"rollout {rid} already ended as {entry.fate}, now {fate}: a bug in the orchestrator")
             entry.fate = fate
             r = g.rollouts.get(i)
-            self._write(rid, entry, g.attempt, fate, reason, r.policy_version if r else None)
+            newest = None
+            if r is not None and r.token_versions is not None and len(r.token_versions):
+                newest = int(r.token_versions.max())
+            if fate == "trained" and r is not None:
+                self.spans[(newest if newest is not None else r.policy_version) - r.policy_version] += 1
+            self._write(rid, entry, g.attempt, fate, reason, r.policy_version if r else None, newest)
         if fate == "filtered":
             self.reasons[reason] += g.n
 
@@ -98,14 +106,25 @@ class Ledger:
             "filtered_reasons": dict(self.reasons),
         }
 
+    def version_span(self) -> dict:
+        """How many policy versions the trained rollouts' tokens span: the number spanning more than one, the
+        largest span and the mean."""
+        n = sum(self.spans.values())
+        return {"trained": n, "spanning": n - self.spans[0], "max": max(self.spans, default=0),
+                "mean": sum(k * v for k, v in self.spans.items()) / n if n else 0.0}
+
     def close(self) -> None:
         if self._out is not None:
             self._out.close()
 
-    def _write(self, rid: str, entry: Entry, attempt: int, fate: str, reason: str, version: int | None) -> None:
+    def _write(self, rid: str, entry: Entry, attempt: int, fate: str, reason: str, version: int | None,
+               version_max: int | None = None) -> None:
         if self._out is not None:
-            self._out.write({"id": rid, "group": entry.group, "attempt": attempt, "fate": fate, "reason": reason,
-                             "step": entry.step, "version": version})
+            line = {"id": rid, "group": entry.group, "attempt": attempt, "fate": fate, "reason": reason,
+                    "step": entry.step, "version": version}
+            if version_max is not None and version_max != version:
+                line["version_max"] = version_max
+            self._out.write(line)
 
 
 def compare_trainer(run_dir: Path, show: int = 5) -> dict:

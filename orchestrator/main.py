@@ -137,6 +137,7 @@ class Orchestrator:
             loop_s=loop_s,  # the training steps alone (no evaluations before and after)
             trainer_busy_frac=self.trainer_busy_s / max(1e-9, self.trainer_window[1] - self.trainer_window[0]),
             policy_version=self.core.version, wall_s=time.perf_counter() - t_start, books=books,
+            version_span=self.core.ledger.version_span(),  # in-flight updates: tokens of one rollout, many versions
             eval={"n": o.eval_n, "questions": len(self.heldout), "temperature": o.eval_temperature},
             mismatch=mismatch_summary(self.mismatch), multi_turn=self.multi_turn.summary(),
             malformed_messages=self.core.malformed + self.link.malformed, data=self.data_report,

@@ -38,6 +38,9 @@ class Trajectory:
     state: dict = dataclasses.field(default_factory=dict)  # the environment's, handed back at its next step
     versions: list[int] = dataclasses.field(default_factory=list)  # policy version of each model turn
     routes: np.ndarray | None = None  # the last turn's rollout's: its prompt is every earlier turn (R3)
+    token_versions: list[np.ndarray] = dataclasses.field(default_factory=list)  # per segment (observations: their
+    # turn's newest); sent only when some turn carried its own (in-flight updates)
+    spans_versions: bool = False
     turn: int = 0  # model turns so far
     phase: Phase = Phase.gen
     finish_reason: str = "stop"
@@ -64,6 +67,10 @@ class Trajectory:
         self.model.append(True)
         self.messages.append({"role": "assistant", "content": text})
         self.versions.append(r.policy_version)
+        own = r.token_versions is not None
+        self.spans_versions |= own
+        self.token_versions.append(np.asarray(r.token_versions, np.int32) if own
+                                   else np.full(len(r.response_ids), r.policy_version, np.int32))
         self.routes = r.routes  # the last turn's cover its whole prompt (every earlier turn) and its response
         self.finish_reason = r.finish_reason
         self.turn += 1
@@ -73,6 +80,8 @@ class Trajectory:
         self.segments.append(np.asarray(ids, np.int32))
         self.logprobs.append(np.zeros(len(ids), np.float32))
         self.model.append(False)
+        last = self.token_versions[-1] if self.token_versions else np.zeros(0, np.int32)
+        self.token_versions.append(np.full(len(ids), int(last.max()) if len(last) else min(self.versions), np.int32))
         self.messages.extend(reply.tool_messages)
         self.state = dict(reply.state)
         self.count(reply)
@@ -95,7 +104,8 @@ class Trajectory:
         routes = self.routes if self.routes is not None and len(self.routes) == ran else None  # else not this text's
         return Rollout(r.group_id, r.index, r.domain, prompt_ids, self.ids(),
                        np.concatenate(self.logprobs).astype(np.float32), self.finish_reason, min(self.versions),
-                       r.sampler_id, r.t_gen, r.attempt, turn=self.turn, loss_mask=mask, routes=routes)
+                       r.sampler_id, r.t_gen, r.attempt, turn=self.turn, loss_mask=mask, routes=routes,
+                       token_versions=np.concatenate(self.token_versions) if self.spans_versions else None)
 
 
 def next_phase(t: Trajectory, max_turns: int, budget: int) -> Phase:

@@ -87,6 +87,8 @@ class Rollout:
     # A multi-turn trajectory's observation tokens are False: no loss, no gradient, no mismatch metric
     routes: np.ndarray | None = array("int16", 3, default=None)  # [P + R - 1, MoE layers, top_k]: the experts the
     # engine chose for every token it ran (prompt, then response but the last); None: not asked for (R3)
+    token_versions: np.ndarray | None = array("int32", default=None)  # [R] the policy version that sampled each
+    # token (in-flight updates: a row can span versions); None: all are ``policy_version``
 
     def validate(self) -> str:
         if self.finish_reason not in ("stop", "length", "error"):
@@ -98,6 +100,11 @@ class Rollout:
             return f"routes for {len(self.routes)} tokens, but the engine ran {ran} (prompt + response - 1)"
         if self.routes is not None and self.routes.size and int(self.routes.min()) < 0:
             return "routes hold a negative expert id"
+        if self.token_versions is not None and self.finish_reason != "error":
+            if len(self.token_versions) != len(self.response_ids):
+                return f"{len(self.response_ids)} response ids but {len(self.token_versions)} token versions"
+            if len(self.token_versions) and int(self.token_versions.min()) != self.policy_version:
+                return "policy_version must be the oldest token version"
         if self.loss_mask is not None and len(self.loss_mask) != len(self.response_ids):
             return f"{len(self.response_ids)} response ids but a loss mask of {len(self.loss_mask)}"
         return ""

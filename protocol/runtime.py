@@ -140,6 +140,22 @@ class WorkerRuntime:
             status["state"] = "draining"
         return status
 
+    def collect_now(self) -> int:
+        """Move the messages that have arrived into ``pending`` (notices to ``service.accept``) without waiting:
+        for a service that looks at its inbox in the middle of serving (a sampler taking weights in flight)."""
+        got = 0
+        while True:
+            try:
+                msg = self.link.inbox.get_nowait()
+            except queue.Empty:
+                return got
+            if msg is _WAKE:
+                self.link.inbox.put(_WAKE)  # a drain: the loop must still see it
+                return got
+            if not self.service.accept(msg):
+                self.pending.append(Pending(msg, time.monotonic()))
+                got += 1
+
     def _collect(self, block: bool) -> int:
         """Move arrived messages into ``pending``; after the first, wait ``batch_window_s`` for the rest of a
         burst. Returns how many requests arrived."""

@@ -38,6 +38,8 @@ class Sample:
     finish_reason: str  # stop | length
     routes: np.ndarray | None = None  # int16 [P + R - 1, MoE layers, top_k]: the experts of every token the engine
     # ran (the prompt's, then the response's but the last), when the engine was asked for them (routing replay)
+    versions: np.ndarray | None = None  # int32 [R]: the policy version that sampled each token (they differ when
+    # the engine took new weights mid-generation: in-flight updates); None: one version, the engine's
 
 
 class Engine(Protocol):

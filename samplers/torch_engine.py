@@ -125,6 +125,7 @@ class Run:
     first_row: list[int] = dataclasses.field(default_factory=list)  # each request's first row
     finished: list[int] = dataclasses.field(default_factory=list)  # requests whose rows all finished this step
     routes: Tensor | None = None  # [rows, prompt + max_tokens, MoE layers, k] int16, -1 unset: return_routes
+    versions: Tensor | None = None  # [rows, max_tokens] int32: the policy version that sampled each token
 
     @classmethod
     def start(cls, requests: list[GenerationRequest], n_slots: int, device, route_shape: tuple[int, int] | None = None
@@ -140,7 +141,11 @@ class Run:
                    torch.zeros((n, width), dtype=torch.long, device=device),
                    torch.zeros((n, width), dtype=torch.float32, device=device), [0] * n, ["length"] * n,
                    any(r.stop for r in requests), left=[r.n for r in requests],
-                   first_row=np.cumsum([0] + [r.n for r in requests[:-1]]).tolist(), routes=routes)
+                   first_row=np.cumsum([0] + [r.n for r in requests[:-1]]).tolist(), routes=routes,
+                   versions=torch.zeros((n, width), dtype=torch.int32, device=device))
+
+
+INFLIGHT_KV = ("recompute", "keep")  # TorchEngine(inflight_kv=): the running rows' K/V when weights change mid-generation
 
 
 @register_engine("torch")
@@ -152,12 +157,13 @@ class TorchEngine:
     def from_config(cls, cfg, device: torch.device, url: str = "") -> TorchEngine:
         """The run's model in ``model.dtype`` on the sampler's ``device``."""
         return cls(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
-                   return_routes=cfg.sampler.return_routes or cfg.trainer.routing_replay)
+                   return_routes=cfg.sampler.return_routes or cfg.trainer.routing_replay,
+                   inflight_kv=cfg.sampler.inflight_kv)
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 256,
                  prefill_tokens: int = 8192, moe_impl: str | None = None, ignore_eos: bool = False,
-                 cpu_kernels: bool | None = None, prefix_cache_tokens: int = 1 << 18, return_routes: bool = False
-                 ) -> None:
+                 cpu_kernels: bool | None = None, prefix_cache_tokens: int = 1 << 18, return_routes: bool = False,
+                 inflight_kv: str = "recompute") -> None:
         """``max_batch``: decode slots (rows sampled at once); ``prefill_tokens``: most padded prompt tokens
         in one prefill pass; ``moe_impl``: "grouped" or "dense" (samplers/torch_model.py) without the C++
         kernels, by default grouped on CPU and dense elsewhere (CUDA's ``_grouped_mm`` wants bf16 on recent
@@ -165,7 +171,13 @@ class TorchEngine:
         C++ kernels (kernels/cpu_decode.cpp: MoE, RMS norm, decode attention), by default on for fp32 on CPU
         when they build; ``prefix_cache_tokens``: most tokens of multi-turn rows' K/V kept between their turns
         (0: none kept, every turn prefills its whole trajectory); ``return_routes``: each sample carries the
-        experts every MoE layer chose for each of its tokens (``Sample.routes``; routing replay)."""
+        experts every MoE layer chose for each of its tokens (``Sample.routes``; routing replay); ``inflight_kv``:
+        what the rows running when new weights arrive mid-generation do with their K/V (``generate(between=)``):
+        ``recompute`` it under the new weights (each token's log-prob is then exactly its version's) or ``keep``
+        it (no prefill; the tokens after the update attend to K/V of the old weights)."""
+        if inflight_kv not in INFLIGHT_KV:
+            raise ValueError(f"inflight_kv={inflight_kv!r}: choose one of {INFLIGHT_KV}")
+        self.inflight_kv = inflight_kv
         self.device, self.dtype = torch.device(device), torch_dtype(dtype)
         fits = self.device.type == "cpu" and self.dtype == torch.float32
         if cpu_kernels and not fits:
@@ -209,12 +221,17 @@ class TorchEngine:
         self.prefix_tokens = 0
 
     streams_groups = True  # generate(..., on_done=) reports each request as soon as its rows are done
+    inflight_updates = True  # generate(..., between=) may load new weights between decode steps
 
     @torch.inference_mode()
     def generate(self, requests: list[GenerationRequest],
-                 on_done: Callable[[int, list[Sample]], None] | None = None) -> list[list[Sample]]:
+                 on_done: Callable[[int, list[Sample]], None] | None = None,
+                 between: Callable[[], None] | None = None) -> list[list[Sample]]:
         """``n`` samples for each request, in request order; ``on_done(i, samples)`` is called as soon as
-        request i's rows have all finished (the caller can pass them on while the others still run)."""
+        request i's rows have all finished (the caller can pass them on while the others still run).
+        ``between()`` is called between decode steps: it may load new weights (``load_tensors`` /
+        ``load_weights``); the rows keep generating, each token tagged with the version that sampled it
+        (``Sample.versions``), their K/V recomputed or kept (``inflight_kv``)."""
         if not requests:
             return []
         for r in requests:
@@ -239,6 +256,11 @@ class TorchEngine:
                     for i in run.finished:
                         on_done(i, self._request_samples(run, i))
                 run.finished.clear()
+            if between is not None and run.active:
+                version = self.version
+                between()
+                if self.version != version and self.inflight_kv == "recompute":
+                    self._recompute(run)
             logits = self._decode(run) if run.active else logits[:0]
         return self._samples(run)
 
@@ -375,6 +397,7 @@ class TorchEngine:
         rows, n = s.row[:b], s.n_gen[:b]
         run.tokens[rows, n] = tokens
         run.logps[rows, n] = logps
+        run.versions[rows, n] = self.version  # the version whose forward gave these logits
         n += 1  # in place: s.n_gen
         s.last[:b] = tokens
         stopped = torch.isin(tokens, self.eos_ids) if not self.ignore_eos else torch.zeros_like(tokens, dtype=bool)
@@ -414,6 +437,18 @@ class TorchEngine:
             s.move(holes, movers)
         run.active = n_keep
 
+    def _recompute(self, run: Run) -> None:
+        """New weights mid-generation: every running slot's K/V prefilled again under them (its prompt and the
+        tokens sampled so far but the last, which the next decode step feeds)."""
+        s, b = run.slots, run.active
+        contexts = []
+        for r, n in zip(s.row[:b].tolist(), s.n_gen[:b].tolist()):
+            prompt = run.requests[run.row_request[r]].prompt_ids
+            contexts.append(np.concatenate([prompt, run.tokens[r, : n - 1].to(torch.int32).cpu().numpy()]))
+        slots = torch.arange(b, device=self.device)
+        self._prefill(contexts, slots, slots)
+        self.counters["inflight_recomputed_tokens"] += sum(len(c) for c in contexts)
+
     def _decode(self, run: Run) -> Tensor:
         """One token for every running slot: the logits of the next."""
         s, b = run.slots, run.active
@@ -443,10 +478,12 @@ class TorchEngine:
         tokens = run.tokens[first: first + len(rows)].to(torch.int32).cpu().numpy()
         logps = run.logps[first: first + len(rows)].cpu().numpy()
         routes = None if run.routes is None else run.routes[first: first + len(rows)].cpu().numpy()
+        versions = run.versions[first: first + len(rows)].cpu().numpy()
         # a row's routes: every token the engine ran, the prompt's and the response's but the last
         ran = len(run.requests[i].prompt_ids) - 1
         return [Sample(tokens[k, : run.length[r]].copy(), logps[k, : run.length[r]].copy(), run.finish[r],
-                       None if routes is None else routes[k, : ran + run.length[r]].copy())
+                       None if routes is None else routes[k, : ran + run.length[r]].copy(),
+                       versions[k, : run.length[r]].copy())
                 for k, r in enumerate(rows)]
 
     def _samples(self, run: Run) -> list[list[Sample]]:

@@ -93,6 +93,9 @@ class Sampler:
         self.torn = False  # a load was torn (cuda_ipc): the engine's weights are a mix until the next good load
         s = cfg.sampler
         self.slots, self.delay_s, self.stream_groups = s.slots, s.delay_s, s.stream_groups
+        # in-flight weight updates: between decode steps the engine looks for new weights (``between``)
+        self.inflight = bool(s.inflight_updates) and getattr(self.engine, "inflight_updates", False)
+        self.collect = None  # the runtime's collect_now (main): the notices that arrived while generating
         self.run_id = cfg.run_id  # names the folder that streamed weights land in
 
     # ------------------------------------------------------------------ the Service
@@ -101,7 +104,8 @@ class Sampler:
         return Ready(self.worker_id, "sampler", 0 if draining else self.slots, self.engine.version, draining=draining)
 
     def status(self) -> dict:
-        return {"state": self.state, "version": self.version(), "counters": dict(self.counters)}
+        engine = dict(getattr(self.engine, "counters", {}))  # the torch engine's: prefix reuse, in-flight recompute
+        return {"state": self.state, "version": self.version(), "counters": {**engine, **self.counters}}
 
     def accept(self, msg) -> bool:
         """Weight notices: keep the newest (applied at the next ``take``); requests are queued."""
@@ -136,17 +140,23 @@ class Sampler:
             req, t_gen = batch[i].request, time.perf_counter() - t0
             for k, s in enumerate(samples):  # a multi-turn row's next turn keeps the row's index
                 index = req.index if req.index >= 0 else k
+                spans = s.versions is not None and len(s.versions) > 0
+                version = int(s.versions.min()) if spans else self.engine.version  # its oldest token's
                 reply(batch[i], Rollout(req.group_id, index, req.domain, req.prompt_ids, s.response_ids, s.logprobs,
-                                        s.finish_reason, self.engine.version, self.worker_id, t_gen, req.attempt,
-                                        turn=req.turn, routes=s.routes))
+                                        s.finish_reason, version, self.worker_id, t_gen, req.attempt,
+                                        turn=req.turn, routes=s.routes,
+                                        token_versions=s.versions if spans and self.inflight else None))
                 self.counters["rollouts"] += 1
                 self.counters["tokens"] += len(s.response_ids)
             sent.add(i)
 
         streams = self.stream_groups and getattr(self.engine, "streams_groups", False) and not self.delay_s
         requests = [to_generation(p.request) for p in batch]
+        hooks = {"on_done": send} if streams else {}
+        if self.inflight:
+            hooks["between"] = self._between
         try:
-            groups = self.engine.generate(requests, on_done=send) if streams else self.engine.generate(requests)
+            groups = self.engine.generate(requests, **hooks)
             if self.delay_s:
                 time.sleep(self.delay_s)  # benchmarks: a slower sampler (sampler.delay_s)
             for i, samples in enumerate(groups):
@@ -175,6 +185,15 @@ class Sampler:
         """The policy version the engine can sample: its own, or -1 (none) after a torn load, so that no request
         is served until the next notice's weights are in."""
         return -1 if self.torn else self.engine.version
+
+    def _between(self) -> None:
+        """Between two decode steps (in-flight updates): take the notices that arrived and apply the newest."""
+        if self.collect is not None:
+            self.collect()
+        if self.latest is not None and self.latest.version > self.engine.version:
+            self._maybe_load_weights()
+            self.counters["inflight_loads"] = self.counters.get("inflight_loads", 0) + 1
+            self.state = "generating"
 
     def _maybe_load_weights(self) -> None:
         """Apply the newest notice by its format (``WEIGHT_LOADERS``). A notice that cannot be honoured is
@@ -220,8 +239,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(cfg.sampler.threads)
     torch.manual_seed(zlib.crc32(f"{cfg.trainer.seed}:{args.worker_id}".encode()))
     sampler = Sampler(cfg, args.worker_id, known.engine_url)
-    WorkerRuntime(sampler, cfg, args.worker_id, cfg.sampler.batch_window_s, weights=True,
-                  expect=(PromptRequest, WeightsReady)).run()
+    runtime = WorkerRuntime(sampler, cfg, args.worker_id, cfg.sampler.batch_window_s, weights=True,
+                            expect=(PromptRequest, WeightsReady))
+    sampler.collect = runtime.collect_now
+    runtime.run()
 
 
 if __name__ == "__main__":

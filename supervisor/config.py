@@ -148,6 +148,15 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"trainer.routing_replay / sampler.return_routes need an engine that returns routes: the "
                             f"torch engine, or vllm on GPUs (gpus.samplers); {engine}"
                             f"{' on the CPU' if engine == 'vllm' else ''} does not")
+    if cfg.sampler.inflight_updates:
+        if o.max_staleness < 1:
+            problems.append("sampler.inflight_updates needs orchestrator.max_staleness >= 1 (strictly on-policy, no "
+                            "weights arrive while a batch is sampled)")
+        if cfg.sampler.engine != "torch":
+            problems.append(f"sampler.inflight_updates: the {cfg.sampler.engine} engine cannot take weights between "
+                            "decode steps here; use sampler.engine=torch or drop inflight_updates")
+    if cfg.sampler.inflight_kv not in ("recompute", "keep"):
+        problems.append(f"sampler.inflight_kv={cfg.sampler.inflight_kv!r}: choose recompute or keep")
     if t.algorithm == "mopd" and (t.kl_coef or t.entropy_coef):
         problems.append("trainer.kl_coef / entropy_coef apply to grpo only")
     if problems:

@@ -44,6 +44,7 @@ RENAMED = {
     "workers.verifier_domains": "verifier.domains", "workers.verifier_plugins": "verifier.plugins",
     "workers.judge": "verifier.judge", "teachers": "teacher.checkpoints",
     "trainer.importance_weights": "trainer.correction (importance_weights=true is correction=icepop)",
+    "workers.inflight_updates": "sampler.inflight_updates",
 }
 
 

@@ -240,6 +240,14 @@ class SamplerConfig:
     batch_window_s: float = 0.003
     """After the first request of a burst, how long the sampler waits for the rest before it generates (the
     orchestrator dispatches a step's groups back to back, so they share one batch)."""
+    inflight_updates: bool = False
+    """Async runs (orchestrator.max_staleness >= 1): a sampler takes new weights between two decode steps instead
+    of between batches, without dropping the rows it is generating (PipelineRL's in-flight updates); every token
+    records the version that sampled it (torch engine)."""
+    inflight_kv: str = "recompute"
+    """With inflight_updates, the running rows' K/V when new weights arrive: recompute (prefilled again under the
+    new weights: each token's log-prob is exactly its version's) | keep (no prefill; later tokens attend to K/V of
+    the old weights)."""
     return_routes: bool = False
     """MoE: each rollout carries the experts the engine chose for each token at each MoE layer (torch engine;
     vLLM's enable_return_routed_experts), for the trainer's ``routing/disagree_frac``; on whenever

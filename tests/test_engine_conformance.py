@@ -40,7 +40,9 @@ def engine(request, tiny_model):
     reason = _skip_reason(request.param)
     if reason:
         pytest.skip(reason)
-    import cascade_rl.samplers.worker  # noqa: F401  (registers every engine)
+    from cascade_rl.samplers.engine import register_builtin_engines
+
+    register_builtin_engines()
 
     threads = torch.get_num_threads()
     if request.param == "sglang":  # its server, as the supervisor starts it (samplers/sglang_engine.py)

@@ -205,6 +205,9 @@ def _fix_rollout(draw, kw: dict) -> None:  # arrays share one length, so respons
         ran = len(kw["prompt_ids"]) + len(kw["response_ids"]) - 1
         ids = draw(st.lists(st.integers(0, 2**15 - 1), min_size=4 * ran, max_size=4 * ran)) if ran > 0 else []
         kw["routes"] = np.array(ids, np.int16).reshape(max(ran, 0), 2, 2) if ran >= 0 else None
+    versions = kw.get("token_versions")
+    if versions is not None and len(versions):  # the rollout's version is its oldest token's
+        kw["policy_version"] = int(versions.min())
 
 
 def _fix_deadline(draw, kw: dict) -> None:
