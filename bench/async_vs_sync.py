@@ -2,6 +2,7 @@
 and version spans of four schedules.
 
     .venv/bin/python bench/async_vs_sync.py [--quick] [--delays 0,0.5] [--modes sync,ahead,inflight,inflight_keep]
+                                            [--workloads short,long]
 
 - ``sync``: max_staleness 0, strictly on-policy (the paper);
 - ``ahead``: max_staleness 1, the next batch sampled while the trainer steps, new weights taken between batches;
@@ -9,11 +10,16 @@ and version spans of four schedules.
   its running rows' K/V recomputed under them;
 - ``inflight_keep``: in-flight with the old K/V kept (``sampler.inflight_kv=keep``).
 
-Each setting is one real `cascade-rl launch` of the tiny demo model (SFT'd if models/tiny-sft exists, else
-the random tiny model) on the same task, hardware and seed; the settings run alternately, the order
-rotating per round. ``--delays`` adds an artificial per-call sampler delay (``sampler.delay_s``):
-with a slow sampler the overlap of sampling and training is what async buys; on 2 shared CPU cores the
-sampler and the trainer also compete for the same cores, which caps the gain without a delay.
+Each setting is one real `cascade-rl launch` on the same task, hardware and seed; the settings run alternately,
+the order rotating per round. Two workloads:
+
+- ``short``: the tiny demo model (SFT'd if models/tiny-sft exists), 8 prompts x 8, 32 tokens: generation is
+  shorter than a training step. ``--delays`` adds an artificial sampler delay after each generate call
+  (``sampler.delay_s``): with a slow sampler the overlap of sampling and training is what async buys; on 2
+  shared CPU cores the sampler and the trainer also compete for the same cores, which caps the gain.
+- ``long``: the random-weight tiny model (bench/scaling.py's), 4 prompts x 4, up to 384 tokens: rows run long
+  and unevenly, generation outlasts a training step, so new weights arrive mid-generation (in-flight updates
+  happen only here). No delay.
 
 The orchestrator samples one batch ahead when max_staleness >= 1 (rollouts are at most one version old
 when trained; k = 2 measured the same as k = 1 before, so it is not run).
@@ -59,22 +65,34 @@ MODES = {  # name -> launch overrides
 }
 
 
-def launch(mode: str, delay: float, steps: int, model: str, work: Path) -> dict:
-    run_dir = work / f"{mode}-d{delay}-{time.monotonic_ns()}"
-    args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}",
-            *MODES[mode], "trainer.correction=icepop", "trainer.prompts_per_step=8",
-            "trainer.group_size=8", "sampling.max_tokens=32", "trainer.lr=2e-5", *math_data(8),
+def long_model() -> str:
+    from scaling import build
+
+    return str(build("tiny")[0])
+
+
+WORKLOADS = {  # name -> (model, launch overrides)
+    "short": (model_dir, ["trainer.prompts_per_step=8", "trainer.group_size=8", "sampling.max_tokens=32"]),
+    "long": (long_model, ["trainer.prompts_per_step=4", "trainer.group_size=4", "sampling.max_tokens=384"]),
+}
+
+
+def launch(mode: str, workload: str, delay: float, steps: int, work: Path) -> dict:
+    run_dir = work / f"{workload}-{mode}-d{delay}-{time.monotonic_ns()}"
+    model, overrides = WORKLOADS[workload]
+    args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model()}", f"trainer.steps={steps}",
+            *MODES[mode], "trainer.correction=icepop", *overrides, "trainer.lr=2e-5", *math_data(8),
             f"sampler.delay_s={delay}", "supervisor.progress=none"]
     r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=1800,
                        env=dict(os.environ, XDG_STATE_HOME=str(work / "state")))
     if r.returncode != 0:
-        raise RuntimeError(f"launch failed ({mode}, delay={delay}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+        raise RuntimeError(f"launch failed ({workload}, {mode}, delay={delay}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     s = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [m["reward_mean"] for m in metrics if "version" in m]
     minutes = s["loop_s"] / 60
     sampler = next((w.get("counters", {}) for w in s.get("workers", []) if w.get("role") == "sampler"), {})
-    return {"mode": mode, "delay_s": delay, "steps": steps, "loop_s": s["loop_s"],
+    return {"mode": mode, "workload": workload, "delay_s": delay, "steps": steps, "loop_s": s["loop_s"],
             "steps_per_hour": steps / s["loop_s"] * 3600,
             "version_spanning_frac": s["version_span"]["spanning"] / max(1, s["version_span"]["trained"]),
             "inflight_loads": sampler.get("inflight_loads", 0),
@@ -92,37 +110,41 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--delays", default="0,0.5")
     ap.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="of " + ", ".join(WORKLOADS))
     args = ap.parse_args(argv)
     rounds, steps = args.rounds or (1 if args.quick else 2), args.steps or (6 if args.quick else 16)
     delays = [float(x) for x in args.delays.split(",")]
-    modes = args.modes.split(",")
-    model = model_dir()
+    modes, workloads = args.modes.split(","), args.workloads.split(",")
     work = Path(tempfile.mkdtemp(prefix="crl-async-"))
-    settings = [(m, d) for d in delays for m in modes]
+    settings = [(m, w, d) for w in workloads for d in (delays if w == "short" else [0.0]) for m in modes]
     runs = []
     for r in range(rounds):
-        for m, d in settings[r % len(settings):] + settings[: r % len(settings)]:
-            runs.append(launch(m, d, steps, model, work))
+        for m, w, d in settings[r % len(settings):] + settings[: r % len(settings)]:
+            runs.append(launch(m, w, d, steps, work))
             x = runs[-1]
-            print(f"{m} delay={d}: {x['steps_per_hour']:.0f} steps/h, trainer idle {x['trainer_idle_frac']:.0%}, "
+            print(f"{w} {m} delay={d}: {x['steps_per_hour']:.0f} steps/h, trainer idle {x['trainer_idle_frac']:.0%}, "
                   f"reward {x['reward_mean']:.3f}, staleness {x['staleness_mean']:.2f}, rollouts spanning two "
                   f"versions {x['version_spanning_frac']:.0%}, in-flight loads {x['inflight_loads']}",
                   file=sys.stderr)
 
     table = {}
-    for m, d in settings:
-        xs = [x for x in runs if x["mode"] == m and x["delay_s"] == d]
-        table[f"{m}_d{d}"] = {key: statistics.median(x[key] for x in xs) for key in
+    for m, w, d in settings:
+        xs = [x for x in runs if x["mode"] == m and x["workload"] == w and x["delay_s"] == d]
+        table[f"{w}_{m}_d{d}"] = {key: statistics.median(x[key] for x in xs) for key in
                               ("steps_per_hour", "trainer_idle_frac", "reward_mean", "reward_per_minute",
                                "staleness_mean", "version_spanning_frac", "inflight_loads", "recomputed_tokens")}
-    d = max(delays)
-    sync, async1 = table[f"sync_d{d}"], table[f"ahead_d{d}"]
-    summary = {"name": "async_vs_sync", "metric": f"steps/hour, max_staleness 1 vs 0 (tiny model, sampler delay {d} s)",
+    w = workloads[0]
+    d = max(delays) if w == "short" else 0.0
+    sync, async1 = table[f"{w}_sync_d{d}"], table[f"{w}_ahead_d{d}"]
+    summary = {"name": "async_vs_sync", "metric": f"steps/hour, max_staleness 1 vs 0 ({w} workload, sampler delay {d} s)",
                "value": round(async1["steps_per_hour"], 1), "baseline": "max_staleness 0 (strictly on-policy)",
                "baseline_value": round(sync["steps_per_hour"], 1),
                "ratio": round(async1["steps_per_hour"] / sync["steps_per_hour"], 3), "target": None, "pass": None,
                "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                "trainer_idle_frac_async": round(async1["trainer_idle_frac"], 3)}
+    if "long" in workloads and {"ahead", "inflight"} <= set(modes):
+        summary["inflight_vs_ahead_long"] = round(table["long_inflight_d0.0"]["steps_per_hour"]
+                                                  / table["long_ahead_d0.0"]["steps_per_hour"], 3)
     out = {**summary, "table": table, "runs": runs, "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     (ROOT / "results").mkdir(exist_ok=True)
     (ROOT / "results" / "async_vs_sync.json").write_text(json.dumps(out, indent=2))

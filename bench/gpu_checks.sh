@@ -6,7 +6,8 @@
 # Parts, each under its own `timeout` and never stopping the others:
 #   install         the carried wheels (.whl/, made here by bench/gpu_wheels.sh) and this project into /tmp/site
 #   tests           the kernel tests and tests/test_gpu.py on real CUDA (TRITON_INTERPRET unset)
-#   launch_tiny     bench/gpu_launch.py: a full MOPD launch, trainer + sampler + teacher sharing GPU 0 (tiny model)
+#   launch_tiny     bench/gpu_launch.py: a full MOPD launch, trainer + sampler + teacher sharing GPU 0 (tiny model),
+#                   bf16, Triton experts replaying the engine's routes (trainer.routing_replay)
 #   weight_transport bench/weight_transport.py: shm vs cuda_ipc publish + load in another process (tiny, 1B bf16)
 #   moe_kernels     bench/moe_kernels.py: Triton vs torch._grouped_mm vs the per-expert loop (vs the torch reference)
 #   logprob_kernel  bench/logprob_kernel.py: the fused Triton LM-head log-prob kernel vs chunked torch vs full logits
@@ -120,7 +121,7 @@ gpu_part tests 180 "$PY" -m pytest -q -rfEs -p no:cacheprovider --junitxml="$LOG
 
 # --- (d) launch, tiny: the first end-to-end run on a GPU matters more than the kernel figures, so it goes first
 rm -f bench/results/gpu_launch_*.json bench/results/moe_kernels.json bench/results/logprob_kernel.json
-gpu_part launch_tiny 150 "$PY" bench/gpu_launch.py --size tiny
+gpu_part launch_tiny 150 "$PY" bench/gpu_launch.py --size tiny -- trainer.routing_replay=true  # bf16, Triton experts, R3
 
 # --- weights between processes on one GPU: shm vs cuda_ipc ---------------------------------------------------------
 rm -f bench/results/weight_transport.json

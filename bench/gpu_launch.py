@@ -241,6 +241,8 @@ def read_run(run_dir: Path, expect: dict) -> tuple[dict, list[str]]:
         "mopd_reverse_kl": [m.get("trainer/mopd/reverse_kl") for m in steps],
         "mismatch": mismatch,
         "mismatch_abs_diff_mean_per_step": per_step,
+        # MoE routes the trainer's routers pick otherwise than the engine did (with routing replay: then replayed)
+        "routing_disagree_frac_per_step": [m.get("trainer/routing/disagree_frac") for m in steps],
         "books": books,
         "books_closed": not any(p.startswith("books") for p in problems),
         "devices": devices,

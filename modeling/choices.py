@@ -21,6 +21,7 @@ class AttnImpl(StrEnum):
 class MoeImpl(StrEnum):
     """``model.moe_impl``: how the trainer's and teachers' MoE experts run (modeling/experts.py)."""
 
-    hf = "hf"  # transformers' grouped_mm (fastest on the CPU)
+    hf = "hf"  # transformers' own experts (grouped_mm)
+    grouped = "grouped"  # kernels/moe.py: transformers' grouped_mm with faster gathers (the default; fastest on CPU)
     torch = "torch"  # kernels/moe.py's reference
     triton = "triton"  # kernels/moe.py's Triton kernel (CUDA; TRITON_INTERPRET=1 for tests)

@@ -33,7 +33,7 @@ def micro_moe(tiny_model, tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["grouped", "torch", "triton"])
 def test_swapped_experts_match_hf_forward_and_gradients(micro_moe, impl, monkeypatch):
     from cascade_rl.kernels import moe
 
@@ -55,7 +55,7 @@ def test_swapped_experts_match_hf_forward_and_gradients(micro_moe, impl, monkeyp
     assert any("experts.gate_up_proj" in n for n in grads["hf"][1]) and any("mlp.gate.weight" in n for n in grads["hf"][1])
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["grouped", "torch", "triton"])
 def test_routing_replay_takes_the_given_experts_with_every_impl(micro_moe, impl):
     """R3 lives in the router, so hf, torch and triton experts replay the same routes: the same log-probs and the
     same router gradients, and not those of the model's own routes."""
@@ -88,7 +88,7 @@ def test_trainer_trains_the_moe_to_the_same_losses_with_each_impl(micro_moe, tmp
     losses, calls = {}, []
     triton_experts = moe.EXPERTS["triton"]
     monkeypatch.setitem(moe.EXPERTS, "triton", lambda *a: calls.append(1) or triton_experts(*a))
-    for impl in ("hf", "torch", "triton"):
+    for impl in ("hf", "grouped", "torch", "triton"):
         cfg = compose("tiny", [f"model.path={micro_moe}", f"run_dir={tmp_path / impl}", f"model.moe_impl={impl}",
                                "trainer.lr=1e-3"], check=False)
         policy, _, opt, _, _ = build(cfg, parallel.Ranks())
@@ -96,8 +96,8 @@ def test_trainer_trains_the_moe_to_the_same_losses_with_each_impl(micro_moe, tmp
                         for s in range(3)]
     assert len(calls) == 3 * 2  # 3 steps x 2 MoE layers through the Triton kernels
     assert losses["hf"][0] != losses["hf"][2]  # the weights moved between steps
-    assert losses["torch"] == pytest.approx(losses["hf"], rel=1e-4, abs=1e-6)
-    assert losses["triton"] == pytest.approx(losses["hf"], rel=1e-4, abs=1e-6)
+    for impl in ("grouped", "torch", "triton"):
+        assert losses[impl] == pytest.approx(losses["hf"], rel=1e-4, abs=1e-6), impl
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ def test_one_section_per_process_role():
 @pytest.mark.parametrize("override, message", [
     ("model.dtype=fp8", r"model.dtype: Invalid value 'fp8', expected one of \[bf16, bfloat16, fp32, float32\]"),
     ("model.attn_impl=flash", "model.attn_impl: Invalid value 'flash'"),
-    ("model.moe_impl=cuda", r"model.moe_impl: Invalid value 'cuda', expected one of \[hf, torch, triton\]"),
+    ("model.moe_impl=cuda", r"model.moe_impl: Invalid value 'cuda', expected one of \[hf, grouped, torch, triton\]"),
     ("supervisor.progress=loud", "supervisor.progress: Invalid value 'loud'"),
     ("data.on_bad_row=ignore", r"data.on_bad_row: Invalid value 'ignore', expected one of \[error, skip\]"),
 ])
