@@ -17,7 +17,7 @@ the order rotating per round. Two workloads:
   shorter than a training step. ``--delays`` adds an artificial sampler delay after each generate call
   (``sampler.delay_s``): with a slow sampler the overlap of sampling and training is what async buys; on 2
   shared CPU cores the sampler and the trainer also compete for the same cores, which caps the gain.
-- ``long``: the random-weight tiny model (bench/scaling.py's), 4 prompts x 4, up to 384 tokens: rows run long
+- ``long``: the random-weight tiny model (bench/scaling.py's), 2 prompts x 2, up to 400 tokens: rows run long
   and unevenly, generation outlasts a training step, so new weights arrive mid-generation (in-flight updates
   happen only here). No delay.
 
@@ -57,11 +57,13 @@ def model_dir() -> str:
     return str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
 
 
+# async: sampler and trainer run at once, one thread each (two each oversubscribe 2 cores; as bench/vs_trl.py)
+ASYNC = ["orchestrator.max_staleness=1", "sampler.threads=1", "trainer.threads=1"]
 MODES = {  # name -> launch overrides
     "sync": ["orchestrator.max_staleness=0"],
-    "ahead": ["orchestrator.max_staleness=1"],
-    "inflight": ["orchestrator.max_staleness=1", "sampler.inflight_updates=true"],
-    "inflight_keep": ["orchestrator.max_staleness=1", "sampler.inflight_updates=true", "sampler.inflight_kv=keep"],
+    "ahead": ASYNC,
+    "inflight": [*ASYNC, "sampler.inflight_updates=true"],
+    "inflight_keep": [*ASYNC, "sampler.inflight_updates=true", "sampler.inflight_kv=keep"],
 }
 
 
@@ -73,7 +75,7 @@ def long_model() -> str:
 
 WORKLOADS = {  # name -> (model, launch overrides)
     "short": (model_dir, ["trainer.prompts_per_step=8", "trainer.group_size=8", "sampling.max_tokens=32"]),
-    "long": (long_model, ["trainer.prompts_per_step=4", "trainer.group_size=4", "sampling.max_tokens=384"]),
+    "long": (long_model, ["trainer.prompts_per_step=2", "trainer.group_size=2", "sampling.max_tokens=400"]),
 }
 
 

@@ -9,6 +9,9 @@ embedding, then per layer four 1024 x 1024 matrices and two 1024 norms),
 * ``memcpy`` (baseline): ``{name: t.clone()}``, a fresh copy of every tensor
   (fresh pages, as a published version gets). ``memcpy_warm`` (reference
   only): the same copy into buffers touched before, i.e. without page faults.
+  ``file_floor`` (reference only): the same bytes written to a fresh file in
+  /dev/shm, one ``write`` per tensor, no header, no checksum, no reader: what
+  any transport through a file pays at least.
 * ``shm``: ``ShmTransport.publish`` (one safetensors file in /dev/shm,
   checksummed while written) + ``resolve`` in a sampler process (a spawned
   child: size check and a full re-hash of the file).
@@ -311,6 +314,19 @@ def main(argv: list[str] | None = None) -> dict:
             warm[k].copy_(v)
         return {"total_s": time.perf_counter() - t0}
 
+    floor_dir = shm_dir(RUN_ID + "-floor")
+    floor_dir.mkdir(parents=True, exist_ok=True)
+
+    def file_floor() -> dict:  # for reference: the bytes into fresh tmpfs pages, nothing else
+        path = floor_dir / "floor.bin"
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            for v in weights.values():
+                f.write(v.numpy())
+        dt = time.perf_counter() - t0
+        path.unlink()
+        return {"total_s": dt}
+
     def transport(name: str) -> dict:
         nonlocal version
         version += 1
@@ -324,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {"total_s": time.perf_counter() - t0, "publish_s": t1 - t0, "resolve_s": resolved}
 
     sides = {"memcpy": memcpy, "shm": lambda: transport("shm"), "stream": lambda: transport("stream"),
-             "memcpy_warm": memcpy_warm}
+             "memcpy_warm": memcpy_warm, "file_floor": file_floor}
 
     # --- rounds: warm-up, then rotating order
     try:
@@ -346,6 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
         child.join(10)
         for t in transports.values():
             t.close()
+        shutil.rmtree(floor_dir, ignore_errors=True)
 
     gpu = gpu_mode(quick=args.quick) if torch.cuda.is_available() else None
 
@@ -394,6 +411,10 @@ def main(argv: list[str] | None = None) -> dict:
                "value": med("shm"), "baseline": "memcpy (torch clone of every tensor)",
                "baseline_value": med("memcpy"), "ratio": shm_ratio, "target": TARGET, "pass": shm_ratio <= TARGET,
                "machine": machine(), "stream_ratio": stream_ratio, "bytes": nbytes,
+               "shm_vs_file_floor": statistics.median(a["total_s"] / b["total_s"] for a, b in
+                                                      zip(results["shm"], results["file_floor"], strict=True)),
+               # a verified file transport's floor: the bytes written once into fresh tmpfs pages, hashed once
+               "shm_vs_floor_plus_hash": med("shm") / (med("file_floor") + hash_s),
                "cuda_ipc_vs_shm": gpu_ratios}  # GPU mode: publish+load time ratio per size (None without CUDA)
     results_dir = ROOT / "results"
     results_dir.mkdir(parents=True, exist_ok=True)

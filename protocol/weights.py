@@ -38,6 +38,7 @@ that does not decode, or is not the chunk asked for, ends the fetch with a
 from __future__ import annotations
 
 import atexit
+import mmap
 import os
 import re
 import shutil
@@ -129,13 +130,17 @@ class Checksum:
             self._pending.pop(0).result()
 
 
-def file_checksum(path: str | Path, chunk: int = 1 << 22) -> str:
+def file_checksum(path: str | Path) -> str:
+    """XXH3-128 of a file, hashed in place through a read-only mapping (prefaulted in one call where the
+    platform has MAP_POPULATE): no copy into a buffer. 256 MiB in /dev/shm: 37 ms, against 58-73 ms reading
+    it in 4 MiB blocks (bench/weight_transport.py)."""
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while n := f.readinto(buf):  # one reused buffer: no allocation per block
-            h.update(view[:n])
+        if os.fstat(f.fileno()).st_size == 0:
+            return h.hexdigest()
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        with mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ) as mapped:
+            h.update(mapped)
     return h.hexdigest()
 
 
