@@ -16,7 +16,8 @@ experts than the engine did, replayed or not. Per configuration, over the run's 
 - ``reward``: the training reward of the first and last fifth of the steps, and the held-out accuracy is
   left out (the stage is short; the reward curve is in the JSON).
 
-Writes bench/results/fidelity.json; BENCHMARKS.md has the table.
+Writes bench/results/fidelity.json; the last stdout line is the summary (the worst token's gap with R3 against
+without). BENCHMARKS.md has the table.
 """
 
 from __future__ import annotations
@@ -98,11 +99,21 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name}: |dlogp| {r['logprob_abs_diff']:.2e} (max {r['logprob_abs_diff_max']:.2f}), routes differ "
               f"{r['route_disagree']:.4f}, masked {r['masked']:.4f}, truncated {r['truncated']:.4f}, reward "
               f"{r['reward_first']:.3f} -> {r['reward_last']:.3f}, {r['step_s']:.2f} s/step", file=sys.stderr)
-    out = {"name": "fidelity", "setup": SETUP, "steps": steps, "results": results, "machine": machine(),
-           "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    by = {r["config"]: r for r in results}
+    summary = {"name": "fidelity", "metric": "worst |Δ log p| engine vs trainer over a GRPO stage, bf16 + R3 "
+                                             "(tiny MoE; the other configurations in the JSON)",
+               "value": by["bf16+r3"]["logprob_abs_diff_max"] if "bf16+r3" in by else None,
+               "baseline": "bf16 without routing replay",
+               "baseline_value": by["bf16"]["logprob_abs_diff_max"] if "bf16" in by else None,
+               "ratio": None, "target": None, "pass": None, "machine": machine()}
+    if summary["value"] is not None and summary["baseline_value"]:
+        summary["ratio"] = round(summary["value"] / summary["baseline_value"], 3)
+    out = {**summary, "setup": SETUP, "steps": steps, "results": results, "quick": args.quick,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "fidelity.json").write_text(json.dumps(out, indent=1))
-    return out
+    print(json.dumps(summary))
+    return summary
 
 
 if __name__ == "__main__":

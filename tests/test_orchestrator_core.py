@@ -418,3 +418,38 @@ def test_books_count_ids_and_a_resumed_ledger_keeps_the_steps_before_it(clock, t
     core.ledger.close()
     Ledger(tmp_path / "ledger.jsonl", resume_step=2).close()  # resumed from the checkpoint of step 2
     assert sorted({r["step"] for r in ledger_lines(tmp_path)}) == [0, 1]
+
+
+def test_routes_and_token_versions_travel_through_the_core_into_the_batch_and_the_ledger(clock, tmp_path):
+    """R3 and in-flight updates: each rollout's routes (the experts of every token the engine ran) land in the
+    TrainBatch under that row's tokens (-1 elsewhere); a rollout whose tokens span versions is trained with its
+    oldest version, the ledger writes its newest, and ``version_span`` counts it."""
+    core = make(clock, tmp_path, max_staleness=1)
+    join(core, S0, "sampler")
+    join(core, V0, "verifier")
+    g = core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=1)
+    (ident, req), = sent(core, PromptRequest)
+    rng = np.random.default_rng(0)
+    routes = {}
+    for i, n in enumerate((3, 5)):
+        r = rollout(req, i, n_tokens=n)
+        routes[i] = rng.integers(0, 8, size=(len(PROMPT) + n - 1, 2, 2)).astype(np.int16)  # 2 MoE layers, top-2
+        r.routes = routes[i]
+        if i == 1:  # new weights arrived after its third token
+            r.token_versions = np.array([0, 0, 0, 1, 1], np.int32)
+        assert r.validate() == ""
+        core.receive(ident, r)
+    for v, score in sent(core, ScoreRequest):
+        core.receive(v, Score(score.key, float(score.key.endswith("/0")), True))
+    kept = core.settle([g])
+    batch = build_batch(1, kept, 2, 0, mopd=False, overlong_penalty=False, cursor={})
+    core.trained(kept)
+    assert batch.validate() == "" and batch.routes.shape == (2, len(PROMPT) + 5, 2, 2)
+    for i in (0, 1):
+        ran = len(routes[i])
+        np.testing.assert_array_equal(batch.routes[i, :ran], routes[i])
+        assert (batch.routes[i, ran:] == -1).all()
+    assert batch.versions.tolist() == [0, 0]  # each row's oldest token
+    lines = {r["id"]: r for r in ledger_lines(tmp_path) if r["fate"] == "trained"}
+    assert "version_max" not in lines[f"{g.group_id}/0"] and lines[f"{g.group_id}/1"]["version_max"] == 1
+    assert core.ledger.version_span() == {"trained": 2, "spanning": 1, "max": 1, "mean": 0.5}
