@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -270,8 +271,9 @@ def main(argv: list[str] | None = None) -> None:
               "counters": {"steps": version, "train_s": 0.0, "device": where}}
     if ranks.main:
         options = dict(cfg.weights_options)
-        if cfg.weights_transport == "stream" and cfg.host:
-            options.setdefault("host", cfg.host)  # the address samplers on other hosts reach us at
+        # the address samplers on other hosts reach us at: this node's in a Ray run (supervisor/launchers/)
+        if cfg.weights_transport == "stream" and (host := os.environ.get("CASCADE_RL_NODE_IP") or cfg.host):
+            options.setdefault("host", host)
         transport = TRANSPORTS[cfg.weights_transport](run_id=cfg.run_id, **options)
         pub = zmq.Context.instance().socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)

@@ -1,6 +1,6 @@
 """Where a worker's model lives: the contract between the supervisor's GPU plan and each process.
 
-    device = role_device(cfg, "trainer")      # cuda:LOCAL_RANK if gpus.trainer names GPUs, else cpu
+    device = role_device(cfg, "trainer")      # cuda:LOCAL_RANK if gpus.trainer (ray.trainer.gpus) asks, else cpu
     dtype = torch_dtype(cfg.model.dtype)      # bf16 | bfloat16 | fp32 | float32
 
 The supervisor (supervisor/placement.py) gives each process of a role the GPUs the
@@ -49,19 +49,28 @@ def role_device(cfg, role: str, apply_memory_fraction: bool = True):
     their own option) ``gpus.memory[role]`` caps the process's share of that GPU."""
     import torch
 
-    gpus = list(cfg.gpus[GPU_KEYS[role]])
-    if not gpus:
+    if not uses_gpus(cfg, role):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise DeviceError(f"gpus.{GPU_KEYS[role]}={gpus} but this {role} process sees no CUDA device "
+        asked = (f"ray.{role}.gpus={cfg.ray[role].gpus}" if cfg.get("launcher") == "ray"
+                 else f"gpus.{GPU_KEYS[role]}={list(cfg.gpus[GPU_KEYS[role]])}")
+        raise DeviceError(f"{asked} but this {role} process sees no CUDA device "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, torch "
-                          f"{torch.__version__}): run on a GPU machine with a CUDA build of torch, or empty gpus.*")
+                          f"{torch.__version__}): run on a GPU machine with a CUDA build of torch, or ask for none")
     index = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(index)
     fraction = memory_fraction(cfg, role)
     if apply_memory_fraction and fraction:
         torch.cuda.set_per_process_memory_fraction(fraction, index)
     return torch.device("cuda", index)
+
+
+def uses_gpus(cfg, role: str) -> bool:
+    """Whether the processes of ``role`` run on GPUs: with ``launcher=ray`` when ``ray.<role>.gpus`` > 0 (Ray
+    gives each its GPUs as CUDA_VISIBLE_DEVICES), else when ``gpus.<role's key>`` names some."""
+    if cfg.get("launcher") == "ray":
+        return float(cfg.ray[role].gpus) > 0
+    return bool(cfg.gpus[GPU_KEYS[role]])
 
 
 def memory_fraction(cfg, role: str) -> float | None:

@@ -149,12 +149,12 @@ def cmd_ctl(args: argparse.Namespace) -> int:
             from rich.console import Console
             from rich.table import Table
 
-            table = Table("role", "id", "pid", "state", "version", "restarts", "throughput", "device",
+            table = Table("role", "id", "node", "pid", "state", "version", "restarts", "throughput", "device",
                           title=reply.result["run_dir"])
             for w in workers:
                 c = w["counters"]
                 rate = c.get("tokens", 0) / c["gen_s"] if c.get("gen_s") else None
-                table.add_row(w["role"], w["id"], str(w["pid"]), w["state"], str(w["version"]), str(w["restarts"]),
+                table.add_row(w["role"], w["id"], w.get("node") or "local", str(w["pid"]), w["state"], str(w["version"]), str(w["restarts"]),
                               f"{rate:.0f} tok/s" if rate else "-", str(c.get("device", "")))
             Console().print(table)
     else:
@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     cas.add_argument("--dry-run", action="store_true", help="print the resolved cascade config and exit")
     cas.set_defaults(fn=cmd_cascade)
 
+    from .ray_node import add_parser as add_ray_node
+
+    add_ray_node(sub)
+
     c = sub.add_parser("ctl", help="talk to a running supervisor")
     c.add_argument("--run-dir", default=None, help="default: the newest run")
     c.add_argument("op", choices=["status", "stop", "swap", "scale"])
@@ -266,11 +270,12 @@ def run(args: argparse.Namespace) -> int:
     from cascade_rl.data.sources import DataError
 
     from .config_errors import ConfigError
+    from .launchers import LaunchError
     from .run_data import BadData, refusal
 
     try:
         return args.fn(args)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, LaunchError) as e:
         print(f"cascade-rl: {e}", file=sys.stderr)
         return 2
     except BadData as e:

@@ -22,9 +22,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from cascade_rl.environments.base import EnvSettings
+from cascade_rl.protocol.devices import GPU_KEYS, uses_gpus
 
 from . import judge
 from .config_errors import ConfigError, explain, renamed_overrides, unknown_keys
+from .launchers.rules import launch_problems
 from .schema import LaunchConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -137,14 +139,14 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"teacher.checkpoints: {missing} are not directories")
     triton = [k for k, val in (("model.moe_impl", cfg.model.moe_impl), ("trainer.logprob_impl", t.logprob_impl))
               if val == "triton"]
-    on_cpu = [f"gpus.{k}" for k in ("trainer", "teachers") if not cfg.gpus[k] and (k == "trainer" or teachers)]
+    on_cpu = [f"gpus.{GPU_KEYS[r]}" for r in ("trainer", "teacher") if not uses_gpus(cfg, r) and (r == "trainer" or teachers)]
     if triton and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         problems.append(f"{' and '.join(triton)}=triton run on GPUs, but {' and '.join(on_cpu)} name none: give them "
                         f"GPUs (e.g. gpus.trainer=[0]), or choose {'hf' if triton[0] == 'model.moe_impl' else 'torch'} "
                         f"(TRITON_INTERPRET=1 runs Triton's interpreter on the CPU, for tests only)")
     if t.routing_replay or cfg.sampler.return_routes:
         engine = cfg.sampler.engine
-        if engine == "sglang" or (engine == "vllm" and not cfg.gpus.samplers):
+        if engine == "sglang" or (engine == "vllm" and not uses_gpus(cfg, "sampler")):
             problems.append(f"trainer.routing_replay / sampler.return_routes need an engine that returns routes: the "
                             f"torch engine, or vllm on GPUs (gpus.samplers); {engine}"
                             f"{' on the CPU' if engine == 'vllm' else ''} does not")
@@ -157,6 +159,7 @@ def validate(cfg: DictConfig) -> None:
                             "decode steps here; use sampler.engine=torch or drop inflight_updates")
     if cfg.sampler.inflight_kv not in ("recompute", "keep"):
         problems.append(f"sampler.inflight_kv={cfg.sampler.inflight_kv!r}: choose recompute or keep")
+    problems += launch_problems(cfg)
     if t.algorithm == "mopd" and (t.kl_coef or t.entropy_coef):
         problems.append("trainer.kl_coef / entropy_coef apply to grpo only")
     if problems:

@@ -35,6 +35,8 @@ def problems(cfg) -> list[str]:
         out.append("--inline cannot run SGLang's servers: sampler.engine=torch or vllm")
     if cfg.sampler.launcher:
         out.append("--inline starts no processes: empty sampler.launcher")
+    if cfg.launcher != "local":
+        out.append(f"--inline starts no processes: launcher={cfg.launcher} places processes; drop one of them")
     return out
 
 
@@ -74,3 +76,11 @@ class ThreadProc:
     def wait(self, timeout: float | None = None) -> int | None:
         self._thread.join(timeout)
         return self.poll()
+
+    node = ""  # this machine
+
+    def terminate(self) -> None:
+        """A thread cannot be signalled: it ends with this process (the roles are daemon threads)."""
+
+    def kill(self) -> None:
+        """As ``terminate``."""

@@ -29,7 +29,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -49,11 +48,11 @@ from . import judge, placement, stall
 from .config_errors import ConfigError
 from .display import Display
 from .inline import ThreadProc
+from .launchers import LaunchError, Start, make_launcher
 from .procs import (
     MODULES,
     SERVER_ROLES,
     Proc,
-    _die_with_parent,
     free_ports,
     sampler_procs,
     state_dir,
@@ -90,8 +89,8 @@ class Supervisor:
                 raise ConfigError(f"sampler.engine=sglang: {reason}")
             if not cfg.gpus.samplers:
                 raise ConfigError("sampler.engine=sglang: the SGLang servers need GPUs: set gpus.samplers")
-        if cfg.host and cfg.get("auth", True) and not auth.curve_available():
-            raise ConfigError(f"host={cfg.host}: this libzmq ({zmq.zmq_version()}) has no CURVE security, so its tcp "
+        if (cfg.host or cfg.launcher == "ray") and cfg.get("auth", True) and not auth.curve_available():
+            raise ConfigError(f"host={cfg.host or '(launcher=ray)'}: this libzmq ({zmq.zmq_version()}) has no CURVE security, so its tcp "
                               f"endpoints would admit anyone who reaches them: install a pyzmq wheel (it bundles "
                               f"libsodium), or set auth=false on a trusted network")
         run_id = uuid.uuid4().hex[:10]
@@ -107,14 +106,15 @@ class Supervisor:
         if cfg.get("auth", True) and auth.curve_available() and not inline:
             cfg.auth_keys = str(auth.RunKeys.generate().write(self.run_dir / auth.KEY_FILE))
         auth.install_from_config(cfg)
-        names = ("orchestrator", "weights", "heartbeat", "control")
-        if inline:  # one process, one ZeroMQ context: in memory
-            endpoints = {name: f"inproc://{run_id}/{name}" for name in names}
-        elif cfg.host:  # tcp: reachable from other hosts / network namespaces
-            endpoints = {name: f"tcp://{cfg.host}:{port}" for name, port in zip(names, free_ports(len(names)))}
-        else:
-            endpoints = {name: f"ipc://{self.sock_dir}/{name}" for name in names}
-        cfg.endpoints.update(endpoints)
+        # who starts the processes (supervisor/launchers/): ray joins its cluster here, and gives the run its host
+        self.launcher = make_launcher(cfg)
+        self.launcher.connect()
+        try:
+            cfg.host = self.launcher.host()
+            self._endpoints(cfg, run_id, inline)
+        except BaseException:  # a placement that failed: what was placed is given back
+            self.launcher.close()
+            raise
         cfg.model.path = str(Path(cfg.model.path).resolve())
         if judge.needed(cfg):  # the verifiers read the served judge's URL from config.yaml
             judge.assign_port(cfg.verifier.judge)
@@ -138,31 +138,43 @@ class Supervisor:
         state_dir().mkdir(parents=True, exist_ok=True)
         (state_dir() / "latest_run").write_text(str(self.run_dir))
 
+    def _endpoints(self, cfg: DictConfig, run_id: str, inline: bool) -> None:
+        """The run's four sockets: inproc with --inline, tcp on ``host`` (a Ray run: the orchestrator's and the
+        trainer's on the nodes they were placed on), else ipc under the run's socket folder."""
+        names = ("orchestrator", "weights", "heartbeat", "control")
+        if inline:  # one process, one ZeroMQ context: in memory
+            endpoints = {name: f"inproc://{run_id}/{name}" for name in names}
+        elif cfg.host:  # tcp: reachable from other hosts / network namespaces
+            endpoints = {name: f"tcp://{cfg.host}:{port}" for name, port in zip(names, free_ports(len(names)))}
+        else:
+            endpoints = {name: f"ipc://{self.sock_dir}/{name}" for name in names}
+        if cfg.launcher == "ray":  # the two that bind elsewhere: placed now, on their nodes' addresses
+            for name, worker_id, role, ranks in (("orchestrator", "orchestrator", "orchestrator", 1),
+                                                 ("weights", "trainer-0", "trainer", cfg.trainer.world_size)):
+                ip, port = self.launcher.address_of(worker_id, role, ranks)
+                endpoints[name] = f"tcp://{ip}:{port}"
+        cfg.endpoints.update(endpoints)
+
     # ------------------------------------------------------------------ processes
 
     def spawn(self, proc: Proc) -> None:
         if self.inline and not proc.cmd:  # a server (the judge's) is a process of its own with --inline too
-            proc.popen = ThreadProc(MODULES[proc.role], ["--config", str(self.config_path), "--worker-id",
-                                                         proc.worker_id, *proc.args], proc.worker_id)
+            proc.handle = ThreadProc(MODULES[proc.role], ["--config", str(self.config_path), "--worker-id",
+                                                          proc.worker_id, *proc.args], proc.worker_id)
             proc.state, proc.last_beat = "starting", time.monotonic()
             return
         # PYTHONSAFEPATH (python -P): never put the cwd on sys.path, in this process's children and
         # theirs (torchrun's ranks): a checkout's top-level verifiers/ or kernels/ folders would shadow
         # the PyPI packages of those names
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", PYTHONSAFEPATH="1",
-                   **placement.cuda_env(proc.gpus))
-        log = open(self.run_dir / "logs" / f"{proc.worker_id}.log", "ab")
-        launcher = [sys.executable, "-P", "-m"]
-        if proc.role == "sampler" and self.cfg.sampler.launcher:  # elsewhere: a netns, another host
-            launcher = [*self.cfg.sampler.launcher, *launcher]
-        if proc.role == "trainer" and self.cfg.trainer.world_size > 1:  # one process per rank, torchrun's
-            launcher += ["torch.distributed.run", "--standalone", f"--nproc-per-node={self.cfg.trainer.world_size}",
-                         "-m"]
-        cmd = proc.cmd or [*launcher, MODULES[proc.role], "--config", str(self.config_path), "--worker-id",
-                           proc.worker_id, *proc.args]
-        proc.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                      preexec_fn=_die_with_parent)
-        log.close()
+        env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONSAFEPATH": "1"}
+        if self.cfg.launcher == "local":  # Ray gives each process its GPUs itself
+            env.update(placement.cuda_env(proc.gpus))
+        cmd = proc.cmd or ["python", "-P", "-m", MODULES[proc.role], "--config", str(self.config_path),
+                           "--worker-id", proc.worker_id, *proc.args]
+        proc.handle = self.launcher.spawn(Start(
+            proc.worker_id, proc.role, cmd, env, str(self.run_dir / "logs" / f"{proc.worker_id}.log"),
+            ranks=self.cfg.trainer.world_size if proc.role == "trainer" else 1,
+            prefix=list(self.cfg.sampler.launcher) if proc.role == "sampler" else []))  # a netns, another host
         proc.state, proc.last_beat = "starting", time.monotonic()
 
     def start(self) -> None:
@@ -180,7 +192,7 @@ class Supervisor:
                           gpus=placement.gpus_of(self.cfg, "teacher", i)))
         if served is not None:
             judge.wait_healthy(self.cfg.verifier.judge.base_url, self.cfg.verifier.judge.startup_s,
-                               lambda: served.popen.poll(), self.run_dir / "logs" / "judge.log",
+                               lambda: served.handle.poll(), self.run_dir / "logs" / "judge.log",
                                tick=lambda: self.serve(timeout_ms=200))
             served.state = "serving"
         for i in range(self.cfg.verifier.count):
@@ -215,11 +227,11 @@ class Supervisor:
         for p in self.procs.values():
             if p.draining:
                 continue
-            if p.popen is None:
+            if p.handle is None:
                 if now >= p.restart_at:
                     self.spawn(p)
                 continue
-            rc = p.popen.poll()
+            rc = p.handle.poll()
             if p.role == "judge" and rc is None and p.state == "starting":  # restarted: serving once healthy
                 p.state = "serving" if judge.healthy(self.cfg.verifier.judge.base_url, 0.2) else p.state
             if p.role == "orchestrator" and rc is not None:
@@ -231,13 +243,13 @@ class Supervisor:
             if rc is None and not silent:
                 continue
             if rc is None or p.role in SERVER_ROLES:  # hung; or a server whose children outlive it (vLLM's engine)
-                self._kill(p.popen)
-            if p.serves in self.procs and self.procs[p.serves].popen is not None:
-                self._kill(self.procs[p.serves].popen)  # a fresh server has the base weights: so must its sampler
+                self._kill(p.handle)
+            if p.serves in self.procs and self.procs[p.serves].handle is not None:
+                self._kill(self.procs[p.serves].handle)  # a fresh server has the base weights: so must its sampler
             if p.restarts >= sup.max_restarts or (self.inline and not p.cmd):  # inline: the traceback is the answer
                 return f"{p.worker_id} failed {p.restarts + 1} times (see logs/{p.worker_id}.log)"
-            p.state = f"exited({rc})" if rc is not None else "hung"
-            p.popen = None
+            p.state = ("lost" if getattr(p.handle, "lost", "") else f"exited({rc})") if rc is not None else "hung"
+            p.handle = None
             p.restart_at = now + sup.restart_backoff_s * 2**p.restarts
             p.restarts += 1
         if sup.timeout_s and now - self.started > sup.timeout_s:
@@ -252,15 +264,15 @@ class Supervisor:
         for p in list(self.procs.values()):
             if p.replaced_by and not p.draining and all(
                     self.procs[r].state == "running" for r in p.replaced_by if r in self.procs):
-                if p.popen is not None and p.popen.poll() is None:
-                    os.killpg(p.popen.pid, signal.SIGTERM)
+                if p.handle is not None and p.handle.poll() is None:
+                    p.handle.terminate()
                 p.draining, p.state = True, "draining"
-            if p.draining and (p.popen is None or p.popen.poll() is not None):
-                self.retired.append({**p.row(), "state": f"retired({p.popen.returncode if p.popen else None})"})
+            if p.draining and (p.handle is None or p.handle.poll() is not None):
+                self.retired.append({**p.row(), "state": f"retired({p.handle.returncode if p.handle else None})"})
                 del self.procs[p.worker_id]
                 for server in [q for q in self.procs.values() if q.serves == p.worker_id]:  # its SGLang server
-                    if server.popen is not None:
-                        self._kill(server.popen)
+                    if server.handle is not None:
+                        self._kill(server.handle)
                     del self.procs[server.worker_id]
 
     def scale(self, role: str, count: int) -> dict:
@@ -280,8 +292,8 @@ class Supervisor:
                 self.add(Proc(role, worker_id, args=list(live[0].args if live else [])))
             started.append(worker_id)
         for p in live[count:][::-1] if len(live) > count else []:
-            if p.popen is not None and p.popen.poll() is None:
-                os.killpg(p.popen.pid, signal.SIGTERM)
+            if p.handle is not None and p.handle.poll() is None:
+                p.handle.terminate()
             p.draining, p.state = True, "draining"
             draining.append(p.worker_id)
         return {"started": started, "draining": draining, role + "s": count}
@@ -313,29 +325,26 @@ class Supervisor:
 
     def stop_all(self) -> None:
         # --inline: the roles are daemon threads, which end with this process; only servers are processes
-        procs = [p for p in self.procs.values() if p.popen is not None and (p.cmd or not self.inline)]
+        procs = [p for p in self.procs.values() if p.handle is not None and (p.cmd or not self.inline)]
         for p in procs:
-            if p.popen.poll() is None:
-                os.killpg(p.popen.pid, signal.SIGTERM)
+            if p.handle.poll() is None:
+                p.handle.terminate()
         deadline = time.monotonic() + 10
         for p in procs:
             try:
-                p.popen.wait(max(0.1, deadline - time.monotonic()))
+                p.handle.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self._kill(p.popen)
+                self._kill(p.handle)
             if p.role in SERVER_ROLES:  # another project's children (vLLM's engine core) must not outlive the run
-                self._kill(p.popen)
+                self._kill(p.handle)
         if not self.inline:
             shutil.rmtree(self.sock_dir, ignore_errors=True)
         shutil.rmtree(shm_dir(self.cfg.run_id), ignore_errors=True)
+        self.launcher.close()
 
     @staticmethod
-    def _kill(popen: subprocess.Popen) -> None:
-        try:
-            os.killpg(popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        popen.wait()
+    def _kill(handle) -> None:
+        handle.kill()
 
     # ------------------------------------------------------------------ sockets
 
@@ -368,7 +377,7 @@ class Supervisor:
     def _on_beat(self, hb: Heartbeat) -> None:
         p = self.procs.get(hb.worker_id)
         remote = p is not None and p.role == "sampler" and bool(self.cfg.sampler.launcher)
-        if p is None or p.popen is None or (p.popen.pid != hb.pid and not remote):
+        if p is None or p.handle is None or (p.handle.pid != hb.pid and not remote):
             return  # a beat from a process we already replaced (a launcher prefix, e.g. ssh, changes pids)
         p.last_beat, p.state, p.version, p.counters = time.monotonic(), hb.state, hb.version, hb.counters
 
@@ -400,7 +409,7 @@ class Supervisor:
         now, orchestrator = time.monotonic(), self.procs["orchestrator"].counters
         if not self.stall.stalled(orchestrator, now):
             return
-        rows = [{**p.row(), "beat_age_s": now - p.last_beat if p.popen else None} for p in self.procs.values()]
+        rows = [{**p.row(), "beat_age_s": now - p.last_beat if p.handle else None} for p in self.procs.values()]
         text = stall.report(rows, orchestrator, self.stall.stalled_for(now), self.stall.timeout_s,
                             self.run_dir / "logs")
         (self.run_dir / "stall.txt").write_text(text)
@@ -424,8 +433,8 @@ class Supervisor:
                     self.report_stall(display)
         except KeyboardInterrupt:
             outcome = "interrupted"
-        except judge.JudgeStartError as e:  # the launch fails with the judge's log; everything started stops
-            outcome = str(e)
+        except (judge.JudgeStartError, LaunchError) as e:  # the judge never answered, a worker has no place:
+            outcome = str(e)  # the launch fails with why; everything started stops
         finally:
             self.stop_all()
             self._last_beats()

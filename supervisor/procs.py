@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import subprocess
 from pathlib import Path
+from typing import Any
 
 from . import placement
 
@@ -72,7 +72,7 @@ def state_dir() -> Path:
 class Proc:
     role: str
     worker_id: str
-    popen: subprocess.Popen | None = None
+    handle: Any = None  # what the launcher returned (supervisor/launchers/: a Popen's, a Ray actor's); None: not running
     restarts: int = 0
     restart_at: float = 0.0
     last_beat: float = 0.0
@@ -91,7 +91,8 @@ class Proc:
         return {
             "role": self.role,
             "id": self.worker_id,
-            "pid": self.popen.pid if self.popen else None,
+            "pid": self.handle.pid if self.handle else None,
+            "node": self.handle.node if self.handle else "",
             "state": self.state,
             "version": self.version,
             "restarts": self.restarts,

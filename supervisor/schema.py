@@ -20,6 +20,7 @@ from cascade_rl.environments.base import EnvSettings
 from cascade_rl.modeling.choices import AttnImpl, MoeImpl
 from cascade_rl.protocol.devices import Dtype
 
+from .schema_ray import LauncherName, RayConfig
 from .schema_services import JudgeConfig, SGLangConfig, VLLMConfig
 
 
@@ -422,6 +423,11 @@ class LaunchConfig:
     else the bound address or this machine's hostname), chunk_mb (frame size, 16)."""
     endpoints: EndpointsConfig = field(default_factory=EndpointsConfig)
     """The run's sockets, filled by the supervisor."""
+    launcher: LauncherName = LauncherName.local
+    """local (the supervisor's child processes, on its machine) | ray (processes placed on a Ray cluster's nodes,
+    section ``ray``)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """With launcher=ray: the cluster's address and what each role reserves on which nodes."""
     host: str = ""
     """Empty: ipc endpoints (one machine). An address of this machine: tcp endpoints on it, so workers on
     other hosts (or network namespaces) can connect; pair with weights_transport=stream without a shared
