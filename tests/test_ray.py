@@ -60,7 +60,9 @@ def wait_for(pred, proc: subprocess.Popen, timeout_s: float, what: str):
 def test_a_tiny_run_places_samplers_and_verifiers_on_the_worker_node(cluster, tiny_model, math_data, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
-    proc = launch(run_dir, [f"model.path={tiny_model}", *math_data, *ray_overrides(cluster)], env)
+    steps = 5  # each generate call 1 s longer: the run outlasts a scale-up
+    proc = launch(run_dir, [f"model.path={tiny_model}", *math_data, f"trainer.steps={steps}", "sampler.delay_s=1",
+                            *ray_overrides(cluster)], env)
     rows = wait_for(lambda: (r := status(run_dir, env)) and all(
         r.get(w, {}).get("state", "starting") != "starting" for w in ("sampler-0", "verifier-0")) and r,
                     proc, 120, "sampler-0 and verifier-0 running")
@@ -71,14 +73,31 @@ def test_a_tiny_run_places_samplers_and_verifiers_on_the_worker_node(cluster, ti
     table = subprocess.run([*CLI, "ctl", "--run-dir", str(run_dir), "status"], capture_output=True, text=True,
                            env=dict(env, COLUMNS="200"), timeout=30).stdout
     assert cluster.worker_ip in table and cluster.head_ip in table
+    # ctl scale: a second sampler placed where the cluster has room (the rollout node, by its labels)
+    r = subprocess.run([*CLI, "ctl", "--run-dir", str(run_dir), "scale", "samplers=2"], capture_output=True,
+                       text=True, env=env, timeout=150)
+    assert r.returncode == 0 and json.loads(r.stdout)["started"] == ["sampler-1"], r.stdout + r.stderr
+    rows = wait_for(lambda: (r := status(run_dir, env)) and r.get("sampler-1", {}).get("state", "starting")
+                    != "starting" and r, proc, 120, "sampler-1 running")
+    assert rows["sampler-1"]["node"] == cluster.worker_ip
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
     config = (run_dir / "config.yaml").read_text()
     assert f"orchestrator: tcp://{cluster.head_ip}:" in config and "ipc://" not in config
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["books"]["lost"] == 0 and summary["books"]["trained"] == 3 * 8 * 4
+    assert summary["books"]["lost"] == 0 and summary["books"]["trained"] == steps * 8 * 4
     nodes = {w["id"]: w["node"] for w in summary["workers"]}
     assert nodes["sampler-0"] == cluster.worker_ip and nodes["trainer-0"] == cluster.head_ip
+
+
+def test_a_role_no_node_can_hold_fails_the_launch_with_what_it_asked(cluster, tiny_model, math_data, tmp_path):
+    r = subprocess.run([*CLI, "launch", "tiny", f"run_dir={tmp_path}/run", f"model.path={tiny_model}", *math_data,
+                        *ray_overrides(cluster), "ray.verifier.labels=[{pool: gpu}]"], capture_output=True,
+                       text=True, env=dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state")), timeout=180)
+    assert r.returncode == 1
+    out = r.stdout + r.stderr
+    assert "no live node can hold {'CPU': 1.0} with labels {'pool': 'gpu'}" in out and "Traceback" not in out
+    assert f"{cluster.worker_ip} (alive, labels {{'pool': 'rollout'}}" in out  # what the cluster has
 
 
 def test_losing_the_worker_node_places_its_workers_on_the_head(cluster, tiny_model, math_data, tmp_path):

@@ -12,7 +12,8 @@ addresses (placed before config.yaml is written, ``address_of``), every worker c
 keys, weights travel by the stream transport.
 
 The trainer's ranks are started as torchrun would start them (RANK, WORLD_SIZE, MASTER_ADDR: rank 0's node,
-MASTER_PORT: free there; GLOO_SOCKET_IFNAME: the interface of the rank's node address), each seeing its own GPU.
+MASTER_PORT: free there; OMP_NUM_THREADS=1 unless set; GLOO_SOCKET_IFNAME: the interface of the rank's node
+address), each seeing its own GPU.
 
 A host lost (its node died, or the actor was killed) ends its handle with ``lost`` set; its node is avoided for
 ``ray.suspect_s`` and the supervisor's restart policy places the worker again, on the nodes left.
@@ -114,6 +115,9 @@ class RayLauncher:
             raise LaunchError("launcher=ray needs Ray on this machine and every node: pip install "
                                "'cascade-rl[ray]'") from None
         address = self.cfg.ray.address
+        if unreachable := _unreachable(address):  # ray.init would retry a dead address for minutes
+            raise LaunchError(f"launcher=ray: no Ray cluster answers at ray.address={address} ({unreachable}): start "
+                              f"one there (cascade-rl ray-node head, or ray start --head) or fix the address")
         try:
             ray.init(address=address, _node_ip_address=self.cfg.host or None, log_to_driver=False,
                      namespace=f"cascade-rl-{self.cfg.run_id}", configure_logging=False)
@@ -206,6 +210,8 @@ class RayLauncher:
                      MASTER_ADDR=infos[0]["ip"], MASTER_PORT=str(port), CASCADE_RL_NODE_IP=info["ip"])
             if info["interface"] and "GLOO_SOCKET_IFNAME" not in os.environ:
                 e["GLOO_SOCKET_IFNAME"] = info["interface"]
+            if "OMP_NUM_THREADS" not in os.environ:  # torchrun's default for several ranks (trainer.threads wins)
+                e.setdefault("OMP_NUM_THREADS", "1")
             out.append(e)
         return out
 
@@ -225,6 +231,20 @@ class RayLauncher:
                 ray.kill(h)
             self.release(pg)
         ray.shutdown()
+
+
+def _unreachable(address: str, timeout_s: float = 5.0) -> str:
+    """Why a HOST:PORT address takes no TCP connection ("" when it does, or for ``auto``)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if address == "auto" or not port.isdigit():
+        return ""
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return str(e)
+    return ""
 
 
 def _rank_log(path: str, rank: int) -> str:

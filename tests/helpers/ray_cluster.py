@@ -16,11 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+from netns import Netns
+
 CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
-
-
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
 def descendants(pids: set[int]) -> set[int]:
@@ -62,8 +60,9 @@ def kill_matching(text: str) -> None:
 class RayCluster:
     def __init__(self, root: Path, cpus: int = 4) -> None:
         k = 100 + os.getpid() % 150
-        self.ns, self.host_if, self.ns_if = f"crlr{os.getpid()}", f"crlrh{os.getpid()}"[:15], f"crlrn{os.getpid()}"[:15]
         self.head_ip, self.worker_ip = f"10.232.{k}.1", f"10.232.{k}.2"
+        self.netns = Netns(f"crlr{os.getpid()}", self.head_ip, self.worker_ip)
+        self.ns = self.netns.name
         self.port = 20000 + os.getpid() % 20000
         self.address = f"{self.head_ip}:{self.port}"
         # short: Ray's unix sockets live under them (paths of at most ~107 bytes)
@@ -72,15 +71,8 @@ class RayCluster:
         self.env = dict(os.environ, RAY_prestart_worker_first_driver="0")  # no idle workers to boot on 2 cores
 
     def __enter__(self) -> RayCluster:
-        sh("ip", "netns", "add", self.ns)
+        self.netns.__enter__()
         try:
-            sh("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
-            sh("ip", "link", "set", self.ns_if, "netns", self.ns)
-            sh("ip", "addr", "add", f"{self.head_ip}/24", "dev", self.host_if)
-            sh("ip", "link", "set", self.host_if, "up")
-            for cmd in (["ip", "addr", "add", f"{self.worker_ip}/24", "dev", self.ns_if],
-                        ["ip", "link", "set", self.ns_if, "up"], ["ip", "link", "set", "lo", "up"]):
-                sh("ip", "netns", "exec", self.ns, *cmd)
             self._node("head", "--ip", self.head_ip, "--port", str(self.port), "--labels", "node=head",
                        "--temp-dir", self.head_tmp)
             self.start_worker()
@@ -103,8 +95,7 @@ class RayCluster:
         assert r.returncode == 0, r.stdout + r.stderr
 
     def netns_pids(self) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
+        return self.netns.pids()
 
     def kill_worker(self) -> int:
         """The worker node dies as a machine that loses power: every process of its network namespace (its
@@ -124,7 +115,6 @@ class RayCluster:
         kill_matching(self.worker_tmp)
         kill_matching(self.head_tmp)
         time.sleep(0.5)
-        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+        self.netns.__exit__()
         for tmp in (self.head_tmp, self.worker_tmp):
             subprocess.run(["rm", "-rf", tmp], capture_output=True)
