@@ -71,7 +71,7 @@ install_packages() {
     # no setuptools >= 69 there: the same layout pyproject.toml maps (cascade_rl.X = ./X), as links to this tree
     echo "pip could not build the project offline; linking its folders into $SITE/cascade_rl instead"
     rm -rf "$SITE/cascade_rl" && mkdir -p "$SITE/cascade_rl"
-    for d in protocol data supervisor orchestrator learner modeling samplers verifiers teachers kernels configs; do
+    for d in protocol data supervisor orchestrator learner modeling samplers verifiers teachers kernels configs environments; do
       ln -sfn "$PWD/$d" "$SITE/cascade_rl/$d"
     done
   fi

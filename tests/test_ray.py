@@ -127,6 +127,23 @@ def test_losing_the_worker_node_places_its_workers_on_the_head(cluster, tiny_mod
     cluster.start_worker()  # for the tests after this one
 
 
+def test_losing_the_trainers_node_stops_the_run_with_how_to_resume(cluster, tiny_model, math_data, tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
+    proc = launch(run_dir, [f"model.path={tiny_model}", *math_data, "trainer.steps=50", "trainer.save_every=1",
+                            *ray_overrides(cluster), "ray.trainer.labels=[{pool: rollout}]"], env)
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.is_file() and any('"version"' in line for line in metrics.read_text().splitlines()),
+             proc, 180, "a first training step")
+    assert status(run_dir, env)["trainer-0"]["node"] == cluster.worker_ip
+    cluster.kill_worker()
+    out, _ = proc.communicate(timeout=120)
+    cluster.start_worker()  # for the tests after this one
+    assert proc.returncode == 1
+    assert "trainer exited" in out and f"run_dir={run_dir} resume=true" in out.replace("\n", "")
+    assert (run_dir / "checkpoints").is_dir()  # what resume=true continues from
+
+
 def test_two_trainer_ranks_on_two_nodes_equal_one_rank(cluster, tiny_model, tmp_path):
     """The FSDP2 equivalence of tests/test_parallel.py, its two ranks placed by the Ray launcher one per node
     (STRICT_SPREAD: gloo between the namespaces, rendezvous on rank 0's node)."""
