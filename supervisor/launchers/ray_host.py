@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import fcntl
 import os
-import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
 from pathlib import Path
+
+from ..procs import _die_with_parent
 
 # what Ray sets in its workers' environments that must not reach ours: thread counts follow the config
 # (sampler.threads...), as under the local launcher
@@ -95,16 +96,6 @@ class ProcessHost:
                 os.killpg(self._popen.pid, signum)
             except ProcessLookupError:
                 pass
-
-
-def _die_with_parent() -> None:
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # as the local launcher's children (supervisor/procs.py)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def interface_of(ip: str) -> str:

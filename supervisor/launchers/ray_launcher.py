@@ -171,7 +171,13 @@ class RayLauncher:
                                resources={k: v for k, v in need.items() if k not in ("CPU", "GPU")} or None,
                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote()
                  for i in range(ranks)]
-        infos = ray.get([h.node.remote() for h in hosts])
+        try:
+            infos = ray.get([h.node.remote() for h in hosts], timeout=self.cfg.ray.placement_timeout_s)
+        except ray.exceptions.RayError as e:  # its node died meanwhile, or it never started (a timeout)
+            for h in hosts:
+                ray.kill(h)
+            self.release(pg)
+            raise LaunchError(f"{role}: its host did not start on the placed node ({type(e).__name__}: {e})") from None
         return pg, hosts, infos
 
     def address_of(self, worker_id: str, role: str, ranks: int = 1) -> tuple[str, int]:
@@ -180,7 +186,10 @@ class RayLauncher:
         import ray
 
         pg, hosts, infos = self._placed[worker_id] = self._place(role, ranks)
-        return infos[0]["ip"], int(ray.get(hosts[0].free_port.remote()))
+        try:
+            return infos[0]["ip"], int(ray.get(hosts[0].free_port.remote(), timeout=60))
+        except ray.exceptions.RayError as e:
+            raise LaunchError(f"{worker_id}: its node stopped answering ({type(e).__name__})") from None
 
     def spawn(self, start: Start) -> RayHandle:
         import ray
@@ -188,8 +197,8 @@ class RayLauncher:
         pg, hosts, infos = self._placed.pop(start.worker_id, None) or self._place(start.role, start.ranks)
         handle = RayHandle(self, pg, hosts, infos)
         env = dict(start.env, CASCADE_RL_NODE_IP=infos[0]["ip"])
-        envs = [env] if start.ranks == 1 else self._rank_envs(env, hosts, infos)
         try:
+            envs = [env] if start.ranks == 1 else self._rank_envs(env, hosts, infos)
             pids = ray.get([h.start.remote(start.cmd, e, _rank_log(start.log_path, rank))
                             for rank, (h, e) in enumerate(zip(hosts, envs))])
         except ray.exceptions.RayError as e:

@@ -89,6 +89,18 @@ class SlurmCluster:
             self.__exit__()
             raise
 
+    def wait_job(self, job_id: str, timeout_s: float) -> tuple[str, str]:
+        """(JobState, ExitCode) of a job once it has ended, polled every 0.5 s."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            out = subprocess.run(["scontrol", "show", "job", job_id, "-o"], capture_output=True, text=True,
+                                 env=self.env).stdout
+            fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+            if fields.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+                return fields["JobState"], fields.get("ExitCode", "")
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} still running after {timeout_s} s")
+
     def _steps(self) -> list[int]:
         """Our cluster's step daemons (slurmstepd, detached from slurmd): those whose SLURM_CONF is ours."""
         mine = f"SLURM_CONF={self.conf}".encode()
