@@ -254,9 +254,9 @@ class Supervisor:
             if rc is None and not silent:
                 continue
             if rc is None or p.role in SERVER_ROLES:  # hung; or a server whose children outlive it (vLLM's engine)
-                self._kill(p.handle)
+                p.handle.kill()
             if p.serves in self.procs and self.procs[p.serves].handle is not None:
-                self._kill(self.procs[p.serves].handle)  # a fresh server has the base weights: so must its sampler
+                self.procs[p.serves].handle.kill()  # a fresh server has the base weights: so must its sampler
             if p.restarts >= sup.max_restarts or (self.inline and not p.cmd):  # inline: the traceback is the answer
                 return f"{p.worker_id} failed {p.restarts + 1} times (see logs/{p.worker_id}.log)"
             p.state = ("lost" if getattr(p.handle, "lost", "") else f"exited({rc})") if rc is not None else "hung"
@@ -283,7 +283,7 @@ class Supervisor:
                 del self.procs[p.worker_id]
                 for server in [q for q in self.procs.values() if q.serves == p.worker_id]:  # its SGLang server
                     if server.handle is not None:
-                        self._kill(server.handle)
+                        server.handle.kill()
                     del self.procs[server.worker_id]
 
     def scale(self, role: str, count: int) -> dict:
@@ -345,17 +345,13 @@ class Supervisor:
             try:
                 p.handle.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self._kill(p.handle)
+                p.handle.kill()
             if p.role in SERVER_ROLES:  # another project's children (vLLM's engine core) must not outlive the run
-                self._kill(p.handle)
+                p.handle.kill()
         if not self.inline:
             shutil.rmtree(self.sock_dir, ignore_errors=True)
         shutil.rmtree(shm_dir(self.cfg.run_id), ignore_errors=True)
         self.launcher.close()
-
-    @staticmethod
-    def _kill(handle) -> None:
-        handle.kill()
 
     # ------------------------------------------------------------------ sockets
 

@@ -52,10 +52,11 @@ def choose(preferences, nodes: list[dict], need: dict[str, float], avoid: set[st
     ``avoid``, which the selector then excludes. Raises PlacementError when no live node ever could."""
     options = [dict(p) for p in preferences] or [{}]
     live = [n for n in nodes if n.get("Alive")]
-    for pool in ([n for n in live if n["NodeID"] not in avoid], live):
+    trusted = [n for n in live if n["NodeID"] not in avoid]
+    for pool, exclude in ((trusted, bool(avoid)), (live, False)):
         for selector in options:
             if any(matches(selector, n.get("Labels", {})) and holds(n, need) for n in pool):
-                if avoid and pool is not live and NODE_ID not in selector:
+                if exclude and NODE_ID not in selector:
                     selector[NODE_ID] = f"!in({','.join(sorted(avoid))})"
                 return selector
     raise PlacementError(f"no live node can hold {need or 'a process'} with labels "

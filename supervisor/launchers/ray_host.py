@@ -21,7 +21,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ..procs import _die_with_parent
+from ..procs import _die_with_parent, free_ports
 
 # what Ray sets in its workers' environments that must not reach ours: thread counts follow the config
 # (sampler.threads...), as under the local launcher
@@ -45,9 +45,7 @@ class ProcessHost:
 
     def free_port(self) -> int:
         """A TCP port free on this node now (for an endpoint a process placed here will bind)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_ports(1)[0]
 
     def start(self, cmd: list[str], env: dict[str, str], log_path: str) -> int:
         """Start ``cmd`` (its ``python`` is this node's: the actor's interpreter) with this actor's environment
