@@ -1,66 +1,157 @@
 #!/usr/bin/env bash
-# Every GPU check at once, in one call of the GPU machine (a session gets ~15 minutes of device time in all):
+# Every GPU check at once, in one call of the GPU machine (a session gets ~15 minutes of device time in all, one
+# command at most 600 s):
 #
 #   bash bench/gpu_checks.sh          # on the GPU machine: its python3 (or $PY), .whl/ carried along
 #
-# Parts, each under its own `timeout` and never stopping the others:
-#   install         the carried wheels (.whl/, made here by bench/gpu_wheels.sh) and this project into /tmp/site
-#   tests           the kernel tests and tests/test_gpu.py on real CUDA (TRITON_INTERPRET unset)
-#   launch_tiny     bench/gpu_launch.py: a full MOPD launch, trainer + sampler + teacher sharing GPU 0 (tiny model),
-#                   bf16, Triton experts replaying the engine's routes (trainer.routing_replay)
-#   weight_transport bench/weight_transport.py: shm vs cuda_ipc publish + load in another process (tiny, 1B bf16)
-#   moe_kernels     bench/moe_kernels.py: Triton vs torch._grouped_mm vs the per-expert loop (vs the torch reference)
-#   logprob_kernel  bench/logprob_kernel.py: the fused Triton LM-head log-prob kernel vs chunked torch vs full logits
-#   launch_50m      the same launch with the 50m model
-#   launch_vllm     the tiny launch with sampler.engine=vllm (skipped where `import vllm` fails)
-# Ends with ONE JSON, bench/results/gpu_checks.json (copied to $OUT with the logs when $OUT is set): the GPU,
-# torch/triton versions, and per part its status (ok | failed, with the tail of its log | skipped, with why) and
-# figures. The whole run stays inside GPU_CHECKS_BUDGET_S (default 540 s, under the device tool's 10 minutes a
-# command): a part gets its own cap or what is left, whichever is less, and is skipped when too little is left.
+# Parts, in this order, each under its own `timeout` (cap / kill grace, in s) and never stopping the others:
+#   install          45/10  the carried wheels (.whl/, made by bench/gpu_wheels.sh) and this project into /tmp/site;
+#                           a wheel set pip refuses is retried wheel by wheel, and the project install (then its
+#                           link fallback) runs whatever the wheels did
+#   machine          50/10  bench/gpu_checks_machine.py -> machine.json: versions (torch, Triton, driver), the GPU,
+#                           /dev/shm's size, the compute mode, and a real two-process CUDA IPC probe (25 s bound)
+#   launch_tiny     150/35  bench/gpu_launch.py: a full MOPD launch, trainer + sampler + teacher sharing GPU 0 (tiny
+#                           model), bf16, Triton experts replaying the engine's routes (trainer.routing_replay)
+#   tests           150/15  the kernel tests, tests/test_experts.py, tests/test_gpu.py's in-process test and the two
+#                           cross-process CUDA IPC tests, on real CUDA (TRITON_INTERPRET unset); 60 s per test
+#   weight_transport 60/10  bench/weight_transport.py --quick: shm vs cuda_ipc publish + load in another process
+#   moe_kernels      75/10  bench/moe_kernels.py --rounds 5: Triton vs torch._grouped_mm vs the per-expert loop
+#   logprob_kernel   60/10  bench/logprob_kernel.py --rounds 3: the fused LM-head log-prob kernel vs chunked torch
+#   launch_50m      120/35  the same launch with the 50m model
+#   launch_vllm     120/35  the tiny launch with sampler.engine=vllm (skipped where vllm is not installed)
 #
-#   GPU_CHECKS_ONLY=tests,launch_tiny   run only these parts (install always runs)
+# Why this order and these caps. GPU_CHECKS_BUDGET_S (480 s) holds everything, kill graces and the final report
+# included, so the device tool's 600 s call keeps two minutes for start-up, transfers and a killed part's clean-up.
+# A part gets its cap or what is left (less its grace and a 10 s reserve), whichever is less, and is skipped, saying
+# so, when under 20 s are left: the parts run in order of value, so a budget that runs out costs the least.
+# install and machine are cheap (seconds) and everything needs them. launch_tiny is the headline: the first
+# end-to-end run on a GPU (three processes, ZeroMQ, weights, the bf16 kernels) whose figures BENCHMARKS.md still
+# lacks; it also warms Triton's cache for the kernel variants the tests share with it. tests compile the most kernel variants
+# (the slowest to compile) and come second: they localise a failure the launch only shows. They leave out what runs
+# elsewhere: tests/test_gpu.py's three-process launch (launch_tiny does that launch, timed) and the ahead-of-time
+# sm_90 compiles (test_kernels_compile_for_sm90, tests/test_triton_aot.py: ptxas needs no GPU, the CPU suite runs
+# them, and they cost 12+ compiles of this cap). The benchmarks follow, cheapest first; launch_50m last among the
+# runs (it repeats launch_tiny at a larger size); vLLM is not on that machine.
+#
+# Nothing measured is lost. After every part (and every GPU_CHECKS_TICK_S, 30 s, while one runs, and from an EXIT
+# trap) bench/gpu_checks_report.py rebuilds bench/results/gpu_checks.json from what the parts left: per part its
+# status (pending | running | ok | failed | timed_out | skipped, with why | interrupted / not_run when the run itself
+# was cut), seconds, cap, log tail and figures. With $OUT set it goes there at once, with machine.json and
+# gpu_checks_logs.tar.gz (every log and result file so far): 3 of the device tool's 8 files. The tests part writes
+# one JSON line per test as it ends (bench/gpu_checks_pytest.py), and turns the cap's SIGTERM into pytest's own
+# interrupt, so a part stopped at its cap still reports each finished test and names the one it stopped in.
+#
+#   GPU_CHECKS_ONLY=tests,launch_tiny   run only these parts (install and machine always run)
 #   GPU_CHECKS_ALLOW_CPU=1              run the parts without CUDA too (a rehearsal on a CPU machine)
+#   GPU_CHECKS_CAP_<PART>=S             another cap for a part (GPU_CHECKS_CAP_TESTS=300); GPU_CHECKS_GRACE_S=S
+#                                       another kill grace for every part
+#   GPU_CHECKS_TESTS="a.py b.py::t"     the tests part's selection; GPU_CHECKS_TEST_TIMEOUT_S=60 its per-test cap
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 SITE=${SITE:-/tmp/site}
-BUDGET_S=${GPU_CHECKS_BUDGET_S:-540}
+BUDGET_S=${GPU_CHECKS_BUDGET_S:-480}
 ONLY=${GPU_CHECKS_ONLY:-}
-LOGS=bench/results/gpu_checks   # one NAME.log / NAME.rc / NAME.secs / NAME.skip per part
+TICK_S=${GPU_CHECKS_TICK_S:-30}
+RESULTS=bench/results
+LOGS=$RESULTS/gpu_checks  # per part NAME.log / .start / .rc / .secs / .cap / .skip
 DEADLINE=$(($(date +%s) + BUDGET_S))
-RESERVE_S=15                    # kept back for writing the JSON at the end
-unset TRITON_INTERPRET          # tests/conftest.py sets it only without CUDA; here the kernels must compile
+RESERVE_S=10   # kept back for the final report and archive
+MIN_PART_S=20  # a part with less left than this is skipped
+unset TRITON_INTERPRET  # tests/conftest.py sets it only without CUDA; here the kernels must compile
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no internet there: never wait on the hub
 rm -rf "$LOGS" && mkdir -p "$LOGS"
+# figures of an earlier run must not pass for this one's
+rm -f "$RESULTS"/gpu_checks.json "$RESULTS"/gpu_launch_*.json "$RESULTS"/moe_kernels.json \
+  "$RESULTS"/logprob_kernel.json "$RESULTS"/weight_transport.json
 
-wanted() { [ -z "$ONLY" ] || [ "$1" = install ] || [[ ",$ONLY," == *",$1,"* ]]; }
-skip() { echo "$2" >"$LOGS/$1.skip"; echo "[$1] skipped: $2"; }
-
-# part NAME CAP_S COMMAND...: COMMAND under `timeout` (SIGTERM, then SIGKILL 45 s later: gpu_launch.py stops
-# its run on SIGTERM and still writes its results), output to NAME.log
-part() {
-  local name=$1 cap=$2
-  shift 2
-  wanted "$name" || { skip "$name" "not in GPU_CHECKS_ONLY=$ONLY"; return; }
-  local left=$((DEADLINE - $(date +%s) - RESERVE_S))
-  if ((left < 30)); then skip "$name" "the ${BUDGET_S} s budget was spent before it"; return; fi
-  ((cap > left)) && cap=$left
-  echo "[$name] up to ${cap} s: $*"
-  local t0=$(date +%s)
-  timeout -k 45 "$cap" "$@" >"$LOGS/$name.log" 2>&1
-  local rc=$?
-  echo "$rc" >"$LOGS/$name.rc"
-  echo "$(($(date +%s) - t0))" >"$LOGS/$name.secs"
-  echo "$cap" >"$LOGS/$name.cap"
-  echo "[$name] exit $rc after $(cat "$LOGS/$name.secs") s"
+# --- publishing: the JSON, and with $OUT what comes back from the device tool ------------------------------------
+publish() {  # publish [--final --table]
+  "$PY" bench/gpu_checks_report.py "$LOGS" "$BUDGET_S" "$@" || echo "[report] exit $? (the parts' files stay)"
+  [ -n "${OUT:-}" ] || return 0
+  # each written beside, then renamed: a kill mid-copy leaves the previous file whole
+  cp -f "$RESULTS/gpu_checks.json" "$OUT/gpu_checks.json.tmp" 2>/dev/null && mv -f "$OUT/gpu_checks.json"{.tmp,}
+  cp -f "$LOGS/machine.json" "$OUT/machine.json.tmp" 2>/dev/null && mv -f "$OUT/machine.json"{.tmp,}
+  local tgz=$OUT/gpu_checks_logs.tar.gz.tmp
+  tar -czf "$tgz" --warning=none --exclude='*.safetensors' "$LOGS" "$RESULTS"/*.json \
+    $(ls -d runs/gpu_launch/*.log runs/gpu_launch/run-*/logs runs/gpu_launch/run-*/*.json* 2>/dev/null) 2>/dev/null
+  # the device tool returns files of at most 16 MiB: over 15 MB, the launches' run folders stay behind
+  (($(stat -c %s "$tgz" 2>/dev/null || echo 0) > 15000000)) &&
+    tar -czf "$tgz" --warning=none "$LOGS" "$RESULTS"/*.json $(ls runs/gpu_launch/*.log 2>/dev/null) 2>/dev/null
+  mv -f "$tgz" "$OUT/gpu_checks_logs.tar.gz" 2>/dev/null
+  return 0
 }
 
-# --- (a) install: carried wheels, then this project (pip's own build, offline; else a link per subpackage) ------
+# while a part runs, the JSON and $OUT are refreshed every TICK_S (the tests part's finished tests, a launch's logs)
+ticker() {
+  local nap=
+  trap 'kill $nap 2>/dev/null; exit 0' TERM  # `wait` returns at once on TERM; a publish under way ends first
+  while :; do
+    sleep "$TICK_S" &
+    nap=$!
+    wait "$nap"
+    publish >/dev/null 2>&1
+  done
+}
+TICKER=
+stop_ticker() {  # lets a publish in progress finish (its TERM trap waits for it), so none races the next
+  [ -n "$TICKER" ] || return 0
+  kill -TERM "$TICKER" 2>/dev/null
+  wait "$TICKER" 2>/dev/null
+  TICKER=
+}
+on_exit() {
+  trap - EXIT TERM INT HUP
+  stop_ticker
+  publish --final --table
+  [ -n "${OUT:-}" ] && ls -la "$OUT"
+}
+trap on_exit EXIT
+trap 'exit 143' TERM INT HUP
+
+wanted() { [ -z "$ONLY" ] || [ "$1" = install ] || [ "$1" = machine ] || [[ ",$ONLY," == *",$1,"* ]]; }
+skip() { echo "$2" >"$LOGS/$1.skip"; echo "[$1] skipped: $2"; }
+
+# part NAME CAP_S GRACE_S COMMAND...: COMMAND under `timeout` (SIGTERM at the cap, SIGKILL GRACE_S later:
+# gpu_launch.py stops its run on SIGTERM and still writes its results; pytest ends its session), output to NAME.log
+part() {
+  local name=$1 cap=$2 grace=$3
+  shift 3
+  wanted "$name" || { skip "$name" "not in GPU_CHECKS_ONLY=$ONLY"; return 0; }
+  local var="GPU_CHECKS_CAP_${name^^}"
+  cap=${!var:-$cap}
+  grace=${GPU_CHECKS_GRACE_S:-$grace}
+  local left=$((DEADLINE - $(date +%s) - RESERVE_S - grace))
+  if ((left < MIN_PART_S)); then skip "$name" "the ${BUDGET_S} s budget was spent before it"; return 0; fi
+  ((cap > left)) && cap=$left
+  echo "$cap" >"$LOGS/$name.cap"
+  local t0
+  t0=$(date +%s)
+  echo "$t0" >"$LOGS/$name.start"
+  publish  # the JSON names the parts done so far, and this one as running
+  echo "[$name] up to ${cap} s (+${grace} s grace): $*"
+  ticker &
+  TICKER=$!
+  timeout -k "$grace" "$cap" "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  stop_ticker
+  echo "$(($(date +%s) - t0))" >"$LOGS/$name.secs"
+  echo "$rc" >"$LOGS/$name.rc"
+  echo "[$name] exit $rc after $(cat "$LOGS/$name.secs") s"
+  publish
+}
+
+# --- install: carried wheels, then this project (pip's own build, offline; else a link per subpackage) ----------
 install_packages() {
+  local status=0
   mkdir -p "$SITE"
   if [ -d .whl ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl ||
-      return 1
+    local pip=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE")
+    if ! "${pip[@]}" .whl/*.whl; then
+      echo "pip refused the wheel set: installing them one by one"
+      status=1
+      for w in .whl/*.whl; do "${pip[@]}" "$w" || echo "FAILED: $w"; done
+    fi
   else
     echo "no .whl/: using the packages $PY has (bash bench/gpu_wheels.sh makes the wheels; carry .whl)"
   fi
@@ -75,170 +166,55 @@ install_packages() {
       ln -sfn "$PWD/$d" "$SITE/cascade_rl/$d"
     done
   fi
+  if PYTHONPATH="$SITE" "$PY" -c "import cascade_rl.supervisor.cli"; then echo "cascade_rl imports"; else status=1; fi
+  return $status
 }
 export -f install_packages
 export PY SITE
-part install 120 bash -c install_packages
+part install 45 10 bash -c install_packages
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
-# the machine, for the JSON (and whether there is a GPU at all)
-"$PY" - >"$LOGS/machine.json" 2>>"$LOGS/machine.err" <<'EOF'
-import json, platform
-info = {"python": platform.python_version()}
-try:
-    import torch
-    info |= {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info |= {"gpu": p.name, "gpu_memory_gib": round(p.total_memory / 2**30, 1), "capability": f"{p.major}.{p.minor}",
-                 "gpus": torch.cuda.device_count()}
-    import triton
-    info["triton"] = triton.__version__
-except Exception as e:
-    info["error"] = f"{type(e).__name__}: {e}"
-for name in ("transformers", "tokenizers", "numpy", "zmq", "cascade_rl.supervisor.cli"):
-    try:
-        module = __import__(name, fromlist=["_"])
-        info[name] = getattr(module, "__version__", "importable")
-    except Exception as e:
-        info[name] = f"missing: {type(e).__name__}: {e}"
-print(json.dumps(info))
-EOF
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$LOGS/nvidia-smi.txt" 2>&1
-cat "$LOGS/machine.json"
-
+# --- the machine: versions, /dev/shm, compute mode, CUDA IPC (and whether there is a GPU at all) ----------------
+part machine 50 10 "$PY" bench/gpu_checks_machine.py "$LOGS/machine.json" --ipc-timeout 25
 NO_GPU=
-if ! grep -q '"cuda_available": true' "$LOGS/machine.json" && [ -z "${GPU_CHECKS_ALLOW_CPU:-}" ]; then
+if ! grep -qs '"cuda_available": true' "$LOGS/machine.json" && [ -z "${GPU_CHECKS_ALLOW_CPU:-}" ]; then
   NO_GPU="torch sees no CUDA device (see machine in the JSON)"
 fi
 gpu_part() { if [ -n "$NO_GPU" ]; then skip "$1" "$NO_GPU"; else part "$@"; fi; }
 
-# --- (b) kernel tests and the GPU tests --------------------------------------------------------------------------
-gpu_part tests 180 "$PY" -m pytest -q -rfEs -p no:cacheprovider --junitxml="$LOGS/tests.xml" \
-  tests/test_moe_kernels.py tests/test_logprob_kernel.py tests/test_experts.py tests/test_gpu.py \
-  tests/test_weight_transport.py::test_cuda_ipc_loads_bitwise_in_another_process \
-  tests/test_weight_transport.py::test_cuda_ipc_torn_read_across_processes
+# --- launch, tiny: the first end-to-end run on a GPU ------------------------------------------------------------
+gpu_part launch_tiny 150 35 "$PY" bench/gpu_launch.py --size tiny -- trainer.routing_replay=true  # bf16, Triton, R3
 
-# --- (d) launch, tiny: the first end-to-end run on a GPU matters more than the kernel figures, so it goes first
-rm -f bench/results/gpu_launch_*.json bench/results/moe_kernels.json bench/results/logprob_kernel.json
-gpu_part launch_tiny 150 "$PY" bench/gpu_launch.py --size tiny -- trainer.routing_replay=true  # bf16, Triton experts, R3
+# --- the kernel tests and the in-process GPU tests ----------------------------------------------------------------
+# shellcheck disable=SC2206  # the selection is a list of words
+TESTS=(${GPU_CHECKS_TESTS:-tests/test_moe_kernels.py tests/test_logprob_kernel.py tests/test_experts.py tests/test_gpu.py
+  tests/test_weight_transport.py::test_cuda_ipc_loads_bitwise_in_another_process
+  tests/test_weight_transport.py::test_cuda_ipc_torn_read_across_processes})
+PER_TEST=()  # pytest-timeout (on the GPU machine; in the dev extra): one stuck test fails alone, the rest run
+"$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(-o "timeout=${GPU_CHECKS_TEST_TIMEOUT_S:-60}")
+gpu_part tests 150 15 env GPU_CHECKS_TESTS_JSONL="$LOGS/tests.jsonl" PYTHONPATH="$PYTHONPATH:$PWD/bench" \
+  "$PY" -m pytest -q -rfEs -p no:cacheprovider -p gpu_checks_pytest --junitxml="$LOGS/tests.xml" "${PER_TEST[@]}" \
+  --deselect tests/test_gpu.py::test_mopd_launch_with_trainer_sampler_and_teacher_on_one_gpu \
+  --deselect tests/test_logprob_kernel.py::test_kernels_compile_for_sm90 "${TESTS[@]}"
 
-# --- weights between processes on one GPU: shm vs cuda_ipc ---------------------------------------------------------
-rm -f bench/results/weight_transport.json
-gpu_part weight_transport 100 "$PY" bench/weight_transport.py --quick
+# --- weights between processes on one GPU, then the kernel benchmarks (full shapes, fewer rounds) ----------------
+gpu_part weight_transport 60 10 "$PY" bench/weight_transport.py --quick
+gpu_part moe_kernels 75 10 "$PY" bench/moe_kernels.py --rounds 5
+gpu_part logprob_kernel 60 10 "$PY" bench/logprob_kernel.py --rounds 3
 
-# --- (c) kernel benchmarks (full shapes, fewer rounds than their default to fit the budget) -----------------------
-gpu_part moe_kernels 100 "$PY" bench/moe_kernels.py --rounds 5
-gpu_part logprob_kernel 100 "$PY" bench/logprob_kernel.py --rounds 3
+# --- launch, 50m ---------------------------------------------------------------------------------------------------
+gpu_part launch_50m 120 35 "$PY" bench/gpu_launch.py --size 50m
 
-# --- (d) launch, 50m ---------------------------------------------------------------------------------------------
-gpu_part launch_50m 150 "$PY" bench/gpu_launch.py --size 50m
-
-# --- (e) launch with vLLM, where it is installed -------------------------------------------------------------------
-if [ -z "$NO_GPU" ] && wanted launch_vllm; then
-  if VLLM_ERR=$(timeout 90 "$PY" -c "import vllm" 2>&1); then
-    part launch_vllm 150 "$PY" bench/gpu_launch.py --size tiny --engine vllm
-  else
-    skip launch_vllm "import vllm failed with $PY: $(echo "$VLLM_ERR" | tail -1 | cut -c1-200)"
-  fi
-else
+# --- launch with vLLM, where it is installed (machine.json says; importing it is tried only then) -----------------
+if [ -n "$NO_GPU" ] || ! wanted launch_vllm; then
   skip launch_vllm "${NO_GPU:-not in GPU_CHECKS_ONLY=$ONLY}"
+elif ! grep -qs '"vllm": "installed"' "$LOGS/machine.json"; then
+  skip launch_vllm "vllm is not installed for $PY"
+elif ((DEADLINE - $(date +%s) - RESERVE_S - 35 < 2 * MIN_PART_S)); then  # the import, then the launch
+  skip launch_vllm "the ${BUDGET_S} s budget was spent before it"
+elif ! VLLM_ERR=$(timeout "$MIN_PART_S" "$PY" -c "import vllm" 2>&1); then
+  skip launch_vllm "import vllm failed with $PY: $(echo "$VLLM_ERR" | tail -1 | cut -c1-200)"
+else
+  part launch_vllm 120 35 "$PY" bench/gpu_launch.py --size tiny --engine vllm
 fi
-
-# --- one JSON ----------------------------------------------------------------------------------------------------
-"$PY" - "$LOGS" "$BUDGET_S" <<'EOF'
-import json, sys, time
-import xml.etree.ElementTree as ET
-from pathlib import Path
-
-logs, budget = Path(sys.argv[1]), int(sys.argv[2])
-results = logs.parent
-PARTS = ["install", "tests", "launch_tiny", "weight_transport", "moe_kernels", "logprob_kernel", "launch_50m",
-         "launch_vllm"]
-# each script's own result JSON (a launch's name ends in the device it ran on: cuda, or cpu in a rehearsal)
-FIGURES = {"moe_kernels": ["moe_kernels.json"], "logprob_kernel": ["logprob_kernel.json"],
-           "weight_transport": ["weight_transport.json"],
-           **{name: [f"gpu_launch_{run}_{dev}.json" for dev in ("cuda", "cpu")]
-              for name, run in (("launch_tiny", "tiny_torch"), ("launch_50m", "50m_torch"),
-                                ("launch_vllm", "tiny_vllm"))}}
-
-
-def read(path: Path, default=None):
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return default
-
-
-def tail(text: str, n: int = 40) -> str:
-    return "\n".join((text or "").splitlines()[-n:])
-
-
-def figures(name: str) -> dict | None:
-    if name == "tests":  # counts and failures from pytest's JUnit XML
-        try:
-            root = ET.parse(logs / "tests.xml").getroot()
-        except (OSError, ET.ParseError):
-            return None
-        suite = root if root.tag == "testsuite" else root.find("testsuite")
-        cases = suite.findall("testcase")
-        failed = [f"{c.get('classname')}::{c.get('name')}" for c in cases
-                  if c.find("failure") is not None or c.find("error") is not None]
-        skipped = {f"{c.get('classname')}::{c.get('name')}": c.find("skipped").get("message", "")
-                   for c in cases if c.find("skipped") is not None}
-        return {"tests": len(cases), "failed": len(failed), "skipped": len(skipped),
-                "passed": len(cases) - len(failed) - len(skipped), "failures": failed, "skips": skipped}
-    for path in FIGURES.get(name, []):
-        text = read(results / path)
-        if text:
-            data = json.loads(text)
-            return data.get("summary", data) if name == "weight_transport" else data
-    return None
-
-
-parts = {}
-for name in PARTS:
-    skip = read(logs / f"{name}.skip")
-    if skip is not None:
-        parts[name] = {"status": "skipped", "reason": skip.strip()}
-        continue
-    rc = int(read(logs / f"{name}.rc", "-1").strip() or -1)
-    entry = {"status": "ok" if rc == 0 else "failed", "exit": rc, "seconds": int(read(logs / f"{name}.secs", "0")),
-             "cap_s": int(read(logs / f"{name}.cap", "0"))}
-    if rc in (124, 137):
-        entry["reason"] = f"timed out after {entry['cap_s']} s"
-    if rc != 0:
-        entry["log_tail"] = tail(read(logs / f"{name}.log", ""))
-    fig = figures(name)
-    if fig is not None:
-        entry["figures"] = fig
-    parts[name] = entry
-
-machine = json.loads(read(logs / "machine.json", "{}") or "{}")
-machine["nvidia_smi"] = (read(logs / "nvidia-smi.txt", "") or "").strip()
-out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "budget_s": budget, "machine": machine,
-       "gpu": machine.get("gpu"), "torch": machine.get("torch"), "triton": machine.get("triton"),
-       "ok": all(p["status"] != "failed" for p in parts.values()), "parts": parts}
-(results / "gpu_checks.json").write_text(json.dumps(out, indent=1))
-
-# a short table for whoever reads the command's output
-print(f"\n{'part':15s} {'status':8s} {'s':>4s}  headline")
-for name, p in parts.items():
-    fig = p.get("figures") or {}
-    if name == "tests" and fig:
-        head = f"{fig['passed']} passed, {fig['failed']} failed, {fig['skipped']} skipped"
-    elif "value" in fig:
-        head = f"{fig.get('metric', '')[:90]} = {fig.get('value')} (pass {fig.get('pass')})"
-    else:
-        head = p.get("reason", "")
-    print(f"{name:15s} {p['status']:8s} {p.get('seconds', 0):4d}  {head}")
-print(f"wrote {results / 'gpu_checks.json'}")
-EOF
-
-# what comes back from the device tool: the JSON, and every log in one archive (its files: at most 8)
-if [ -n "${OUT:-}" ]; then
-  cp bench/results/gpu_checks.json "$OUT/"
-  tar -czf "$OUT/gpu_checks_logs.tar.gz" "$LOGS" bench/results/*.json \
-    $(ls -d runs/gpu_launch/*.log runs/gpu_launch/run-*/logs runs/gpu_launch/run-*/*.json* 2>/dev/null) 2>/dev/null
-  ls -la "$OUT"
-fi
+# the EXIT trap writes the final JSON, prints its table and refreshes $OUT
