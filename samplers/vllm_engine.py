@@ -27,16 +27,31 @@ we default ``VLLM_CPU_OMP_THREADS_BIND=nobind``: in-process, vLLM's
 thread binding pins the caller's own threads (decode measured ~25x slower on 2 cores), and
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB) to ``kv_cache_gib``; set either variable to override. The CPU
 worker also lowers ``torch.get_num_threads()`` for the whole process.
+
+A GPU shared with other processes of the run: at start-up vLLM 0.32 (``v1/worker/gpu_worker.py``
+``determine_available_memory``) sizes its KV cache as ``gpu_memory_utilization`` x total memory
+less its weights, its profile run's peak activations and the growth of "non-torch" memory (the
+GPU's used memory outside its own allocator) since it started, so what the trainer or a teacher
+allocates meanwhile is counted as its own (a KV cache too small, or none), and memory they free
+meanwhile trips its assertion. Given ``kv_cache_memory_bytes`` it skips that measurement (and
+ignores ``gpu_memory_utilization`` except for its start-up check that that much memory is free).
+So when the run's GPU plan puts a sampler beside other processes (``shares_gpu``), it gets
+``kv_cache_bytes``: its share of the GPU's total memory less the model's weights and
+``sampler.vllm.activation_margin_gib`` (and a ``gpu_memory_utilization`` of weights + KV cache, for
+that check); on a GPU of its own vLLM profiles as usual. ``sampler.vllm.kv_cache_memory_bytes``
+sets the size outright.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 import numpy as np
 from safetensors import safe_open
 
-from ..protocol.devices import dtype_name, memory_fraction
+from ..protocol.devices import dtype_name, memory_fraction, torch_dtype
 from .engine import GenerationRequest, Sample, check_request, register_engine
 
 GREEDY_EPS = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS)
@@ -93,21 +108,77 @@ def repair_cpu_kernels(worker) -> None:
             method.moe_kernel.fused_experts.process_weights_after_loading(module)  # prepack experts
 
 
-def vllm_options(cfg, device) -> dict:
+def vllm_options(cfg, device, total_memory: int | None = None) -> dict:
     """``VLLMEngine`` keyword arguments from the run config (``sampler.vllm``, ``model.dtype``, and on a GPU
-    ``gpus.memory.sampler`` as vLLM's ``gpu_memory_utilization`` when set)."""
+    ``gpus.memory.sampler`` as vLLM's ``gpu_memory_utilization`` when set, with a fixed ``kv_cache_memory_bytes``
+    on a GPU shared with other processes: module docstring). ``total_memory``: the GPU's bytes (default: read
+    from the device)."""
     v = cfg.sampler.vllm
     options = dict(dtype=dtype_name(cfg.model.dtype), device=str(device), seed=int(cfg.trainer.seed),
                    max_model_len=int(v.max_model_len) or None, kv_cache_gib=int(v.kv_cache_gib),
                    enforce_eager=bool(v.enforce_eager), **dict(v.options))
     if str(device).startswith("cuda"):
-        options["gpu_memory_utilization"] = memory_fraction(cfg, "sampler") or float(v.gpu_memory_utilization)
+        share = memory_fraction(cfg, "sampler")
+        options["gpu_memory_utilization"] = share or float(v.gpu_memory_utilization)
+        kv_bytes = int(v.kv_cache_memory_bytes)
+        if not kv_bytes and share and shares_gpu(cfg):
+            if total_memory is None:
+                import torch
+
+                total_memory = torch.cuda.get_device_properties(device).total_memory
+            weights = weight_bytes(cfg.model.path, cfg.model.dtype)
+            kv_bytes = kv_cache_bytes(total_memory, share, weights, int(float(v.activation_margin_gib) * 2**30))
+            # with kv_cache_memory_bytes, vLLM uses gpu_memory_utilization only to check at start-up that this much
+            # is free: ask for what it will surely hold, not the margin the others' CUDA contexts may have eaten
+            options["gpu_memory_utilization"] = (weights + kv_bytes) / total_memory
+        if kv_bytes:
+            options["kv_cache_memory_bytes"] = kv_bytes
     return options
+
+
+def shares_gpu(cfg) -> bool:
+    """Whether the run's GPU plan (supervisor/placement.py) may put a sampler on a GPU with another of its processes:
+    a sampler GPU that is also the trainer's, a teacher's or another sampler's (one rule for all samplers: a sampler
+    does not know its slot; on an exclusive GPU the computed KV cache merely stays within the sampler's share), or
+    with ``launcher=ray`` a fraction of a GPU per sampler."""
+    if cfg.get("launcher") == "ray":
+        return 0 < float(cfg.ray.sampler.gpus) < 1
+    g = cfg.gpus
+    samplers = [int(x) for x in g.samplers]
+    others = {int(x) for x in g.trainer} | {int(x) for x in g.teachers}
+    return len(set(samplers)) < len(samplers) or bool(others & set(samplers))
+
+
+def kv_cache_bytes(total_memory: int, share: float, weights: int, margin: int) -> int:
+    """KV cache bytes for a sampler allowed ``share`` of a GPU of ``total_memory`` bytes: what is left of its share
+    after the model's ``weights`` and ``margin`` (activations, sampling buffers, the CUDA context)."""
+    kv = int(share * total_memory) - weights - margin
+    if kv <= 0:
+        gib = 2**30
+        raise ValueError(f"gpus.memory.sampler={share:g} of this GPU's {total_memory / gib:.1f} GiB leaves no KV cache "
+                         f"after the model's weights ({weights / gib:.2f} GiB) and sampler.vllm.activation_margin_gib="
+                         f"{margin / gib:g}: raise the sampler's share, lower the margin, or set "
+                         f"sampler.vllm.kv_cache_memory_bytes")
+    return kv
+
+
+def weight_bytes(model_path: str, dtype: str) -> int:
+    """The bytes of the model's weights in ``dtype`` (``model.dtype``), from the safetensors headers in ``model_path``
+    (parameter counts only: nothing is loaded)."""
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in model.path={model_path} to size the vLLM sampler's KV cache by: set "
+                         f"sampler.vllm.kv_cache_memory_bytes")
+    params = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            params += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return params * torch_dtype(dtype).itemsize
 
 
 @register_engine("vllm")
 class VLLMEngine:
-    gpu_memory = "engine"  # vLLM sizes its KV cache by gpu_memory_utilization (samplers/engine.py)
+    gpu_memory = "engine"  # vLLM sizes its KV cache itself: gpu_memory_utilization or kv_cache_memory_bytes (engine.py)
 
     @classmethod
     def from_config(cls, cfg, device, url: str = "") -> VLLMEngine:

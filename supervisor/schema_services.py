@@ -95,6 +95,15 @@ class VLLMConfig:
     """No CUDA graphs / torch.compile: start-up in seconds (false: faster decode after a longer start)."""
     kv_cache_gib: int = 1
     """CPU only: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+    kv_cache_memory_bytes: int = 0
+    """GPU: bytes of KV cache, fixed (vLLM's ``kv_cache_memory_bytes``: no start-up memory profile). 0: on a GPU the
+    run's plan shares with other processes (``gpus``: the trainer's, a teacher's or another sampler's), computed as
+    ``gpus.memory.sampler`` x the GPU's memory - the model's weights - ``activation_margin_gib``, because vLLM's
+    profile would count what the others allocate meanwhile as its own (a KV cache too small, or an abort); on a GPU
+    of its own, vLLM profiles and fills ``gpu_memory_utilization``."""
+    activation_margin_gib: float = 2.0
+    """GPU, with a computed ``kv_cache_memory_bytes``: what the sampler's share keeps beside the weights and the KV
+    cache (activations, sampling buffers, the CUDA context; CUDA graphs too with enforce_eager=false)."""
     options: dict[str, Any] = field(default_factory=dict)
     """More keyword arguments of ``vllm.LLM`` (e.g. {max_num_seqs: 512})."""
 
@@ -110,6 +119,10 @@ class SGLangConfig:
     """SGLang's ``--mem-fraction-static`` (0: ``gpus.memory.sampler``, else SGLang's default)."""
     args: list[str] = field(default_factory=list)
     """More ``sglang.launch_server`` arguments, e.g. [--chunked-prefill-size, "4096"]."""
+    skip_tokenizer_init: bool = False
+    """Start the servers with ``--skip-tokenizer-init``: no detokenizing of every output token (a sampler needs only
+    token ids), but SGLang matches stop strings on decoded text, so the engine then refuses requests that carry
+    them. Set it to match a server of your own (``url``)."""
     startup_s: float = 600.0
     """How long a sampler waits for its server's /health before it fails."""
     request_timeout_s: float = 600.0
