@@ -58,8 +58,9 @@ ragged edges and vocab splits). Checks and benchmark:
 
 Untested here (the machine that wrote this had no GPU): launching on a GPU at all, the bf16 tensor-core
 path, and every speed and memory figure. What was checked without one: the interpreter tests (fp32,
-and bf16 with the dots upcast), and an ahead-of-time compile of all kernels for sm_90 (the last test)
-with the tile sizes of ``_GPU_TILES``: pipelined, no register spills, shared memory within limits.
+and bf16 with the dots upcast), and an ahead-of-time compile of all kernels for sm_90
+(tests/test_triton_aot.py, at the launchers' own tiles, ``_tiles``): pipelined, no register spills with
+triton 3.6.0, 3.7.1 and 3.9.0, shared memory within limits.
 The tiles are untimed; tune them on the GPU.
 """
 
@@ -255,9 +256,10 @@ class _Tiles:
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-# Per pass, for sm_90. Chosen only so that each kernel compiles (triton 3.9, ahead of time, pointers and H
-# 16-aligned) with a pipelined K loop and without register spills per cuobjdump; never timed. The ∂L/∂W
-# pass spills at 128 tokens a tile. fp32 runs its ``ieee`` dots on CUDA cores: smaller tiles.
+# Per pass, for sm_90. Chosen only so that each kernel compiles (ahead of time, tests/test_triton_aot.py)
+# with a pipelined K loop and without register spills per cuobjdump (triton 3.6.0, 3.7.1 and 3.9.0; bf16
+# ∂L/∂h with entropy takes 248 of 255 registers under 3.6/3.7); never timed. The ∂L/∂W pass spills at 128
+# tokens a tile. fp32 runs its ``ieee`` dots on CUDA cores: smaller tiles.
 _GPU_TILES = {
     (16, "forward"): _Tiles(128, 128, 64, num_warps=8, num_stages=3),
     (16, "grad_hidden"): _Tiles(128, 128, 64, num_warps=8, num_stages=3),

@@ -49,9 +49,14 @@ Run: ``.venv/bin/pytest -q tests/test_moe_kernels.py`` (without CUDA the tests s
 then runs the kernels in its numpy interpreter, fp32, small shapes, BLOCK_* = 16), and
 ``.venv/bin/python bench/moe_kernels.py [--quick]`` (GPU: loop vs grouped_mm vs torch reference vs Triton, bf16).
 
-Untested here: everything on a GPU. The kernels were only executed by the interpreter (fp32); bf16, compilation
-for sm90, the CUDA block sizes in ``CUDA_BLOCKS`` and all speed figures are pending a GPU run. ``impl="triton"`` on
-a CPU tensor without the interpreter raises.
+Tiles: ``launch_blocks(dtype)`` (kernels/moe_triton.py), one pure function that every launcher and the
+ahead-of-time compile test (tests/test_triton_aot.py: every kernel, forward and backward, for sm_90 at
+Nemotron-3-Nano- and Qwen3-30B-A3B-like shapes, bf16 and fp32) use.
+
+Untested here: running on a GPU. The kernels were executed only by the interpreter (fp32) and compiled for sm_90
+ahead of time (triton 3.6.0, 3.7.1, 3.9.0: shared memory within limits, no register spills); bf16 numerics and
+all speed figures are pending a GPU run (tests/test_moe_kernels.py runs on CUDA when there is one).
+``impl="triton"`` on a CPU tensor without the interpreter raises.
 """
 
 from collections.abc import Callable
@@ -69,10 +74,12 @@ from .moe_triton import (  # noqa: F401  (re-exported: the kernels' side, for te
     _blocks,
     combine,
     combine_bwd,
+    expert_counts,
     gate_up_swiglu,
     grouped_mm,
     grouped_mm_swiglu_bwd,
     grouped_wgrad,
+    launch_blocks,
     plan_blocks,
 )
 
@@ -126,22 +133,30 @@ def experts_grouped(
 ) -> torch.Tensor:
     """transformers' ``grouped_mm`` experts, with the gathers autograd is fast at: pairs sorted by expert, one
     grouped GEMM per projection (``torch.nn.functional.grouped_mm`` where the device has it, transformers'
-    fallback elsewhere), the rows gathered with ``index_select`` and combined with ``index_add`` (their backwards
-    are ``index_add`` and ``index_select``). transformers indexes ``x[perm // k]`` and ``out[inv_perm]`` instead,
-    whose backward is an accumulating ``index_put_``: on CPU that was 10 % of a tiny-model training step.
-    The same numbers (tests/test_experts.py); fwd+bwd of one layer, CPU fp32, 2 threads: 1.45x at the tiny
-    model's shape (2,500 tokens, H 128), 1.31x at 50m's (4,500 tokens, H 512)."""
+    fallback elsewhere), the rows gathered with ``index_select`` and put back in (token, slot) order with
+    ``index_copy`` (their backwards are ``index_add`` and ``index_select``). transformers indexes ``x[perm // k]``
+    and ``out[inv_perm]`` instead, whose backward is an accumulating ``index_put_``: on CPU that was 10 % of a
+    tiny-model training step.
+
+    The k outputs of a token are combined by one batched GEMM, ``[1, k] @ [k, H]`` per token: products and sum in
+    fp32 (cuBLAS and the CPU kernels accumulate bf16 in fp32), one rounding to x's dtype at the end, and the
+    same bits on every run. (It was an ``index_add`` in x's dtype: in bf16 a rounding per product and per partial
+    sum, and on CUDA atomic adds in an arbitrary order.) Costs one more [N·k, H] copy than the ``index_add``:
+    fwd+bwd of one layer, CPU fp32, 2 threads (best of 60, a shared machine): 9.5 ms against 8.2 ms at the tiny
+    model's shape (2,500 tokens, H 128, 8 experts top-2), no slower at 50m's (4,500 tokens, H 512).
+
+    No host sync: the per-expert offsets come from a binary search over the sorted ids (``torch.bincount`` syncs
+    on CUDA). On CUDA, ``grouped_mm`` runs torch's CUTLASS grouped GEMM for bf16 on sm_90/sm_100; fp32 (and bf16
+    elsewhere) takes torch's fallback, a loop of one ``mm`` per expert after copying the offsets to the host."""
     from transformers.integrations.moe import _grouped_mm  # dispatcher: torch's kernel, or transformers' fallback
 
-    k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token = order // k
-    offsets = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
-    gate, up = _grouped_mm(x.index_select(0, token), gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    out = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
-    out = out * topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
-    return x.new_zeros(x.shape).index_add(0, token, out.to(x.dtype))
+    n, k = topk_ids.shape
+    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
+    offsets = expert_counts(sorted_ids, gate_up.shape[0]).cumsum(0).to(torch.int32)
+    gate, up = _grouped_mm(x.index_select(0, order // k), gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    out = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [N·k, H], sorted by expert
+    pair_out = out.new_empty(out.shape).index_copy(0, order, out).view(n, k, out.shape[1])  # row n·k + slot
+    return torch.bmm(topk_weights.to(out.dtype).unsqueeze(1), pair_out).squeeze(1).to(x.dtype)
 
 
 # --- the torch twins of the Triton launchers (kernels/moe_triton.py; same signatures) ----------------------------
@@ -268,6 +283,9 @@ def experts_triton(
             "moe impl='triton' needs a CUDA tensor, or TRITON_INTERPRET=1 set before cascade_rl.kernels.moe is "
             "imported (the interpreter: slow, for tests); use impl='torch' on CPU"
         )
+    devices = {t.device for t in (x, topk_weights, topk_ids, gate_up, down)}
+    if len(devices) > 1:  # a kernel handed a pointer into another device's memory faults, or reads garbage
+        raise ValueError(f"moe impl='triton' needs every tensor on one device, got {sorted(map(str, devices))}")
     if not x.dtype == gate_up.dtype == down.dtype:
         raise TypeError(
             f"moe impl='triton' needs one dtype, got x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}"

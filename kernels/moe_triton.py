@@ -33,15 +33,23 @@ class Plan(NamedTuple):
         return self.pair_row.numel() // self.top_k
 
 
+def expert_counts(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pairs per expert [E] (int64) from the ascending expert ids: a binary search per expert. Not
+    ``torch.bincount``, whose CUDA kernel reads the largest id back to the host to size its output (a sync)."""
+    experts = torch.arange(num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    bounds = torch.searchsorted(sorted_ids, experts)
+    return bounds.diff()
+
+
 def plan_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Plan:
-    """moe_align_block_size in torch ops (sort, bincount, cumsum, scatter): O(S log S), no host sync."""
+    """moe_align_block_size in torch ops (sort, binary search, cumsum, scatter): O(S log S), no host sync (the
+    tests run it on the meta device, where anything data-dependent would raise)."""
     ids = topk_ids.reshape(-1).long()
     pairs, dev = ids.numel(), ids.device
-    counts = torch.bincount(ids, minlength=num_experts)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    counts = expert_counts(sorted_ids, num_experts)
     padded_end = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
     expert_start = F.pad(padded_end, (1, 0))
-    order = torch.argsort(ids, stable=True)
-    sorted_ids = ids[order]
     rank = torch.arange(pairs, device=dev) - (counts.cumsum(0) - counts)[sorted_ids]
     row = expert_start[sorted_ids] + rank
     # Worst case over all routings of this size, so that no count has to reach the host.
@@ -68,18 +76,38 @@ class Blocks:
     wgrad_m: int  # output tiles of grouped_wgrad
     wgrad_n: int
     h: int  # columns per program of combine / combine_bwd
-    num_warps: int
-    num_stages: int
+    num_warps: int  # of the GEMM kernels
+    num_stages: int  # software pipelining depth of the GEMM kernels' K loops (shared memory: stages × tiles)
+    combine_warps: int  # of combine / combine_bwd
 
 
-# Interpreter: smallest tiles tl.dot takes, so that tiny test shapes cross tile edges. CUDA: vLLM-like bf16 tiles
-# for Hopper, not tuned (no GPU was available when this was written).
-INTERPRETER_BLOCKS = Blocks(m=16, n=16, gate_up_n=16, k=16, wgrad_m=16, wgrad_n=16, h=16, num_warps=1, num_stages=1)
-CUDA_BLOCKS = Blocks(m=64, n=128, gate_up_n=64, k=64, wgrad_m=128, wgrad_n=128, h=512, num_warps=8, num_stages=3)
+# Interpreter: smallest tiles tl.dot takes, so that tiny test shapes cross tile edges. CUDA (sm_90, by operand
+# bits): vLLM-like tiles for bf16/fp16 (at most 96 KB of shared memory, <= 165 registers, no spills); fp32 (its
+# ``ieee`` dots run on CUDA cores, twice the bytes per element) halves the K step and the wgrad tile's N: at most
+# 48 KB, <= 155 registers, no spills (with bf16's tiles fp32 wgrad took 128 KB and 207 registers). Figures from
+# tests/test_triton_aot.py (triton 3.6, 3.7.1 and 3.9 agree to a few registers); never timed: tune on a GPU.
+INTERPRETER_BLOCKS = Blocks(m=16, n=16, gate_up_n=16, k=16, wgrad_m=16, wgrad_n=16, h=16, num_warps=1, num_stages=1,
+                            combine_warps=1)
+CUDA_BLOCKS = {
+    16: Blocks(m=64, n=128, gate_up_n=64, k=64, wgrad_m=128, wgrad_n=128, h=512, num_warps=8, num_stages=3,
+               combine_warps=4),
+    32: Blocks(m=64, n=128, gate_up_n=64, k=32, wgrad_m=128, wgrad_n=64, h=512, num_warps=8, num_stages=3,
+               combine_warps=4),
+}
+
+
+def launch_blocks(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> Blocks:
+    """The tiles every launcher uses for operands of ``dtype``: a pure function, so that the ahead-of-time
+    compile test (tests/test_triton_aot.py) builds exactly what a GPU runs."""
+    if interpreted:
+        return INTERPRETER_BLOCKS
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"moe impl='triton' takes fp32, bf16 or fp16 tensors, not {dtype}")
+    return CUDA_BLOCKS[dtype.itemsize * 8]
 
 
 def _blocks(t: torch.Tensor) -> Blocks:
-    return CUDA_BLOCKS if t.is_cuda and not INTERPRETED else INTERPRETER_BLOCKS
+    return launch_blocks(t.dtype)
 
 
 def _precision(t: torch.Tensor) -> str:
@@ -312,7 +340,7 @@ def combine(o: torch.Tensor, weights: torch.Tensor | None, plan: Plan) -> torch.
     w = o if weights is None else weights
     _combine_kernel[(plan.num_tokens, triton.cdiv(hidden, b.h))](
         o, w, plan.pair_row, y, hidden, plan.top_k, *o.stride(), *w.stride()[:2], *y.stride(),
-        HAS_W=weights is not None, BLOCK_H=b.h, num_warps=4 if o.is_cuda else 1,
+        HAS_W=weights is not None, BLOCK_H=b.h, num_warps=b.combine_warps,
     )  # fmt: skip
     return y
 
@@ -327,6 +355,6 @@ def combine_bwd(
     _combine_bwd_kernel[(plan.pair_row.numel(),)](
         dy, o, weights, plan.pair_row, d_o, dw, hidden, plan.top_k,
         *dy.stride(), *o.stride(), *weights.stride(), *d_o.stride(),
-        BLOCK_H=b.h, num_warps=4 if o.is_cuda else 1,
+        BLOCK_H=b.h, num_warps=b.combine_warps,
     )  # fmt: skip
     return d_o, dw.view(plan.num_tokens, plan.top_k)

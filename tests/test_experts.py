@@ -1,5 +1,7 @@
-"""model.moe_impl: the trainer's Qwen3-MoE with hf, torch and triton experts (Triton in its interpreter on CPU)
-gives the same logits, gradients and training losses."""
+"""model.moe_impl: the trainer's Qwen3-MoE with hf, grouped, torch and triton experts (Triton in its interpreter on
+CPU) gives the same logits, gradients and training losses. Models and batches live on ``DEVICE``: the GPU when there
+is one (``impl="triton"`` needs CUDA tensors there), else the CPU; attention is sdpa on both, so that only the
+experts differ between the runs compared."""
 
 from __future__ import annotations
 
@@ -14,6 +16,17 @@ from cascade_rl.modeling.experts import use_moe_impl
 from cascade_rl.supervisor.config import compose
 
 pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load(path: str, impl: str):
+    return use_moe_impl(AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa"), impl).to(DEVICE)
+
+
+def trainer_cfg(path, run_dir, impl: str):
+    return compose("tiny", [f"model.path={path}", f"run_dir={run_dir}", f"model.moe_impl={impl}", "trainer.lr=1e-3",
+                            "model.attn_impl=sdpa"], check=False)
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +53,10 @@ def test_swapped_experts_match_hf_forward_and_gradients(micro_moe, impl, monkeyp
     calls = []
     inner = moe.EXPERTS[impl]
     monkeypatch.setitem(moe.EXPERTS, impl, lambda *a: calls.append(1) or inner(*a))
-    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     grads = {}
     for name in ("hf", impl):
-        model = use_moe_impl(AutoModelForCausalLM.from_pretrained(micro_moe), name)
+        model = load(micro_moe, name)
         logits = model(input_ids=ids).logits
         logits.square().mean().backward()
         grads[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
@@ -68,9 +81,10 @@ def test_routing_replay_takes_the_given_experts_with_every_impl(micro_moe, impl)
     pos = torch.arange(9)[None]
     mask = (pos >= 4) & (pos < lengths[:, None])
     routes = torch.rand(2, 9, 2, 4, generator=g).argsort(-1)[..., :2].to(torch.int16)  # 2 of 4 experts, 2 layers
+    ids, lengths, mask, routes = (t.to(DEVICE) for t in (ids, lengths, mask, routes))
     out = {}
     for name in ("hf", impl):
-        model = use_moe_impl(AutoModelForCausalLM.from_pretrained(micro_moe), name)
+        model = load(micro_moe, name)
         lp, _ = Policy(model, routing_replay=True)(ids, lengths, mask, routes=routes)
         lp[mask].sum().backward()
         out[name] = (lp.detach(), [r.weight.grad.clone() for r in moe_routers(model)])
@@ -89,10 +103,10 @@ def test_trainer_trains_the_moe_to_the_same_losses_with_each_impl(micro_moe, tmp
     triton_experts = moe.EXPERTS["triton"]
     monkeypatch.setitem(moe.EXPERTS, "triton", lambda *a: calls.append(1) or triton_experts(*a))
     for impl in ("hf", "grouped", "torch", "triton"):
-        cfg = compose("tiny", [f"model.path={micro_moe}", f"run_dir={tmp_path / impl}", f"model.moe_impl={impl}",
-                               "trainer.lr=1e-3"], check=False)
-        policy, _, opt, _, _ = build(cfg, parallel.Ranks())
-        losses[impl] = [train_step(policy, opt, make_batch(groups=1, resp=4, seed=s), cfg.trainer, s)["loss"]
+        cfg = trainer_cfg(micro_moe, tmp_path / impl, impl)
+        policy, _, opt, _, _ = build(cfg, parallel.Ranks(), DEVICE)
+        assert next(policy.parameters()).device.type == DEVICE
+        losses[impl] = [train_step(policy, opt, make_batch(groups=1, resp=4, seed=s).to(DEVICE), cfg.trainer, s)["loss"]
                         for s in range(3)]
     assert len(calls) == 3 * 2  # 3 steps x 2 MoE layers through the Triton kernels
     assert losses["hf"][0] != losses["hf"][2]  # the weights moved between steps
@@ -107,10 +121,10 @@ def test_the_tiny_demo_moe_trains_the_same_with_triton_experts(tiny_model, tmp_p
     covered on a smaller model above)."""
     results = {}
     for impl in ("torch", "triton"):
-        cfg = compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path / impl}", f"model.moe_impl={impl}",
-                               "trainer.lr=1e-3"], check=False)
-        policy, _, opt, _, _ = build(cfg, parallel.Ranks())
-        metrics = train_step(policy, opt, make_batch(groups=1, g=2, prompt=3, resp=3, seed=0), cfg.trainer, 0)
+        cfg = trainer_cfg(tiny_model, tmp_path / impl, impl)
+        policy, _, opt, _, _ = build(cfg, parallel.Ranks(), DEVICE)
+        batch = make_batch(groups=1, g=2, prompt=3, resp=3, seed=0).to(DEVICE)
+        metrics = train_step(policy, opt, batch, cfg.trainer, 0)
         results[impl] = [metrics["loss"], metrics["grad_norm"]]
     assert results["torch"][1] > 0  # rewards [1, 0]: a real gradient to compare
     assert results["triton"] == pytest.approx(results["torch"], rel=1e-4, abs=1e-6)

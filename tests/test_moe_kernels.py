@@ -2,7 +2,9 @@
 
 Without CUDA the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py and again here
 before the import), fp32, all tiles 16: the shapes below are small but cross tile edges (N, H, I not multiples of
-16), and cover top-1/2/4, N=1, one expert taking every token, and experts left empty.
+16), and cover top-1/2/4, N=1, one expert taking every token, and experts left empty. With CUDA every test runs on
+the GPU (``DEVICE``): tensors are made on the CPU from seeded generators and moved there, and anything built next
+to them is built on their device. Ahead-of-time compilation for sm_90 is tests/test_triton_aot.py.
 """
 
 import os
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, i.e. at import
@@ -126,7 +129,37 @@ def test_plan_layout(case):
         assert (plan.block_expert[start[e] // bm : start[e + 1] // bm] == e).all()
     assert (plan.block_expert[start[-1] // bm :] == -1).all()
     assert (plan.sorted_pair[start[-1] :] == -1).all()
-    assert (plan.sorted_pair[plan.pair_row.long()] == torch.arange(flat.numel(), dtype=torch.int32)).all()
+    pairs = torch.arange(flat.numel(), dtype=torch.int32, device=plan.sorted_pair.device)
+    assert (plan.sorted_pair[plan.pair_row.long()] == pairs).all()
+
+
+def test_plan_has_no_data_dependent_shape():
+    """On the meta device tensors have shapes and no values: a host sync (``.item()``, ``bincount``'s output size,
+    ``nonzero``) raises there, so this is a CPU check that the plan costs no device sync on a GPU."""
+    ids = torch.empty(50, 6, dtype=torch.long, device="meta")
+    plan = moe.plan_blocks(ids, 128, 64)
+    assert plan.sorted_pair.device.type == "meta" and plan.sorted_pair.numel() % 64 == 0
+    assert plan.block_expert.numel() == plan.sorted_pair.numel() // 64 and plan.expert_start.numel() == 129
+
+
+def test_expert_counts_match_bincount():
+    ids = torch.randint(0, 7, (300,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    ids[ids == 3] = 4  # an empty expert
+    counts = moe.expert_counts(ids.sort().values, 9)  # and two experts past the largest id
+    assert torch.equal(counts, torch.bincount(ids, minlength=9))
+
+
+def test_launch_blocks_is_the_launchers_tile_choice():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        gpu = moe.launch_blocks(dtype, interpreted=False)
+        assert gpu.m % gpu.k == 0  # grouped_wgrad steps through a layout block in K tiles
+        assert moe.launch_blocks(dtype, interpreted=True) == moe.INTERPRETER_BLOCKS
+    assert moe.launch_blocks(torch.float32, interpreted=False) == moe.CUDA_BLOCKS[32]
+    assert moe.launch_blocks(torch.bfloat16, interpreted=False) == moe.CUDA_BLOCKS[16]
+    x = torch.zeros(2, 2, device=DEVICE)
+    assert moe._blocks(x) == moe.launch_blocks(torch.float32, interpreted=moe.INTERPRETED)
+    with pytest.raises(TypeError, match="float64"):
+        moe.launch_blocks(torch.float64, interpreted=False)
 
 
 # --- torch reference and the blocked algorithm's algebra (torch, fast) -------------------------------------------
@@ -154,6 +187,70 @@ def test_moe_forward_router_logits_and_bad_impl():
     torch.testing.assert_close(logits, x @ router.T)
     with pytest.raises(ValueError, match="unknown moe impl"):
         moe.moe_forward(x, router, gate_up, down, case.k, impl="cuda")
+
+
+# --- the default experts path (transformers' grouped_mm with our gathers) -------------------------------------------
+
+
+def _experts_grouped_index_add(x, topk_weights, topk_ids, gate_up, down):
+    """experts_grouped as it was: k outputs combined by an ``index_add`` in x's dtype (atomics on CUDA)."""
+    from transformers.integrations.moe import _grouped_mm
+
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    offsets = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
+    gate, up = _grouped_mm(x.index_select(0, token), gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    out = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+    out = out * topk_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
+    return x.new_zeros(x.shape).index_add(0, token, out.to(x.dtype))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_grouped_matches_reference(case):
+    assert_same(run_ours(case, "grouped"), run_ours(case, "torch"))
+
+
+def test_grouped_bf16_combines_in_fp32_deterministically():
+    """bf16: closer to the fp32 result on the same (bf16-rounded) numbers than the old ``index_add`` in bf16,
+    and the same bits on a second run (forward and gradients)."""
+    case = Case(512, 256, 128, 16, 6)
+    (x, router, gate_up, down), dy = make_inputs(case)
+    _, w, ids = moe.route(x.detach(), router.detach(), case.k)
+    bf = [t.detach().bfloat16() for t in (x, w, gate_up, down)]
+    want = moe.experts_grouped(bf[0].float(), bf[1].float(), ids, bf[2].float(), bf[3].float())
+
+    def err(y):
+        return ((y.float() - want).norm() / want.norm()).item()
+
+    new, old = err(moe.experts_grouped(bf[0], bf[1], ids, bf[2], bf[3])), err(_experts_grouped_index_add(*bf[:2], ids, *bf[2:]))
+    assert new < old, (new, old)
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in bf]
+        y = moe.experts_grouped(leaves[0], leaves[1], ids, leaves[2], leaves[3])
+        runs.append((y.detach(), *torch.autograd.grad(y, leaves, dy.bfloat16())))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_grouped_without_tokens():
+    case = Case(0, 40, 24, 4, 2)
+    (x, router, gate_up, down), _ = make_inputs(case)
+    y = moe.moe_forward(x, router, gate_up, down, case.k, impl="grouped")
+    assert y.shape == (0, case.h)
+
+
+def test_grouped_has_no_data_dependent_shape():
+    """The meta device (see test_plan_has_no_data_dependent_shape): no sync in our part of the grouped path."""
+    n, h, i, e, k = 40, 64, 32, 8, 2
+    meta = dict(device="meta", dtype=torch.bfloat16, requires_grad=True)
+    x, w = torch.empty(n, h, **meta), torch.empty(n, k, **meta)
+    gate_up, down = torch.empty(e, 2 * i, h, **meta), torch.empty(e, h, i, **meta)
+    y = moe.experts_grouped(x, w, torch.empty(n, k, dtype=torch.long, device="meta"), gate_up, down)
+    grads = torch.autograd.grad(y, (x, w, gate_up, down), torch.empty_like(y))
+    assert y.shape == (n, h) and [g.shape for g in grads] == [t.shape for t in (x, w, gate_up, down)]
 
 
 # --- Triton ----------------------------------------------------------------------------------------------------
@@ -229,3 +326,31 @@ def test_triton_bf16_on_gpu_close_to_fp32_reference():
     for got, ref in zip((y, *grads), (want, *want_grads)):
         rel = (got.float() - ref).norm() / ref.norm()
         assert rel < 2e-2, rel
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device syncs exist only with a device")
+@pytest.mark.parametrize("impl", ["grouped", "triton"])
+def test_bf16_forward_and_backward_never_sync_the_gpu(impl):
+    """bf16 on CUDA: routing, the plan, the kernels and autograd run without a host sync (torch raises on one).
+    fp32 grouped is exempt: torch's grouped_mm fallback for fp32 copies the offsets to the host."""
+    case = Case(256, 128, 64, 8, 2)
+    (x, router, gate_up, down), dy = make_inputs(case)
+    leaves = [t.detach().bfloat16().requires_grad_() for t in (x, router, gate_up, down)]
+    moe.moe_forward(*leaves, case.k, impl=impl)  # compile / warm up outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = moe.moe_forward(*leaves, case.k, impl=impl)
+        torch.autograd.grad(y, leaves, dy.bfloat16())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_triton
+def test_triton_refuses_tensors_on_two_devices():
+    case = CASES[1]
+    (x, router, gate_up, down), _ = make_inputs(case)
+    _, w, ids = moe.route(x.detach(), router.detach(), case.k)
+    with pytest.raises(ValueError, match="one device"):
+        moe.experts_triton(x.detach(), w, ids, gate_up.detach().to("meta"), down.detach())
