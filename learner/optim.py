@@ -11,8 +11,17 @@ training does, this optimizer keeps per low-precision parameter an fp32 master c
 back into the parameter: small updates accumulate in the master until they move the bf16 value.
 
 fp32 (or fp64) parameters are their own master: for them this is exactly ``torch.optim.AdamW`` (its
-single-tensor path, decoupled weight decay, the same bias correction), with no extra copy. Memory for a bf16
-parameter: 2 (param) + 2 (grad) + 4 (master) + 8 (moments) = 16 bytes, as for fp32 AdamW.
+single-tensor path, decoupled weight decay, the same bias correction), with no extra copy.
+
+Gradients accumulate in fp32. A step's gradient is the sum of its micro-batches' (learner/trainer.py): summed in
+a bf16 ``p.grad`` each addition rounds to 8 bits, so many small micro-batch gradients added to a large one vanish
+as the small updates would. So for every bf16 parameter on one rank a hook (``register_post_accumulate_grad_hook``)
+adds each backward's bf16 grad into an fp32 buffer and frees ``p.grad``; ``step`` and ``clip_grad_norm_`` use the
+buffers (``grads()``), ``zero_grad`` drops them. Under FSDP2 (learner/parallel.py) the sharded parameters are fp32
+(the master), the forward computes in bf16 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``) and
+the reduce-scattered grads are fp32 shards that accumulate in fp32: no hook there (DTensor parameters get none).
+Memory for a bf16 parameter on one rank: 2 (param) + 4 (fp32 grad; a bf16 grad lives only until its hook) + 4
+(master) + 8 (moments) = 18 bytes; under FSDP2, 4 (fp32 shard) + 4 (grad) + 8 = 16 bytes, sharded.
 
 Written with plain elementwise tensor ops, one parameter at a time, so that it runs on any torch version and on
 FSDP2's DTensor shards alike (learner/parallel.py): the master, the moments and the grad of a sharded parameter
@@ -40,6 +49,11 @@ def needs_master(p: Tensor) -> bool:
     return p.dtype in LOW_PRECISION
 
 
+def is_sharded(p: Tensor) -> bool:
+    """A DTensor (FSDP2 shard): its grads are reduced and accumulated by FSDP2 itself."""
+    return hasattr(p, "full_tensor")
+
+
 def _scalar(x: float | Tensor) -> float:
     """A hyperparameter as a Python float (the trainer sets ``group["lr"]`` as a float; a tensor works too)."""
     return x.item() if isinstance(x, Tensor) else float(x)
@@ -51,11 +65,14 @@ class MasterAdamW(Optimizer):
     State per parameter: ``step`` (a float32 scalar tensor on the CPU, as torch keeps it), ``exp_avg`` and
     ``exp_avg_sq`` (fp32 for low-precision parameters, else the parameter's dtype), and ``master`` (fp32) for
     low-precision parameters only. ``param_groups`` hold the model's own parameters, so the trainer sets
-    ``group["lr"]`` and clips the model parameters' grads (``clip_grad_norm_``) as with any optimizer.
+    ``group["lr"]`` as with any optimizer; it clips with ``clip_grad_norm_`` (module function), which for this
+    optimizer clips the fp32 accumulators.
     """
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 fp32_grads: bool = True) -> None:
+        """``fp32_grads``: accumulate the grads of low-precision parameters in fp32 (see the module docstring)."""
         if not 0.0 <= _scalar(lr):
             raise ValueError(f"invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -65,6 +82,12 @@ class MasterAdamW(Optimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"invalid weight_decay: {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.fp32_grads: dict[Tensor, Tensor] = {}  # low-precision parameter -> its step's gradient so far, fp32
+        if fp32_grads:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if needs_master(p) and p.requires_grad and not is_sharded(p):
+                        p.register_post_accumulate_grad_hook(self._accumulate)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -76,9 +99,48 @@ class MasterAdamW(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
+                if (grad := self.grad(p)) is not None:
+                    self._update(p, grad, group)
         return loss
+
+    # --- gradients: fp32 accumulators for low-precision parameters -------------------------------------------
+
+    def _accumulate(self, p: Tensor) -> None:
+        """After a backward has accumulated into ``p.grad`` (bf16): add it to the fp32 buffer, free it."""
+        acc = self.fp32_grads.get(p)
+        if acc is None:
+            self.fp32_grads[p] = p.grad.float()  # a new fp32 tensor (the bf16 grad is freed below)
+        else:
+            acc.add_(p.grad)  # fp32 += bf16: the bf16 value widened exactly, the sum rounded to fp32
+        p.grad = None
+
+    def grad(self, p: Tensor) -> Tensor | None:
+        """The gradient ``step`` applies to ``p``: its fp32 accumulator, else ``p.grad``."""
+        acc = self.fp32_grads.get(p)
+        return acc if acc is not None else p.grad
+
+    def grads(self) -> list[Tensor]:
+        """Every gradient ``step`` would apply (fp32 accumulators and plain grads), in parameter order."""
+        return [g for group in self.param_groups for p in group["params"] if (g := self.grad(p)) is not None]
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over ``grads()``: the 2-norm of all of them (returned), and each
+        scaled by ``max_norm / norm`` when that is below 1. Without fp32 accumulators (fp32 parameters, FSDP2's
+        DTensor shards) it is torch's own on the parameters (under FSDP2 a DTensor: ``.full_tensor()`` it)."""
+        if not self.fp32_grads:
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grads = self.grads()
+        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's rule: no division by a zero norm
+        for g in grads:
+            g.mul_(coef.to(g.device))
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``Optimizer.zero_grad`` and the fp32 accumulators dropped (their memory freed until the next backward)."""
+        super().zero_grad(set_to_none)
+        self.fp32_grads.clear()
 
     def _state(self, p: Tensor) -> dict[str, Any]:
         """The parameter's state, created on first use (a master is also added to a state loaded from a plain
@@ -93,16 +155,16 @@ class MasterAdamW(Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
         return state
 
-    def _update(self, p: Tensor, group: dict[str, Any]) -> None:
+    def _update(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
         """torch.optim.adam._single_tensor_adam (decoupled weight decay, not capturable), on the fp32 master when
         the parameter is low-precision, then the master rounded back into the parameter."""
-        if p.grad.is_sparse:
+        if grad.is_sparse:
             raise RuntimeError("MasterAdamW does not support sparse gradients")
         state = self._state(p)
         lr, (beta1, beta2) = _scalar(group["lr"]), group["betas"]
         eps, weight_decay = group["eps"], group["weight_decay"]
         master = state.get("master", p)
-        grad = p.grad.float() if master is not p else p.grad
+        grad = grad.float() if master is not p else grad
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
 
         state["step"] += 1
@@ -139,3 +201,11 @@ class MasterAdamW(Optimizer):
                     # copy=True: never share storage with the caller's dict (another optimizer's live state)
                     device = value.device if key == "step" else p.device
                     self.state[p][key] = value.to(device=device, dtype=torch.float32, copy=True)
+
+
+def clip_grad_norm_(model: torch.nn.Module, optimizer: Optimizer, max_norm: float) -> Tensor:
+    """Clip the gradients ``optimizer`` will apply to ``model``'s parameters to 2-norm ``max_norm``; returns the
+    norm before clipping. ``MasterAdamW``: its own (the fp32 accumulators); any other optimizer: torch's."""
+    if isinstance(optimizer, MasterAdamW):
+        return optimizer.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

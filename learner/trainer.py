@@ -45,7 +45,7 @@ from cascade_rl.protocol.worker_main import worker_start
 from . import checkpoint, parallel
 from .losses import group_advantages, group_token_mean, mismatch_stats
 from .objectives import OBJECTIVES, Terms
-from .optim import MasterAdamW
+from .optim import MasterAdamW, clip_grad_norm_
 from .weights import TRANSPORTS
 
 log = logging.getLogger("trainer")
@@ -153,7 +153,7 @@ def train_step(policy: Policy, optimizer, batch: Batch, cfg, step: int,
         for k, v in stats.items():
             sums[k] = sums[k] + v.detach().float() * weight
         trainer_lp[rows] = logprobs.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+    grad_norm = clip_grad_norm_(policy, optimizer, cfg.max_grad_norm)  # MasterAdamW: its fp32 accumulated grads
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: the norm over every rank's shards
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
@@ -219,12 +219,28 @@ def save_state(policy: Policy, optimizer, tokenizer, run_dir: Path, step: int, e
         return str(checkpoint.save(out, policy.model, tokenizer, optimizer, step, extra))
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    weights = strip_prefix(parallel.full_state_dict(policy, ranks))
+    held = parallel.full_state_dict(policy, ranks, master=True)  # fp32 where FSDP2 holds bf16 weights' masters
     optim = get_optimizer_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                  cpu_offload=True))
     if ranks.main:
-        checkpoint.save(out, policy.model, tokenizer, None, step, extra, state_dict=weights, optim_state=optim)
+        dtypes = parallel.weight_dtypes(policy)
+        for name, state in optim["state"].items():  # the optimizer's "master", as one rank saves it
+            if name in held and dtypes.get(name, held[name].dtype) != held[name].dtype:
+                state["master"] = held[name]
+        weights = {k: v.to(dtypes.get(k, v.dtype)) for k, v in held.items()}  # the HF files in the model's dtype
+        checkpoint.save(out, policy.model, tokenizer, None, step, extra, state_dict=strip_prefix(weights),
+                        optim_state=optim)
     return str(out)
+
+
+def publish(transport, policy: Policy, ranks: parallel.Ranks, version: int):
+    """The policy's weights as ``version`` through ``transport`` (rank 0); under FSDP2 every rank takes part in
+    the gathers, one parameter at a time. Rank 0's ``WeightsReady``, None on the others."""
+    weights = parallel.publishable(policy, ranks)
+    if not ranks.main:
+        weights.drain()
+        return None
+    return transport.publish(weights, version)
 
 
 def strip_prefix(weights):
@@ -241,6 +257,8 @@ def load_state(path: Path, policy: Policy, optimizer, ranks: parallel.Ranks) -> 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     full = torch.load(path / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)["optimizer"]
+    # the fp32 masters go back into FSDP2's fp32 shards (the HF files hold their bf16 rounding)
+    parallel.load_masters(policy, {k: s.pop("master") for k, s in full["state"].items() if "master" in s})
     set_optimizer_state_dict(policy, optimizer, optim_state_dict=full,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return checkpoint.load(path, None, None)
@@ -282,9 +300,7 @@ def main(argv: list[str] | None = None) -> None:
                           expect=(TrainBatch,), status=lambda: status, heartbeat_s=cfg.supervisor.heartbeat_s).start()
         link.send(Ready(args.worker_id, "trainer", slots=1, version=version))
     if version:  # resumed: samplers start from model.path, so hand them the checkpoint's weights first
-        weights = parallel.full_state_dict(policy, ranks) if ranks.distributed else policy.model
-        if ranks.main:
-            notice = transport.publish(strip_prefix(weights), version)
+        if notice := publish(transport, policy, ranks, version):
             send(pub, notice)
             link.send(notice)
 
@@ -298,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
             batch = batch.rows(parallel.shard_rows(len(batch.rewards) // batch.group_size, batch.group_size, ranks))
             metrics = parallel.reduce_metrics(train_step(policy, optimizer, batch, tcfg, version, reference), ranks)
             version += 1
-            weights = parallel.full_state_dict(policy, ranks) if ranks.distributed else policy.model
+            notice = publish(transport, policy, ranks, version)  # rank 0's notice; a collective under FSDP2
             checkpoint_dir = ""
             if version == tcfg.steps or (tcfg.save_every and version % tcfg.save_every == 0):
                 checkpoint_dir = save_state(policy, optimizer, tokenizer, run_dir, version,
@@ -308,7 +324,6 @@ def main(argv: list[str] | None = None) -> None:
             if not ranks.main:
                 continue
             trained_ids.write({"step": msg.step, "ids": list(msg.ids)})  # before StepDone: read once the run ends
-            notice = transport.publish(strip_prefix(weights), version)
             send(pub, notice)  # samplers apply it at their next safe point
             link.send(notice)  # the orchestrator forwards it to samplers that join late
             status.update(state="waiting", version=version)

@@ -10,7 +10,20 @@ and load a local file either way. The trainer builds one transport,
 times both against a memory copy.
 
 * ``shm`` (default on one machine): the file goes to /dev/shm (atomic rename,
-  so a reader never sees a partial file); the newest ``keep`` versions stay.
+  so a reader never sees a partial file); the newest ``keep`` versions stay,
+  the one being written included: the oldest goes before a new one is
+  written, so /dev/shm holds at most ``keep`` (2) files. 2 is the least that
+  is safe: a sampler handed version v just before v+1 appears must still find
+  v's file (an SGLang server opens it by path later). A file a sampler still
+  has open or mapped keeps its pages after it is deleted, until it closes it.
+
+Where the weights are: a module or a state dict (one rank), or a
+``TensorSource`` that yields one tensor at a time (FSDP2: learner/parallel.py
+``GatheredWeights`` gathers each parameter as it is written, so no rank holds
+the full weights). Device tensors reach host memory through ``Staging``: two
+reused 64 MiB buffers, pinned where CUDA is available; a CPU tensor is written
+from its own memory. So a version costs one host copy, the file (or the
+stream's snapshot), and nothing proportional to the model besides.
 * ``stream`` (hosts without a shared file system): the file is built once per
   version in memory (one copy of the weights: the trainer changes them in the
   next step) and served in chunks from a background thread that owns a ROUTER
@@ -38,14 +51,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import shutil
 import socket
 import struct
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -64,8 +80,6 @@ log = logging.getLogger(__name__)
 TRANSPORTS = Registry("weight transport")  # name -> class(run_id) with publish(model, version), close()
 register_transport = TRANSPORTS.register
 
-Weights = torch.nn.Module | dict[str, torch.Tensor]
-
 DTYPES = {dtype: name for name, dtype in cuda_ipc.DTYPES.items()}  # torch dtype -> its safetensors name
 
 
@@ -73,22 +87,33 @@ DTYPES = {dtype: name for name, dtype in cuda_ipc.DTYPES.items()}  # torch dtype
 class ShmTransport:
     def __init__(self, run_id: str, keep: int = 2) -> None:
         self.dir = auth.private_dir(shm_dir(run_id))  # the run's weights: this user's only (0700)
+        if keep < 1:
+            raise ValueError(f"shm: keep must be >= 1, got {keep}")
         self.keep = keep
         self._published: list[Path] = []
+        self._staging = Staging()
 
     def publish(self, model: Weights, version: int) -> WeightsReady:
-        """``model``: the policy, or its full state dict in HF names (gathered from FSDP2 shards)."""
+        """``model``: the policy, a state dict in HF names, or a ``TensorSource`` (FSDP2: gathered one
+        parameter at a time while this writes, learner/parallel.py)."""
         path = self.dir / f"policy-v{version:06d}.safetensors"
         tmp = path.with_suffix(".tmp")
+        while len(self._published) >= self.keep:  # room first: at most ``keep`` files, the one being written included
+            self._published.pop(0).unlink(missing_ok=True)
         lay, checksum = layout(model), Checksum()
         try:
             with open(tmp, "wb") as f:  # one copy (the write); the checksum thread hashes the same buffers meanwhile
                 f.write(lay.header)
                 checksum.update(lay.header)
-                for data, _ in lay.tensors:
-                    data = data.cpu().numpy()
-                    f.write(data)
-                    checksum.update(data)
+                behind = None
+                for data, _ in lay.tensors():
+                    for chunk in self._staging.host(data):  # a CPU tensor's own bytes, or a pinned staging chunk
+                        f.write(chunk)
+                        hashed = checksum.update(chunk)
+                        self._staging.hold(hashed)  # a staging chunk is reused once hashed
+                    if behind is not None:  # the hash runs at most one tensor behind the write: a gathered
+                        behind.result()  # tensor (FSDP2) is freed once hashed, so the queue never holds a model
+                    behind = hashed
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -96,8 +121,6 @@ class ShmTransport:
             digest = checksum.hexdigest()
         os.replace(tmp, path)
         self._published.append(path)
-        while len(self._published) > self.keep:
-            self._published.pop(0).unlink(missing_ok=True)
         return WeightsReady(version=version, uri=f"file://{path}", nbytes=lay.nbytes, checksum=digest)
 
     def close(self) -> None:
@@ -129,6 +152,7 @@ class StreamTransport:
         self.dropped = 0  # replies to peers that vanished or stopped reading
         self._snapshots: dict[int, Snapshot] = {}
         self._retired: Snapshot | None = None  # the last evicted version: its buffer is the next one's
+        self._staging = Staging()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ctx = zmq.Context(io_threads=1)  # its own IO thread: transfers never delay the trainer's sockets
@@ -144,12 +168,12 @@ class StreamTransport:
         self.host, self.port = host or advertised_host(address), int(port)
 
     def publish(self, weights: Weights, version: int) -> WeightsReady:
-        """``weights``: the policy, or its full state dict in HF names. Returns once the snapshot is
-        built and hashed; samplers fetch it from the server thread afterwards."""
+        """``weights``: the policy, a state dict in HF names, or a ``TensorSource``. Returns once the
+        snapshot is built and hashed; samplers fetch it from the server thread afterwards."""
         with self._lock:  # reuse a warm buffer: fresh pages cost more than the copy (page faults, zeroing)
             old, self._retired = self._retired, None
             reuse = old.data if old is not None and not old.in_flight() else None
-        snap = snapshot(weights, reuse)
+        snap = snapshot(weights, reuse, self._staging)
         with self._lock:
             self._snapshots[version] = snap
             for v in sorted(self._snapshots)[: -self.keep]:
@@ -281,7 +305,7 @@ class CudaIpcTransport:
         if old is not None:
             cuda_ipc.sidecar_path(self.dir, old).unlink(missing_ok=True)
         start = len(lay.header)
-        for data, offset in lay.tensors:
+        for data, offset in lay.tensors():
             buf.data[offset - start : offset - start + data.numel()].copy_(data)
         if buf.data.is_cuda:
             torch.cuda.synchronize(buf.data.device)  # the bytes are in place before anyone is told they are
@@ -304,7 +328,7 @@ class CudaIpcTransport:
         if shape != self._shape:
             if nbytes == 0:
                 raise WeightsError("cuda_ipc: the weights are empty")
-            device = next((t.device for t, _ in lay.tensors if t.is_cuda), lay.tensors[0][0].device)
+            device = lay.device
             for old in self._held.values():  # their buffers go: so do the notices of what those held
                 cuda_ipc.sidecar_path(self.dir, old).unlink(missing_ok=True)
             self._held.clear()
@@ -325,55 +349,148 @@ class CudaIpcTransport:
 # --------------------------------------------------------------------------- serialisation
 
 
+class TensorSource(Protocol):
+    """Weights to publish that are read one tensor at a time, in the order the file wants them: what the
+    FSDP2 trainer hands a transport (learner/parallel.py ``GatheredWeights``: each parameter gathered when
+    read, so no rank holds the full weights). A module or a state dict becomes one with ``source``."""
+
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]  # name -> (dtype, shape) of each tensor to publish
+    metadata: dict[str, str]  # the file's __metadata__: a dropped tied name -> the name it is stored under
+
+    def read(self, names: list[str]) -> Iterator[torch.Tensor]:
+        """The tensors of ``names``, in that order (each with its spec's dtype and shape)."""
+        ...
+
+
+Weights = torch.nn.Module | dict[str, torch.Tensor] | TensorSource
+
+
+class LocalTensors:
+    """A module's state dict (tied weights once, as ``save_model`` writes it) or a state dict, as a source."""
+
+    def __init__(self, weights: torch.nn.Module | dict[str, torch.Tensor]) -> None:
+        self.state, self.metadata = named_tensors(weights)
+        self.specs = {k: (t.dtype, tuple(t.shape)) for k, t in self.state.items()}
+
+    def read(self, names: list[str]) -> Iterator[torch.Tensor]:
+        return (self.state[name] for name in names)
+
+    @property
+    def device(self) -> torch.device:
+        return next((t.device for t in self.state.values() if t.is_cuda), torch.device("cpu"))
+
+
+def source(weights: Weights) -> TensorSource:
+    return weights if hasattr(weights, "read") else LocalTensors(weights)
+
+
+def file_order(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[str]:
+    """The tensors' order in the file: element size (largest first), then name, as safetensors does (every
+    tensor aligned for zero-copy loading). Every rank of an FSDP2 trainer reads its source in this order."""
+    return sorted(specs, key=lambda k: (-specs[k][0].itemsize, k))
+
+
 @dataclass
 class Layout:
-    """A safetensors file to be written: its header, and each tensor's bytes (a 1-D uint8 view, on the
-    tensor's device) with its offset in the file, in file order."""
+    """A safetensors file to be written: its header, and each tensor's offset in the file, in file order;
+    ``tensors()`` reads them from the source one at a time."""
 
     header: bytes
-    tensors: list[tuple[torch.Tensor, int]]
+    names: list[str]
+    offsets: list[int]
     nbytes: int
+    source: TensorSource
     entries: dict = field(default_factory=dict)  # the header's JSON: name -> dtype, shape, data_offsets; __metadata__
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tensors are (a source says; else the CPU)."""
+        return torch.device(getattr(self.source, "device", "cpu"))
+
+    def tensors(self) -> Iterator[tuple[torch.Tensor, int]]:
+        """(bytes as a 1-D uint8 view on the tensor's device, offset in the file), in file order."""
+        for name, offset, t in zip(self.names, self.offsets, self.source.read(self.names), strict=True):
+            dtype, shape = self.source.specs[name]
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise WeightsError(f"weights {name}: read {t.dtype} {tuple(t.shape)}, announced {dtype} {shape}")
+            yield t.detach().contiguous().reshape(-1).view(torch.uint8), offset
 
 
 def layout(weights: Weights) -> Layout:
-    """The safetensors layout of ``weights``: tensors sorted by element size (largest first) then name,
-    as safetensors does, so every tensor is aligned for zero-copy loading."""
-    state, metadata = named_tensors(weights)
-    names = sorted(state, key=lambda k: (-state[k].element_size(), k))
-    entries: dict = {"__metadata__": metadata} if metadata else {}
+    """The safetensors layout of ``weights`` (``file_order``); reads no tensor data."""
+    src = source(weights)
+    names = file_order(src.specs)
+    entries: dict = {"__metadata__": src.metadata} if src.metadata else {}
     offset = 0
     for name in names:
-        t = state[name]
-        if t.dtype not in DTYPES:
-            raise ValueError(f"weights {name}: dtype {t.dtype} has no safetensors name here")
-        n = t.numel() * t.element_size()
-        entries[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        dtype, shape = src.specs[name]
+        if dtype not in DTYPES:
+            raise ValueError(f"weights {name}: dtype {dtype} has no safetensors name here")
+        n = math.prod(shape) * dtype.itemsize
+        entries[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # data starts 8-byte aligned
     header = struct.pack("<Q", len(text)) + text
-    tensors, start = [], len(header)
-    for name in names:
-        data = state[name].detach().contiguous().reshape(-1).view(torch.uint8)
-        tensors.append((data, start + entries[name]["data_offsets"][0]))
-    return Layout(header, tensors, start + offset, entries)
+    start = len(header)
+    offsets = [start + entries[name]["data_offsets"][0] for name in names]
+    return Layout(header, names, offsets, start + offset, src, entries)
 
 
-def snapshot(weights: Weights, reuse: np.ndarray | None = None) -> Snapshot:
-    """The file's bytes in one buffer (``reuse`` if it has the right size, else a fresh one): one copy,
-    device tensors straight into it; hashed by a second thread while later tensors are copied."""
+class Staging:
+    """How a device tensor's bytes reach host memory: through two reused staging buffers of ``chunk`` bytes,
+    pinned (page-locked) where CUDA is available, so each device-to-host copy is one DMA instead of the
+    driver's pageable bounce, and no host copy of a whole tensor (or model) is made. A CPU tensor is its own
+    host memory: no copy. Allocated at the first device tensor (CPU-only runs never pin anything): 2 x 64 MiB.
+
+    A chunk handed out stays valid until the one after next: a consumer that keeps using it later (the
+    checksum thread) passes the future of that use to ``hold`` and the buffer waits for it before reuse."""
+
+    def __init__(self, chunk: int = 64 << 20, copy_cpu: bool = False) -> None:
+        """``copy_cpu``: stage CPU tensors too (tests: the device path on a machine without a device)."""
+        self.chunk, self.copy_cpu = chunk, copy_cpu
+        self._buffers: list[torch.Tensor] = []
+        self._pending: list = [None, None]  # per buffer: the future its last chunk is still used by
+        self._next = 0
+
+    def host(self, data: torch.Tensor) -> Iterator[np.ndarray]:
+        """``data`` (1-D uint8, any device) as host arrays, in order."""
+        if data.is_cpu and not self.copy_cpu:
+            yield data.numpy()
+            return
+        if not self._buffers:
+            pin = torch.cuda.is_available()  # pinning needs CUDA
+            self._buffers = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        for start in range(0, data.numel(), self.chunk):
+            k, self._next = self._next, 1 - self._next
+            if self._pending[k] is not None:
+                self._pending[k].result()
+                self._pending[k] = None
+            part = data[start : start + self.chunk]
+            buf = self._buffers[k][: part.numel()]
+            buf.copy_(part)  # synchronous: the bytes are on the host when this returns
+            self._current = k
+            yield buf.numpy()
+
+    def hold(self, future) -> None:
+        """The chunk last handed out is in use until ``future`` is done (None: it is not)."""
+        if future is not None and self._buffers:
+            self._pending[self._current] = future
+
+
+def snapshot(weights: Weights, reuse: np.ndarray | None = None, staging: Staging | None = None) -> Snapshot:
+    """The file's bytes in one buffer (``reuse`` if it has the right size, else a fresh one): one host copy,
+    device tensors through ``staging``; hashed by a second thread while later tensors are copied."""
     lay, checksum = layout(weights), Checksum()
+    staging = staging or Staging()
     data = reuse if reuse is not None and len(reuse) == lay.nbytes else np.empty(lay.nbytes, np.uint8)
-    out = torch.from_numpy(data)
     data[: len(lay.header)] = np.frombuffer(lay.header, np.uint8)
     hashed = 0
-    for t, start in lay.tensors:
-        end = start + t.numel()
-        if t.is_cpu:
-            data[start:end] = t.numpy()  # numpy's copy is one thread: torch's would fight the hash thread
-        else:
-            out[start:end].copy_(t)
+    for t, start in lay.tensors():
+        end = start
+        for chunk in staging.host(t):  # numpy's copy is one thread: torch's would fight the hash thread
+            data[end : end + len(chunk)] = chunk
+            end += len(chunk)
         if end - hashed >= Checksum.SMALL:  # hash in contiguous runs, not tensor by tensor
             checksum.update(data[hashed:end])
             hashed = end
@@ -381,12 +498,12 @@ def snapshot(weights: Weights, reuse: np.ndarray | None = None) -> Snapshot:
     return Snapshot(data, checksum.hexdigest())
 
 
-def named_tensors(weights: Weights) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def named_tensors(weights: torch.nn.Module | dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(name -> tensor, metadata): a module's state dict without duplicate names of one storage (the
-    metadata maps each dropped name to the kept one, as ``save_model`` writes); a state dict as is,
-    with shared storages copied."""
+    metadata maps each dropped name to the kept one, as ``save_model`` writes); a state dict as is (each
+    name's bytes are written from its own tensor, so names sharing a storage need no copy)."""
     if isinstance(weights, dict):
-        return unshared(weights), {}
+        return dict(weights), {}
     state, metadata = weights.state_dict(), {}
     for kept, dropped in _remove_duplicate_names(state).items():
         for name in dropped:

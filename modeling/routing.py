@@ -40,7 +40,7 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
 class RoutingReplay:
     def __init__(self, routers: list[nn.Module], replay: bool) -> None:
         self.routers, self.replay = routers, replay
-        self._ids: Tensor | None = None  # [tokens of the call, layers, k] long, -1: route freely
+        self._ids: Tensor | None = None  # [tokens of the call, layers, k] the routes' dtype (int16), -1: route freely
         self._disagree: Tensor | int = 0
         self._routes: Tensor | int = 0
         for layer, router in enumerate(routers):
@@ -62,10 +62,12 @@ class RoutingReplay:
         n, length, layers, k = routes.shape
         if layers != self.layers:
             raise ValueError(f"the rollouts carry routes of {layers} MoE layers, the model has {self.layers}")
-        flat = routes.reshape(n * length, layers, k).long()
+        # index first, widen after: the routes stay in the engine's int16 (a view, no copy) and only this call's
+        # tokens are gathered; each hook widens its own layer to int64 ([T, k]). Widening the whole micro-batch
+        # first costs 4x its routes (64 rows x 16K x 48 layers x 8: ~3 GB a pack).
+        flat = routes.reshape(n * length, layers, k)
         src = src.reshape(-1).to(flat.device)
-        ids = flat[src.clamp(min=0)]
-        self._ids = torch.where((src >= 0)[:, None, None], ids, torch.full_like(ids, -1))
+        self._ids = flat[src.clamp(min=0)].masked_fill_((src < 0)[:, None, None], -1)
         try:
             yield
         finally:
@@ -82,7 +84,7 @@ class RoutingReplay:
             if self._ids is None:
                 return None
             logits, weights, own = output
-            forced = self._ids[:, layer]
+            forced = self._ids[:, layer].long()  # this layer only: [T, k]
             if forced.shape[0] != own.shape[0]:
                 raise RuntimeError(f"routing replay: {forced.shape[0]} routes for a forward of {own.shape[0]} tokens")
             given = (forced >= 0).all(dim=-1)

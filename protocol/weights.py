@@ -102,17 +102,18 @@ class Checksum:
         self._max_pending = max_pending
         self._small = bytearray()
 
-    def update(self, data) -> None:
+    def update(self, data):
         """Queue ``data`` (any buffer; it must not change until hashed). Waits while ``max_pending``
-        buffers are queued, so a slow hash holds back the producer instead of buffering a model."""
+        buffers are queued, so a slow hash holds back the producer instead of buffering a model. Returns
+        the future of ``data``'s hash (done: ``data`` may change), or None when it was copied (small)."""
         data = memoryview(data).cast("B")
         if len(data) < self.SMALL:
             self._small += data
             if len(self._small) >= 16 * self.SMALL:
                 self._flush()
-            return
+            return None
         self._flush()
-        self._submit(data)
+        return self._submit(data)
 
     def hexdigest(self) -> str:
         self._flush()
@@ -124,10 +125,12 @@ class Checksum:
             self._submit(self._small)
             self._small = bytearray()
 
-    def _submit(self, data) -> None:
-        self._pending.append(self._pool.submit(self._h.update, data))
+    def _submit(self, data):
+        future = self._pool.submit(self._h.update, data)
+        self._pending.append(future)
         if len(self._pending) > self._max_pending:
             self._pending.pop(0).result()
+        return future
 
 
 def file_checksum(path: str | Path) -> str:

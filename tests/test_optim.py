@@ -1,8 +1,8 @@
 """learner/optim.py: AdamW with fp32 master weights and moments for bf16 parameters.
 
 fp32 parameters: exactly torch's AdamW. bf16 parameters: the fp32 master follows fp32 AdamW exactly, the
-parameter is its rounding, updates too small for bf16 accumulate, checkpoints keep the state fp32, and it runs
-on FSDP2's DTensor shards (two CPU ranks, gloo) with torch's distributed optimizer state dicts.
+parameter is its rounding, updates too small for bf16 accumulate, micro-batch gradients accumulate in fp32 (and
+are clipped there), checkpoints keep the state fp32, and it runs on FSDP2's DTensor shards (two CPU ranks, gloo) with torch's distributed optimizer state dicts.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from cascade_rl.learner.optim import MasterAdamW
+from cascade_rl.learner.optim import MasterAdamW, clip_grad_norm_
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -107,7 +107,7 @@ def model_step(model, optimizer, step: int):
     x = torch.randn(9, 6, generator=g).to(torch.bfloat16)
     loss = model(x).float().pow(2).mean()
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    clip_grad_norm_(model, optimizer, 1.0)  # the trainer's: MasterAdamW clips its fp32 accumulators
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -165,7 +165,7 @@ def test_a_bf16_tiny_model_learns_a_fixed_batch(model_fixture, request):
     for _ in range(6):
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_grad_norm_(model, opt, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -173,6 +173,76 @@ def test_a_bf16_tiny_model_learns_a_fixed_batch(model_fixture, request):
     p = model.get_output_embeddings().weight
     assert torch.equal(p.detach(), opt.state[p]["master"].to(torch.bfloat16))
 
+
+
+# --- fp32 gradient accumulation across micro-batches ---------------------------------------------------------
+
+
+def micro_batches(k: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 6, generator=g).to(torch.bfloat16) for _ in range(k)]
+
+
+def test_micro_batch_grads_accumulate_in_fp32_and_the_step_and_clip_use_them():
+    """bf16 parameters, 12 backward passes: the optimizer's gradient is the fp32 sum of the 12 bf16 grads (the
+    same values each backward alone gives, in the same order); ``p.grad`` holds none of it; clipping scales the
+    fp32 sums and reports their norm; the step applies them; zero_grad drops them."""
+    xs = micro_batches(12)
+    alone = bf16_model()  # each micro-batch's own bf16 grad, summed in fp32 here
+    expected = [torch.zeros_like(p, dtype=torch.float32) for p in alone.parameters()]
+    for x in xs:
+        alone(x).float().pow(2).mean().backward()
+        for e, p in zip(expected, alone.parameters()):
+            e += p.grad.float()
+        alone.zero_grad(set_to_none=True)
+
+    model = bf16_model()
+    opt = MasterAdamW(model.parameters(), **HYPER)
+    for x in xs:
+        model(x).float().pow(2).mean().backward()
+    assert all(p.grad is None for p in model.parameters())  # freed by the hook: no bf16 accumulation
+    grads = opt.grads()
+    assert [g.dtype for g in grads] == [torch.float32] * len(expected)
+    for g, e in zip(grads, expected):
+        assert torch.equal(g, e)
+    norm = clip_grad_norm_(model, opt, 0.5)
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(torch.stack([e.norm() for e in expected])))
+    assert norm > 0.5
+    scale = 0.5 / (norm + 1e-6)
+    for g, e in zip(opt.grads(), expected):
+        torch.testing.assert_close(g, e * scale, atol=0, rtol=1e-6)
+
+    shadow = [p.detach().float().requires_grad_() for p in model.parameters()]  # fp32 AdamW on the clipped sums
+    ref = torch.optim.AdamW(shadow, **HYPER, foreach=False)
+    for q, g in zip(shadow, opt.grads()):
+        q.grad = g.clone()
+    opt.step()
+    ref.step()
+    for p, q in zip(model.parameters(), shadow):
+        torch.testing.assert_close(opt.state[p]["master"], q.detach(), atol=1e-7, rtol=0)
+    opt.zero_grad(set_to_none=True)
+    assert opt.grads() == [] and not opt.fp32_grads
+
+
+def test_small_micro_batch_grads_added_to_a_large_one_survive_in_fp32_not_in_bf16():
+    """A large gradient (1.0) then 100 small ones (1e-3): in bf16 each addition rounds back to 1.0 (its spacing at
+    1 is 2^-7), so bf16 accumulation loses all of them; the fp32 accumulator keeps them: 1 + 100 * bf16(1e-3)."""
+    small = torch.tensor(1e-3, dtype=torch.bfloat16)
+
+    def backward_all(p):
+        (p * torch.ones(4, dtype=torch.bfloat16)).sum().backward()
+        for _ in range(100):
+            (p * small).sum().backward()
+
+    fp32_acc = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
+    opt = MasterAdamW([fp32_acc], lr=1e-3)
+    backward_all(fp32_acc)
+    torch.testing.assert_close(opt.grads()[0], torch.full((4,), 1 + 100 * small.item()), atol=1e-5, rtol=0)
+
+    bf16_acc = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
+    MasterAdamW([bf16_acc], lr=1e-3, fp32_grads=False)  # the old behaviour: autograd sums into the bf16 p.grad
+    backward_all(bf16_acc)
+    assert torch.equal(bf16_acc.grad, torch.ones(4, dtype=torch.bfloat16))  # 100 small grads lost
 
 # --- FSDP2: DTensor shards and torch's distributed optimizer state dicts (as learner/trainer.py uses them) ---
 

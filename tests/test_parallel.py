@@ -24,7 +24,12 @@ def run(world: int, model: str, out: Path, dtype: str = "float32") -> tuple[dict
     r = subprocess.run([*launcher, str(HELPER), model, str(out), dtype], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return load_file(out), json.loads(Path(str(out) + ".json").read_text())
+    report = json.loads(Path(str(out) + ".json").read_text())
+    # every run: the published file is the one-rank file of the same weights, byte for byte (tied weights
+    # once), and a resume from the checkpoint before the last step takes that step exactly
+    assert report["published"]["gathered"] == report["published"]["module"], report["published"]
+    assert report["resume_max_diff"] == 0, report["resume_max_diff"]
+    return load_file(out), report
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_model", "tiny_dense_model"])
@@ -41,17 +46,20 @@ def test_two_ranks_equal_one_rank(model_fixture, request, tmp_path):
         if k in start and start[k].shape == one[k].shape:
             moved = max(moved, (one[k] - start[k]).abs().max().item())
     assert moved > 1e-4  # the steps really changed the weights
-    for a, b in zip(m1, m2):  # the metrics combine across ranks to the 1-rank values
+    for a, b in zip(m1["metrics"], m2["metrics"]):  # the metrics combine across ranks to the 1-rank values
         for k in ("loss", "grad_norm", "response_tokens", "zero_adv_groups", "entropy", "mismatch/abs_diff_max"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
 
 
 def test_two_bf16_ranks_train_like_one_rank(tiny_dense_model, tmp_path):
-    """bf16 parameters under FSDP2 (gradients summed across ranks in fp32, fp32 master weights in the optimizer)
-    take the 1-rank steps: bf16 matmuls over half the rows round differently, and Adam turns a near-zero
+    """bf16 weights under FSDP2 (fp32 shards computed in bf16, gradients reduced and accumulated in fp32) take the
+    1-rank steps (bf16 parameters, fp32 accumulated grads, fp32 master weights in the optimizer); published and
+    gathered weights are bf16: bf16 matmuls over half the rows round differently, and Adam turns a near-zero
     gradient's rounding into a step of up to lr, so the updates agree in direction, not bit for bit."""
-    one, _ = run(1, tiny_dense_model, tmp_path / "one.safetensors", "bfloat16")
-    two, _ = run(2, tiny_dense_model, tmp_path / "two.safetensors", "bfloat16")
+    one, r1 = run(1, tiny_dense_model, tmp_path / "one.safetensors", "bfloat16")
+    two, r2 = run(2, tiny_dense_model, tmp_path / "two.safetensors", "bfloat16")
+    # FSDP2 holds fp32 shards (the master) and computes in bf16; one rank holds bf16 and MasterAdamW the master
+    assert r1["held_dtypes"] == ["torch.bfloat16"] and r2["held_dtypes"] == ["torch.float32"]
     start = load_file(Path(tiny_dense_model) / "model.safetensors")
     u1, u2 = [], []
     for k in one:

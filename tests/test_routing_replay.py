@@ -230,3 +230,41 @@ def test_a_launch_that_wants_routes_from_an_engine_that_cannot_give_them_is_refu
         with pytest.raises(ConfigError, match=f"routing_replay.*{engine}"):
             compose("tiny", ["trainer.routing_replay=true", f"sampler.engine={engine}", f"run_dir={tmp_path}"],
                     check=True)
+
+
+def test_sources_index_the_int16_routes_first_and_each_layer_widens_its_own():
+    """``sources`` gathers the call's tokens from the engine's int16 routes without widening them (a micro-batch's
+    routes in int64 are 4x its int16 bytes: ~3 GB at 64 x 16K x 48 layers x 8); each router's hook widens only
+    its own layer, and replays exactly the routes of the tokens ``src`` names (-1: the router's own choice)."""
+    from cascade_rl.modeling.routing import RoutingReplay
+
+    class Router(torch.nn.Module):  # HF Qwen3MoeTopKRouter's output: (logits, weights, ids)
+        top_k = 2
+
+        def forward(self, h):
+            logits = h @ torch.arange(8.0).repeat(h.shape[-1], 1)
+            weights, ids = torch.topk(torch.softmax(logits, -1), self.top_k, dim=-1)
+            return logits, weights, ids
+
+    n, length, layers, k = 3, 5, 2, 2
+    g = torch.Generator().manual_seed(0)
+    routes = torch.randint(0, 8, (n, length, layers, k), dtype=torch.int16, generator=g)
+    routes[1, 3:] = -1  # no routes there: the router's own
+    src = torch.tensor([[7, -1, 0, 14, 8, 9]])  # a lane: rows 1 and 0 and 2, a free slot
+    replay = RoutingReplay([Router(), Router()], replay=True)
+    with replay.sources(routes, src):
+        held = replay._ids
+        assert held.dtype == torch.int16 and tuple(held.shape) == (6, layers, k)  # indexed, not widened
+        flat = routes.reshape(-1, layers, k)
+        for j, s in enumerate(src[0].tolist()):
+            expected = flat[s] if s >= 0 else torch.full((layers, k), -1, dtype=torch.int16)
+            assert torch.equal(held[j], expected), j
+        h = torch.randn(6, 4, generator=g)
+        for layer, router in enumerate(replay.routers):
+            _, weights, ids = router(h)
+            own = torch.topk(h @ torch.arange(8.0).repeat(4, 1), k, dim=-1).indices
+            given = (held[:, layer] >= 0).all(-1)
+            assert ids.dtype == torch.long
+            assert torch.equal(ids[given], held[given, layer].long()) and torch.equal(ids[~given], own[~given])
+            torch.testing.assert_close(weights.sum(-1), torch.ones(6))
+    assert replay._ids is None

@@ -237,3 +237,40 @@ def test_resume_reproduces_the_next_step_exactly(tiny_model, tmp_path):
     got = resumed.model.state_dict()
     for k, v in expected.items():
         assert torch.equal(got[k], v), k  # exact: same weights, optimizer moments, step and lr
+
+
+def test_bf16_micro_batch_grads_accumulate_in_fp32_for_the_step(tiny_dense_model):
+    """bf16 parameters, MasterAdamW, one micro-batch per group: the gradient the optimizer steps with is the fp32
+    sum of each backward's bf16 gradient (seen by a hook on every parameter), no bf16 ``p.grad`` accumulates, and
+    the reported grad_norm is the norm of the fp32 sums."""
+    from cascade_rl.learner.optim import MasterAdamW
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dense_model, dtype=torch.bfloat16)
+    params = list(model.parameters())
+    per_backward = {id(p): torch.zeros(p.shape) for p in params}
+    calls = []
+
+    def seen_by(p):
+        def hook(g):  # this backward's bf16 grad of ``p``, before anything accumulates it
+            per_backward[id(p)].add_(g.float())
+            calls.append(1)
+        return hook
+
+    for p in params:
+        p.register_hook(seen_by(p))
+    opt = MasterAdamW(params, lr=0.0)
+    seen = {}
+
+    def step(*a, **k):
+        seen["grads"] = [g.clone() for g in opt.grads()]
+        seen["bf16_grads"] = [p.grad for p in params]
+
+    opt.step = step
+    metrics = train_step(Policy(model), opt, make_batch(groups=4), cfg(micro_batch_groups=1, max_grad_norm=1e9), 0)
+    assert len(calls) == 4 * len(params)  # four micro-batches, one backward each
+    assert all(g is None for g in seen["bf16_grads"])
+    assert [g.dtype for g in seen["grads"]] == [torch.float32] * len(params)
+    for g, p in zip(seen["grads"], params):
+        assert torch.equal(g, per_backward[id(p)])
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in seen["grads"]]))
+    assert metrics["grad_norm"] == pytest.approx(norm.item(), rel=1e-6)

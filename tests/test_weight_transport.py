@@ -638,3 +638,44 @@ def test_cuda_ipc_torn_read_across_processes(gpu_sampler):
         assert got == {k: bitwise(t) for k, t in versioned(3).items()}
     finally:
         ipc.close()
+
+
+def test_device_path_through_the_reused_staging_buffers_publishes_the_same_bytes(model, monkeypatch):
+    """The pinned staging path (device tensors, here CPU ones forced through it): small chunks, two buffers reused
+    while the checksum thread still hashes, and both transports publish save_model's file byte for byte; at most
+    ``keep`` files are in the run's folder, the one being written included."""
+    from cascade_rl.learner import weights as weights_module
+    from cascade_rl.learner.weights import Staging
+
+    big = {"a.weight": torch.randn(1024, 300), "b.weight": torch.randn(7, 5), "c.bias": torch.randn(70000)}
+    shm, stream = make("shm"), make("stream")
+    try:
+        for t in (shm, stream):
+            t._staging = Staging(chunk=1 << 16, copy_cpu=True)  # 64 KiB: every tensor in several chunks
+        direct = make("shm")
+        try:
+            expected = direct.publish(big, 1)
+            tied = direct.publish(model, 2)
+        finally:
+            direct.close()
+        for t in (shm, stream):
+            got = t.publish(big, 1)
+            assert (got.nbytes, got.checksum) == (expected.nbytes, expected.checksum)
+            assert t.publish(model, 2).checksum == tied.checksum
+        assert shm._staging._buffers and all(len(b) == 1 << 16 for b in shm._staging._buffers)
+        seen = []
+        real_replace = weights_module.os.replace
+
+        def spy(src, dst):  # the moment the new file is committed: how many files the folder holds
+            seen.append(len(list(shm.dir.iterdir())))
+            real_replace(src, dst)
+
+        monkeypatch.setattr(weights_module.os, "replace", spy)
+        for v in (3, 4, 5):
+            shm.publish(big, v)
+        monkeypatch.undo()
+        assert seen == [2, 2, 2]  # keep=2: the newest previous version and the one being written
+        assert sorted(p.name for p in shm.dir.iterdir()) == ["policy-v000004.safetensors", "policy-v000005.safetensors"]
+    finally:
+        shm.close()
+        stream.close()

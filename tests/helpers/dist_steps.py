@@ -3,7 +3,9 @@
     torchrun --nproc-per-node 2 tests/helpers/dist_steps.py MODEL_DIR OUT.safetensors [bfloat16]
     python tests/helpers/dist_steps.py MODEL_DIR OUT.safetensors [bfloat16]          # one rank
 
-Writes the final weights (rank 0) and the per-step metrics next to them (OUT.json); used by
+Writes the final weights (rank 0) and a report next to them (OUT.json: the per-step metrics; the checksums
+of the weights published as the trainer does and as one rank would; the largest difference between the
+last step taken and the same step resumed from a checkpoint written before it); used by
 tests/test_parallel.py to compare 2 ranks with 1.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,8 +24,8 @@ from transformers import AutoModelForCausalLM
 
 from cascade_rl.learner import parallel
 from cascade_rl.learner.optim import MasterAdamW
-from cascade_rl.learner.trainer import Batch, strip_prefix, train_step
-from cascade_rl.learner.weights import unshared
+from cascade_rl.learner.trainer import Batch, load_state, publish, save_state, strip_prefix, train_step
+from cascade_rl.learner.weights import ShmTransport, unshared
 from cascade_rl.modeling.policy import Policy
 from cascade_rl.protocol.messages import TrainBatch
 
@@ -55,15 +58,46 @@ def main() -> None:
     optimizer = MasterAdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)  # the trainer's
     metrics = []
     for step in range(2):
-        b = batch(step)
-        b = b.rows(parallel.shard_rows(len(b.rewards) // b.group_size, b.group_size, ranks))
-        metrics.append(parallel.reduce_metrics(train_step(policy, optimizer, b, cfg, step), ranks))
+        if step == 1:  # a checkpoint before the last step: resumed below, it must take the same step
+            ckpt = save_state(policy, optimizer, None, Path(out + ".run"), step, {}, ranks)
+        metrics.append(parallel.reduce_metrics(train_step(policy, optimizer, my_rows(step, ranks), cfg, step), ranks))
     state = parallel.full_state_dict(policy, ranks)
+    held = parallel.full_state_dict(policy, ranks, master=True)
+    report = {"metrics": metrics, "published": published(policy, ranks, model_dir, dtype)}
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)  # what trainer.build does on resume
+    resumed = parallel.parallelize(Policy(model, temperature=1.0, chunk_tokens=7, pack=True), ranks)
+    opt2 = MasterAdamW(resumed.parameters(), lr=cfg.lr, weight_decay=0.0)
+    load_state(Path(ckpt), resumed, opt2, ranks)
+    train_step(resumed, opt2, my_rows(1, ranks), cfg, 1)
+    again = parallel.full_state_dict(resumed, ranks, master=True)
     if ranks.main:
+        report["resume_max_diff"] = max((held[k].float() - again[k].float()).abs().max().item() for k in held)
+        report["held_dtypes"] = sorted({str(v.dtype) for v in held.values()})
         save_file(unshared(strip_prefix(state)), out)
         with open(out + ".json", "w") as f:
-            json.dump(metrics, f)
+            json.dump(report, f)
     parallel.close(ranks)
+
+
+def my_rows(step: int, ranks) -> Batch:
+    b = batch(step)
+    return b.rows(parallel.shard_rows(len(b.rewards) // b.group_size, b.group_size, ranks))
+
+
+def published(policy, ranks, model_dir: str, dtype) -> dict | None:
+    """Publish through shm as the trainer does (FSDP2: one parameter gathered at a time) and, on rank 0, the
+    gathered weights in an unsharded HF model as one rank publishes it: the two files' sizes and checksums."""
+    transport = ShmTransport(f"dist-steps-{os.getpid()}") if ranks.main else None
+    notice = publish(transport, policy, ranks, 1)
+    full = parallel.full_state_dict(policy, ranks)
+    if not ranks.main:
+        return None
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    ref.load_state_dict(strip_prefix(full), strict=True)
+    other = transport.publish(ref, 2)
+    transport.close()
+    return {"gathered": [notice.nbytes, notice.checksum], "module": [other.nbytes, other.checksum]}
 
 
 if __name__ == "__main__":
