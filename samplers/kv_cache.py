@@ -51,21 +51,22 @@ class KVCache(nn.Module):
 
         return attend
 
-    def extend(self, slots: Tensor, starts: Tensor) -> Attend:
+    def extend(self, slots: Tensor, starts: Tensor, kv_len: int | None = None) -> Attend:
         """Attention of right-padded continuations ``[G, T]`` of slots ``slots`` whose cache already holds
         ``starts[g]`` tokens (a multi-turn row's earlier turns, restored with ``restore``): token t of row g is
         written at ``starts[g] + t`` and attends to its slot's positions up to its own. Padding writes past a
-        row's end, which decoding masks and then overwrites."""
+        row's end, which decoding masks and then overwrites. ``kv_len``: ``min(max(starts) + T, max_len)``
+        when the caller knows it (else read from ``starts``: a device->host read)."""
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             g, t = q.shape[:2]
             pos = (starts[:, None] + torch.arange(t, device=starts.device)).clamp_(max=self.max_len - 1)  # [G, T]
             self.k[layer][slots[:, None], :, pos] = k  # [G, T, kv_heads, hd] into (slot, position) pairs
             self.v[layer][slots[:, None], :, pos] = v
-            kv_len = int(pos.max()) + 1
-            visible = torch.arange(kv_len, device=pos.device)[None, None, :] <= pos[:, :, None]  # [G, T, kv_len]
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[layer, slots, :, :kv_len],
-                                                 self.v[layer, slots, :, :kv_len], attn_mask=visible[:, None],
+            n = int(pos.max()) + 1 if kv_len is None else kv_len
+            visible = torch.arange(n, device=pos.device)[None, None, :] <= pos[:, :, None]  # [G, T, n]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[layer, slots, :, :n],
+                                                 self.v[layer, slots, :, :n], attn_mask=visible[:, None],
                                                  enable_gqa=True)
             return out.transpose(1, 2).reshape(g, t, -1)
 
@@ -83,11 +84,12 @@ class KVCache(nn.Module):
 
     def decode(self, positions: Tensor, kv_len: int) -> Attend:
         """Attention of one new token per slot ``0..B-1``, written at ``positions[b]``; slot b attends to its
-        positions ``0..positions[b]`` (``kv_len`` > every position: the part of the cache read at all)."""
+        positions ``0..positions[b]`` (``kv_len`` > every position: the part of the cache read at all). No
+        device->host read: a CUDA graph can capture it (samplers/cuda_graphs.py)."""
         b = positions.shape[0]
         _, _, n_kv, max_len, hd = self.k.shape
         slot_heads = torch.arange(b * n_kv, device=positions.device)  # (slot, kv head) pairs in [B, kv] order
-        flat = slot_heads * max_len + positions.repeat_interleave(n_kv)  # row in k[layer].view(-1, hd)
+        flat = slot_heads * max_len + positions[:, None].expand(b, n_kv).reshape(-1)  # row in k[layer].view(-1, hd)
         visible = torch.arange(kv_len, device=positions.device) <= positions[:, None]
         mask = torch.zeros(visible.shape, dtype=self.k.dtype, device=positions.device).masked_fill_(~visible, -torch.inf)
         mask = mask[:, None, None, :]  # additive, [B, 1, 1, kv_len]

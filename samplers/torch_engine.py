@@ -10,19 +10,21 @@ qwen2, ...) is refused at construction, before any weight is read, with an
 ``UnservedModelError`` that says to sample with ``sampler.engine=vllm``.
 ``generate`` repeats one step until every row (n per request) is done:
 
+- decode: one forward pass for the B running slots, each at its own position,
+  attention masked to each slot's own length, and a token sampled for each
+  (``_step``: a pure function of fixed buffers, no device->host read; on CUDA
+  a CUDA graph replay, samplers/cuda_graphs.py).
 - admit: waiting rows (FIFO) take the free slots of the ``max_batch`` decode
   slots. The rows of one request admitted together share one prefill: the
   prompt runs once and its K/V is written into each row's slot; the prompts
   admitted together prefill as one right-padded batch (``prefill_tokens`` caps
-  its size).
-- sample one token for every running slot (from its prefill's or the last
-  decode's logits); a row is done on EOS, a stop string or ``max_tokens`` and
-  leaves its slot at once, so a waiting row joins at the next step.
+  its size); their first tokens are sampled from its logits.
+- read the step's tokens and log-probs (the one device->host read of a step);
+  a row is done on EOS, a stop string or ``max_tokens`` (checked on the host)
+  and leaves its slot at once, so a waiting row joins at the next step.
 - compact: the last running slots move into the holes (a copy of their K/V),
   so the running slots are always 0..B-1 and a decode step reads views of the
   cache, never a gather of it.
-- decode: one forward pass for the B running slots, each at its own position,
-  attention masked to each slot's own length.
 
 Multi-turn rows (``GenerationRequest.prefix_keys``): a row that stops keeps its K/V under its key;
 its next turn, a request whose prompt extends the kept tokens, restores it into its slot and
@@ -38,7 +40,8 @@ transformers' ``generate`` at 64 sequences x 64 tokens, 5.06x at 32 prompts x
 8 samples x 128 tokens. On CPU in fp32 the model runs the C++ kernels of
 kernels/cpu_decode.cpp (a decode step is one op: ~1.7 ms at 64 rows on the
 tiny MoE, 0.4 ms at one row); elsewhere, or with ``cpu_kernels=False``, torch
-ops (1.75x).
+ops (1.75x). MoE experts: ``choose_experts`` (samplers/torch_model.py), grouped
+on CUDA in bf16 on sm_90 / sm_100.
 """
 
 from __future__ import annotations
@@ -55,20 +58,22 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from ..kernels import cpu_decode
 from ..protocol.devices import torch_dtype
+from .cuda_graphs import DecodeGraphs
 from .engine import GenerationRequest, Sample, check_request, register_engine
 from .kv_cache import KVCache
-from .torch_model import SERVED_MODEL_TYPES, Transformer
+from .torch_model import SERVED_MODEL_TYPES, Transformer, choose_experts
 
 
-def sample_tokens(
-    logits: Tensor, temperature: Tensor, top_p: Tensor, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor]:
-    """One token per row and its log-prob. ``temperature == 0`` rows are greedy (log-prob at T=1)."""
+def sample_tokens(logits: Tensor, temperature: Tensor, top_p: Tensor, u: Tensor, top_p_on: bool = True,
+                  greedy_on: bool = True) -> tuple[Tensor, Tensor]:
+    """One token per row and its log-prob, by inverse-CDF sampling at the uniforms ``u [B, 1]``. ``temperature
+    == 0`` rows are greedy (log-prob at T=1). No device->host read (a CUDA graph captures it): the host says
+    whether any row truncates to ``top_p`` (``top_p_on``) or is greedy (``greedy_on``); off skips that work."""
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
     probs = logp.exp()
-    if bool((top_p < 1.0).any()):
+    if top_p_on:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         outside = (sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]  # keep the smallest set reaching top_p
         sorted_p = sorted_p.masked_fill(outside, 0.0)
@@ -76,47 +81,83 @@ def sample_tokens(
     # inverse-CDF sampling: one uniform per row (torch.multinomial draws one exponential per vocab entry,
     # 10x slower here); a zero-probability token never holds the first cdf value above u
     cdf = probs.cumsum(-1)
-    u = torch.rand((len(probs), 1), generator=generator, device=probs.device) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
-    if bool(greedy.any()):
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    if greedy_on:
         tokens = torch.where(greedy, logits.argmax(-1), tokens)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 @dataclasses.dataclass
 class Slots:
-    """Per-slot state; slots 0..active-1 hold the running rows."""
+    """The host's view of the slots; slots 0..active-1 hold the running rows. The host knows all of it without
+    reading the device: it admits the rows and reads each step's tokens."""
 
-    row: Tensor  # row id (rows are the n samples of each request, in request order)
-    pos: Tensor  # where the slot's next input token goes (= tokens in its KV cache)
-    n_gen: Tensor  # tokens sampled so far
-    max_tokens: Tensor
-    temperature: Tensor
-    top_p: Tensor
-    last: Tensor  # the last sampled token: the next decode step's input
+    row: np.ndarray  # row id (rows are the n samples of each request, in request order)
+    pos: np.ndarray  # where the slot's next input token goes (= tokens in its KV cache)
+    n_gen: np.ndarray  # tokens sampled so far
+    max_tokens: np.ndarray
+    temperature: np.ndarray
+    top_p: np.ndarray
 
     @classmethod
-    def empty(cls, n: int, device) -> Slots:
-        i, f = dict(dtype=torch.long, device=device), dict(dtype=torch.float32, device=device)
-        return cls(*(torch.zeros(n, **i) for _ in range(4)), torch.ones(n, **f), torch.ones(n, **f),
-                   torch.zeros(n, **i))
+    def empty(cls, n: int) -> Slots:
+        return cls(*(np.zeros(n, np.int64) for _ in range(4)), np.ones(n, np.float32), np.ones(n, np.float32))
 
-    def move(self, dst: Tensor, src: Tensor) -> None:
+    def move(self, dst: np.ndarray, src: np.ndarray) -> None:
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
             t[dst] = t[src]
 
 
 @dataclasses.dataclass
+class StepBuffers:
+    """What a decode step reads and writes on the device, allocated once with the KV cache (a CUDA graph
+    replays on these very tensors): slot i's row is entry i of each."""
+
+    last: Tensor  # long: the input token (the last sampled)
+    pos: Tensor  # long: its position
+    row: Tensor  # long: the slot's row (where its routes go)
+    temperature: Tensor
+    top_p: Tensor
+    u: Tensor  # [slots, 1]: the step's uniforms, drawn before it (outside a graph: any generator works)
+    next: Tensor  # long: the sampled token
+    out: Tensor  # float64 [slots, 2]: sampled token and its log-prob, the step's one device->host read
+    routes: Tensor | None  # long [slots, MoE layers, k]: the experts of the input token
+
+    MOVED = ("last", "pos", "row", "temperature", "top_p")  # the per-slot state compaction moves
+
+    @classmethod
+    def empty(cls, n: int, device, route_shape: tuple[int, int] | None) -> StepBuffers:
+        i, f = dict(dtype=torch.long, device=device), dict(dtype=torch.float32, device=device)
+        return cls(torch.zeros(n, **i), torch.zeros(n, **i), torch.zeros(n, **i), torch.ones(n, **f),
+                   torch.ones(n, **f), torch.zeros(n, 1, **f), torch.zeros(n, **i),
+                   torch.zeros(n, 2, dtype=torch.float64, device=device),
+                   None if route_shape is None else torch.zeros(n, *route_shape, **i))
+
+    def move(self, dst: Tensor, src: Tensor) -> None:
+        for name in self.MOVED:
+            t = getattr(self, name)
+            t[dst] = t[src]
+
+    def put(self, start: int, tokens: Tensor, logps: Tensor) -> None:
+        """Sampled tokens and log-probs of slots ``start..``: the next step's input, the step's output."""
+        end = start + len(tokens)
+        self.next[start:end] = tokens
+        self.out[start:end, 0] = tokens
+        self.out[start:end, 1] = logps
+
+
+@dataclasses.dataclass
 class Run:
-    """The state of one ``generate`` call."""
+    """The state of one ``generate`` call; the sampled tokens and log-probs are on the host."""
 
     requests: list[GenerationRequest]
     row_request: list[int]  # request index of each row
     waiting: deque[int]  # rows not yet admitted
     slots: Slots
-    tokens: Tensor  # [rows, max_tokens] sampled tokens
-    logps: Tensor  # [rows, max_tokens] their log-probs
+    tokens: np.ndarray  # [rows, max_tokens] int64 sampled tokens
+    logps: np.ndarray  # [rows, max_tokens] float32 their log-probs
+    versions: np.ndarray  # [rows, max_tokens] int32: the policy version that sampled each token
     length: list[int]
     finish: list[str]
     any_stop_strings: bool
@@ -124,8 +165,7 @@ class Run:
     left: list[int] = dataclasses.field(default_factory=list)  # rows of each request still running
     first_row: list[int] = dataclasses.field(default_factory=list)  # each request's first row
     finished: list[int] = dataclasses.field(default_factory=list)  # requests whose rows all finished this step
-    routes: Tensor | None = None  # [rows, prompt + max_tokens, MoE layers, k] int16, -1 unset: return_routes
-    versions: Tensor | None = None  # [rows, max_tokens] int32: the policy version that sampled each token
+    routes: Tensor | None = None  # [rows, prompt + max_tokens, MoE layers, k] int16 on the device, -1 unset
 
     @classmethod
     def start(cls, requests: list[GenerationRequest], n_slots: int, device, route_shape: tuple[int, int] | None = None
@@ -137,12 +177,10 @@ class Run:
         if route_shape is not None:
             total = max(len(r.prompt_ids) + r.max_tokens for r in requests)
             routes = torch.full((n, total, *route_shape), -1, dtype=torch.int16, device=device)
-        return cls(requests, row_request, deque(range(n)), Slots.empty(n_slots, device),
-                   torch.zeros((n, width), dtype=torch.long, device=device),
-                   torch.zeros((n, width), dtype=torch.float32, device=device), [0] * n, ["length"] * n,
+        return cls(requests, row_request, deque(range(n)), Slots.empty(n_slots), np.zeros((n, width), np.int64),
+                   np.zeros((n, width), np.float32), np.zeros((n, width), np.int32), [0] * n, ["length"] * n,
                    any(r.stop for r in requests), left=[r.n for r in requests],
-                   first_row=np.cumsum([0] + [r.n for r in requests[:-1]]).tolist(), routes=routes,
-                   versions=torch.zeros((n, width), dtype=torch.int32, device=device))
+                   first_row=np.cumsum([0] + [r.n for r in requests[:-1]]).tolist(), routes=routes)
 
 
 INFLIGHT_KV = ("recompute", "keep")  # TorchEngine(inflight_kv=): the running rows' K/V when weights change mid-generation
@@ -158,23 +196,25 @@ class TorchEngine:
         """The run's model in ``model.dtype`` on the sampler's ``device``."""
         return cls(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
                    return_routes=cfg.sampler.return_routes or cfg.trainer.routing_replay,
-                   inflight_kv=cfg.sampler.inflight_kv)
+                   inflight_kv=cfg.sampler.inflight_kv, cuda_graphs=cfg.sampler.cuda_graphs)
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 256,
                  prefill_tokens: int = 8192, moe_impl: str | None = None, ignore_eos: bool = False,
                  cpu_kernels: bool | None = None, prefix_cache_tokens: int = 1 << 18, return_routes: bool = False,
-                 inflight_kv: str = "recompute") -> None:
+                 inflight_kv: str = "recompute", cuda_graphs: bool = True) -> None:
         """``max_batch``: decode slots (rows sampled at once); ``prefill_tokens``: most padded prompt tokens
-        in one prefill pass; ``moe_impl``: "grouped" or "dense" (samplers/torch_model.py) without the C++
-        kernels, by default grouped on CPU and dense elsewhere (CUDA's ``_grouped_mm`` wants bf16 on recent
-        GPUs; untested here); ``ignore_eos``: rows run to ``max_tokens`` (benchmarks); ``cpu_kernels``: the
-        C++ kernels (kernels/cpu_decode.cpp: MoE, RMS norm, decode attention), by default on for fp32 on CPU
-        when they build; ``prefix_cache_tokens``: most tokens of multi-turn rows' K/V kept between their turns
-        (0: none kept, every turn prefills its whole trajectory); ``return_routes``: each sample carries the
-        experts every MoE layer chose for each of its tokens (``Sample.routes``; routing replay); ``inflight_kv``:
-        what the rows running when new weights arrive mid-generation do with their K/V (``generate(between=)``):
-        ``recompute`` it under the new weights (each token's log-prob is then exactly its version's) or ``keep``
-        it (no prefill; the tokens after the update attend to K/V of the old weights)."""
+        in one prefill pass; ``moe_impl``: one of samplers/torch_model.py's ``EXPERTS`` without the C++ kernels,
+        by default ``choose_experts``'s pick for the device and dtype (grouped on CPU and on CUDA in bf16 on
+        sm_90 / sm_100, dense elsewhere on CUDA); ``ignore_eos``: rows run to ``max_tokens`` (benchmarks);
+        ``cpu_kernels``: the C++ kernels (kernels/cpu_decode.cpp: MoE, RMS norm, decode
+        attention), by default on for fp32 on CPU when they build; ``prefix_cache_tokens``: most tokens of
+        multi-turn rows' K/V kept between their turns (0: none kept, every turn prefills its whole trajectory);
+        ``return_routes``: each sample carries the experts every MoE layer chose for each of its tokens
+        (``Sample.routes``; routing replay); ``inflight_kv``: what the rows running when new weights arrive
+        mid-generation do with their K/V (``generate(between=)``): ``recompute`` it under the new weights (each
+        token's log-prob is then exactly its version's) or ``keep`` it (no prefill; the tokens after the update
+        attend to K/V of the old weights); ``cuda_graphs``: on CUDA, each decode step replays a CUDA graph
+        (samplers/cuda_graphs.py; eager if a capture fails)."""
         if inflight_kv not in INFLIGHT_KV:
             raise ValueError(f"inflight_kv={inflight_kv!r}: choose one of {INFLIGHT_KV}")
         self.inflight_kv = inflight_kv
@@ -185,26 +225,43 @@ class TorchEngine:
         if cpu_kernels and not cpu_decode.available():
             raise RuntimeError(f"cpu_kernels=True but the C++ kernels did not build: {cpu_decode.build_error()}")
         self.cpu_kernels = fits and cpu_decode.available() if cpu_kernels is None else cpu_kernels
-        moe_impl = moe_impl or ("grouped" if self.device.type == "cpu" else "dense")
-        self.model = Transformer.from_pretrained(model_path, self.dtype, self.device, moe_impl=moe_impl)
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        self.experts = choose_experts(self.device.type, self.dtype, capability, self.cpu_kernels, moe_impl)
+        self.model = Transformer.from_pretrained(model_path, self.dtype, self.device,
+                                                 moe_impl="grouped" if self.experts == "cpu" else self.experts)
         if self.cpu_kernels:
             self.model.use_cpu_kernels()
         a = self.model.args
         self.route_shape = (len(a.moe_layers), a.top_k) if return_routes and a.moe_layers else None
         self.model.record_routes(self.route_shape is not None)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.eos_ids = torch.tensor(eos_token_ids(model_path, self.tokenizer), device=self.device)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else int(self.eos_ids[0])
+        eos = eos_token_ids(model_path, self.tokenizer)
+        self.eos_ids = torch.tensor(eos, device=self.device)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos[0]
         self.vocab_size = self.model.args.vocab_size
         self.max_context = self.model.args.max_position_embeddings
         self.max_batch, self.prefill_tokens, self.ignore_eos = max_batch, prefill_tokens, ignore_eos
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.cache: KVCache | None = None
+        self.buf: StepBuffers | None = None  # with the cache
+        self.graphs: DecodeGraphs | None = None  # with the cache, on CUDA
         self.version = 0
         # multi-turn rows' K/V between their turns (GenerationRequest.prefix_keys): key -> (token ids, K/V, their
         # routes or None)
         self.prefixes: OrderedDict[str, tuple[np.ndarray, tuple[Tensor, Tensor], Tensor | None]] = OrderedDict()
         self.prefix_tokens, self.prefix_cache_tokens = 0, prefix_cache_tokens
-        self.counters = Counter()  # prefix_hits, prefix_tokens_reused
+        # prefix_hits, prefix_tokens_reused, inflight_recomputed_tokens; steps, decode_steps and host_reads (every
+        # device->host read of generate, through _read: one a step)
+        self.counters = Counter()
+
+    @property
+    def eos_ids(self) -> Tensor:
+        """The EOS token ids (a tensor on the device); the stop checks use their host copy."""
+        return self._eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: Tensor) -> None:
+        self._eos_ids, self.eos_host = ids, ids.cpu().numpy().astype(np.int64)
 
     def check(self, request: GenerationRequest) -> str:
         return check_request(request, self.vocab_size, self.max_context)
@@ -214,7 +271,8 @@ class TorchEngine:
 
     def load_tensors(self, tensors: dict[str, Tensor], version: int) -> None:
         """Apply weights given as tensors in HF names (``cuda_ipc``: views of the trainer's GPU buffer, which it
-        reuses later): copied into this model's parameters, nothing kept of them."""
+        reuses later): copied into this model's parameters (in place: captured decode graphs stay valid),
+        nothing kept of them."""
         self.model.load_hf_state_dict(tensors)
         self.version = version
         self.prefixes.clear()  # K/V computed by the old weights
@@ -241,16 +299,18 @@ class TorchEngine:
         run = Run.start(requests, self.cache.slots, self.device, self.route_shape)
         seeds = [r.seed for r in requests if r.seed is not None]
         generator = torch.Generator(self.device).manual_seed(hash(tuple(seeds)) & 0xFFFFFFFF) if seeds else None
-        logits = torch.empty((0, self.vocab_size), device=self.device)
         while True:
+            running = run.active  # rows with a token to feed: one decode step for them, then new rows join
+            if running:
+                self._decode(run, generator)
             if run.waiting and run.active < self.cache.slots:
-                logits = torch.cat([logits, self._admit(run)])
+                self._admit(run, generator)
             if run.active == 0:
                 break
-            s, b = run.slots, run.active
-            tokens, logps = sample_tokens(logits, s.temperature[:b], s.top_p[:b], generator)
-            done = self._record(run, tokens, logps)
-            if bool(done.any()):
+            step = self._read(self.buf.out[: run.active])  # the step's one device->host read
+            self.counters["steps"] += 1
+            done = self._record(run, step[:, 0].astype(np.int64), step[:, 1].astype(np.float32))
+            if done.any():
                 self._retire(run, done)
                 if on_done is not None:
                     for i in run.finished:
@@ -261,13 +321,56 @@ class TorchEngine:
                 between()
                 if self.version != version and self.inflight_kv == "recompute":
                     self._recompute(run)
-            logits = self._decode(run) if run.active else logits[:0]
         return self._samples(run)
+
+    def _read(self, t: Tensor) -> np.ndarray:
+        """A copy of ``t`` on the host. Every device->host read of ``generate`` goes through here and is
+        counted (``counters["host_reads"]``; tests/test_torch_engine.py checks one a step): on a GPU each is a
+        sync, the step's launches wait for it."""
+        self.counters["host_reads"] += 1
+        return t.to("cpu", copy=True).numpy()
+
+    def _to_device(self, values) -> Tensor:
+        """Host numbers (ints: int64) on the device: a host->device copy, not a read (pinned and asynchronous on
+        CUDA, so the host does not wait for the queued steps)."""
+        t = torch.from_numpy(np.asarray(values) if not isinstance(values, list) else np.asarray(values, np.int64))
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     # --- one step's parts ---
 
-    def _admit(self, run: Run) -> Tensor:
-        """Move waiting rows into free slots; prefill their prompts, once per request. Their first logits."""
+    def _decode(self, run: Run, generator: torch.Generator | None) -> None:
+        """One decode step for the running slots 0..active-1: their tokens and log-probs into ``buf.out``, their
+        next input into ``buf.last``. The step itself (``_step``) is a graph replay on CUDA."""
+        s, d, b = run.slots, self.buf, run.active
+        kv_len = int(s.pos[:b].max()) + 1
+        top_p_on, greedy_on = bool((s.top_p[:b] < 1.0).any()), bool((s.temperature[:b] <= 0).any())
+        n = b
+        if self.graphs is not None and self.graphs.enabled:
+            n, kv_len = self.graphs.shape(b, kv_len)
+        d.u[:n].uniform_(generator=generator)
+        if self.graphs is None or not self.graphs.replay((n, kv_len, top_p_on, greedy_on)):
+            self._step(b, kv_len, top_p_on, greedy_on)
+        d.last[:b] = d.next[:b]
+        if run.routes is not None:  # the experts of each slot's input token, at its position
+            run.routes[d.row[:b], d.pos[:b]] = d.routes[:b].to(torch.int16)
+        d.pos[:b] += 1
+        s.pos[:b] += 1
+        self.counters["decode_steps"] += 1
+
+    def _step(self, n: int, kv_len: int, top_p_on: bool, greedy_on: bool) -> None:
+        """The decode step of slots 0..n-1 as a pure function of ``buf`` (and the cache and weights): reads
+        ``last``, ``pos``, the sampling parameters and ``u``, writes the slots' K/V at ``pos``, ``next``, ``out``
+        and ``routes``. No device->host read and static shapes: CUDA graphs capture it; run twice it writes the
+        same, so their warm-up changes nothing."""
+        d = self.buf
+        logits = self.model.decode(d.last[:n], d.pos[:n], self.cache, kv_len).float()
+        d.put(0, *sample_tokens(logits, d.temperature[:n], d.top_p[:n], d.u[:n], top_p_on, greedy_on))
+        if d.routes is not None:
+            d.routes[:n] = self.model.last_routes()[:, 0]
+
+    def _admit(self, run: Run, generator: torch.Generator | None) -> None:
+        """Move waiting rows into free slots; prefill their prompts, once per request; sample their first tokens
+        into ``buf``."""
         take = [run.waiting.popleft() for _ in range(min(self.cache.slots - run.active, len(run.waiting)))]
         groups, src = [], []  # rows are in request order: one request's admitted rows are adjacent
         for r in take:
@@ -275,41 +378,50 @@ class TorchEngine:
                 groups.append(run.row_request[r])
             src.append(len(groups) - 1)
         reqs = [run.requests[run.row_request[r]] for r in take]
-        s, a, b = run.slots, run.active, run.active + len(take)
-        dev = self.device
-        s.row[a:b] = torch.tensor(take, device=dev)
-        s.pos[a:b] = torch.tensor([len(q.prompt_ids) for q in reqs], device=dev)
+        s, d, a, b = run.slots, self.buf, run.active, run.active + len(take)
+        s.row[a:b] = take
+        s.pos[a:b] = [len(q.prompt_ids) for q in reqs]
         s.n_gen[a:b] = 0
-        s.max_tokens[a:b] = torch.tensor([q.max_tokens for q in reqs], device=dev)
-        s.temperature[a:b] = torch.tensor([q.temperature for q in reqs], dtype=torch.float32, device=dev)
-        s.top_p[a:b] = torch.tensor([q.top_p for q in reqs], dtype=torch.float32, device=dev)
+        s.max_tokens[a:b] = [q.max_tokens for q in reqs]
+        s.temperature[a:b] = [q.temperature for q in reqs]
+        s.top_p[a:b] = [q.top_p for q in reqs]
+        d.row[a:b], d.pos[a:b] = self._to_device(s.row[a:b]), self._to_device(s.pos[a:b])
+        d.temperature[a:b], d.top_p[a:b] = self._to_device(s.temperature[a:b]), self._to_device(s.top_p[a:b])
         run.active = b
+        logits = self._admitted_logits(run, take, groups, src, a)
+        d.u[a:b].uniform_(generator=generator)
+        d.put(a, *sample_tokens(logits, d.temperature[a:b], d.top_p[a:b], d.u[a:b],
+                                bool((s.top_p[a:b] < 1.0).any()), bool((s.temperature[a:b] <= 0).any())))
+        d.last[a:b] = d.next[a:b]
+
+    def _admitted_logits(self, run: Run, take: list[int], groups: list[int], src: list[int], a: int) -> Tensor:
+        """The first logits of rows ``take`` (now in slots a..): their prompts prefilled, or only what follows
+        their kept K/V."""
+        reqs = [run.requests[run.row_request[r]] for r in take]
         kept = {j: hit for j, r in enumerate(take) if (hit := self._kept_prefix(run, r)) is not None}
         routes: list[Tensor] | None = [] if run.routes is not None else None  # each prefilled prompt's
         if not kept:
-            src_t = torch.tensor(src, device=dev)
-            logits = self._prefill([run.requests[g].prompt_ids for g in groups], torch.arange(a, b, device=dev),
-                                   src_t, routes)[src_t]
+            logits = self._prefill([run.requests[g].prompt_ids for g in groups], np.arange(a, a + len(take)),
+                                   np.array(src), routes)[self._to_device(src)]
             for j, r in enumerate(take) if routes is not None else ():
                 run.routes[r, : len(routes[src[j]])] = routes[src[j]]
             return logits
         # rows whose earlier turns' K/V is kept prefill only what follows it; the others as usual
-        logits = torch.empty((len(take), self.vocab_size), device=dev)
+        logits = torch.empty((len(take), self.vocab_size), device=self.device)
         fresh = [j for j in range(len(take)) if j not in kept]
         if fresh:
             order = list(dict.fromkeys(src[j] for j in fresh))
-            src_t = torch.tensor([order.index(src[j]) for j in fresh], device=dev)
-            logits[fresh] = self._prefill([run.requests[groups[g]].prompt_ids for g in order],
-                                          torch.tensor([a + j for j in fresh], device=dev), src_t, routes)[src_t].float()
+            src_f = np.array([order.index(src[j]) for j in fresh])
+            logits[self._to_device(fresh)] = self._prefill([run.requests[groups[g]].prompt_ids for g in order],
+                                                       a + np.array(fresh), src_f, routes)[self._to_device(src_f)]
             for j in fresh if routes is not None else ():
                 r = routes[order.index(src[j])]
                 run.routes[take[j], : len(r)] = r
         rows = list(kept)
         for j in rows:
             self.cache.restore(a + j, kept[j][1])
-        logits[rows] = self._extend([reqs[j].prompt_ids[len(kept[j][0]):] for j in rows],
-                                    torch.tensor([a + j for j in rows], device=dev),
-                                    torch.tensor([len(kept[j][0]) for j in rows], device=dev))
+        logits[self._to_device(rows)] = self._extend([reqs[j].prompt_ids[len(kept[j][0]):] for j in rows],
+                                                 [a + j for j in rows], [len(kept[j][0]) for j in rows])
         if run.routes is not None:  # the kept turns' routes, then the new tokens'
             extended = self.model.last_routes()
             for i, j in enumerate(rows):
@@ -346,7 +458,7 @@ class TorchEngine:
         if not req.prefix_keys or not self.prefix_cache_tokens:
             return
         n = int(run.slots.pos[slot])  # in the cache: the prompt and every sampled token but the last
-        ids = np.concatenate([req.prompt_ids, run.tokens[r, : n - len(req.prompt_ids)].to(torch.int32).cpu().numpy()])
+        ids = np.concatenate([req.prompt_ids, run.tokens[r, : n - len(req.prompt_ids)].astype(np.int32)])
         key = req.prefix_keys[r - run.first_row[run.row_request[r]]]
         routes = None if run.routes is None else run.routes[r, :n].clone()
         self.prefixes[key] = (ids, self.cache.save(slot, n), routes)
@@ -355,7 +467,7 @@ class TorchEngine:
             old_ids = self.prefixes.pop(next(iter(self.prefixes)))[0]
             self.prefix_tokens -= len(old_ids)
 
-    def _extend(self, suffixes: list[np.ndarray], slots: Tensor, starts: Tensor) -> Tensor:
+    def _extend(self, suffixes: list[np.ndarray], slots: list[int], starts: list[int]) -> Tensor:
         """Last-position logits of continuations whose slots already hold ``starts`` tokens."""
         width = max(len(x) for x in suffixes)
         tokens = torch.full((len(suffixes), width), self.pad_id, dtype=torch.long)
@@ -363,13 +475,16 @@ class TorchEngine:
             tokens[i, : len(x)] = torch.from_numpy(x.astype(np.int64))
         # a short suffix padded to the longest may run past the context: its padding's positions are clamped (its
         # outputs are never read, and the cache clamps the same way)
-        positions = (starts[:, None] + torch.arange(width, device=self.device)).clamp_(max=self.max_context - 1)
-        lengths = torch.tensor([len(x) for x in suffixes], device=self.device)
-        logits = self.model(tokens.to(self.device), positions, self.cache.extend(slots, starts), last=lengths - 1)
+        starts_t = self._to_device(starts)
+        positions = (starts_t[:, None] + torch.arange(width, device=self.device)).clamp_(max=self.max_context - 1)
+        kv_len = min(max(starts) + width, self.cache.max_len)
+        attend = self.cache.extend(self._to_device(slots), starts_t, kv_len)
+        logits = self.model(tokens.to(self.device), positions, attend,
+                            last=self._to_device([len(x) - 1 for x in suffixes]))
         return logits.float()
 
-    def _prefill(self, prompts: list[np.ndarray], slots: Tensor, src: Tensor, routes: list[Tensor] | None = None
-                 ) -> Tensor:
+    def _prefill(self, prompts: list[np.ndarray], slots: np.ndarray, src: np.ndarray,
+                 routes: list[Tensor] | None = None) -> Tensor:
         """Last-position logits of each prompt; slot ``slots[j]`` gets the K/V of prompt ``src[j]``. ``routes``:
         each prompt's experts [P, MoE layers, k] are appended to it."""
         out, g0 = [], 0
@@ -380,33 +495,32 @@ class TorchEngine:
             tokens = torch.full((g1 - g0, width), self.pad_id, dtype=torch.long)
             for i, p in enumerate(prompts[g0:g1]):
                 tokens[i, : len(p)] = torch.from_numpy(p.astype(np.int64))
-            lengths = torch.tensor([len(p) for p in prompts[g0:g1]], device=self.device)
+            last = self._to_device([len(p) - 1 for p in prompts[g0:g1]])
             sel = (src >= g0) & (src < g1)
             positions = torch.arange(width, device=self.device).expand(g1 - g0, -1)
-            attend = self.cache.prefill(slots[sel], src[sel] - g0)
-            out.append(self.model(tokens.to(self.device), positions, attend, last=lengths - 1).float())
+            attend = self.cache.prefill(self._to_device(slots[sel]), self._to_device(src[sel] - g0))
+            out.append(self.model(tokens.to(self.device), positions, attend, last=last).float())
             if routes is not None:
                 chunk = self.model.last_routes().to(torch.int16)
                 routes.extend(chunk[i, : len(p)] for i, p in enumerate(prompts[g0:g1]))
             g0 = g1
         return torch.cat(out)
 
-    def _record(self, run: Run, tokens: Tensor, logps: Tensor) -> Tensor:
-        """Store the sampled tokens; which running slots are now done (finish reasons noted)."""
+    def _record(self, run: Run, tokens: np.ndarray, logps: np.ndarray) -> np.ndarray:
+        """Store the step's sampled tokens (host); which running slots are now done (finish reasons noted)."""
         s, b = run.slots, run.active
         rows, n = s.row[:b], s.n_gen[:b]
         run.tokens[rows, n] = tokens
         run.logps[rows, n] = logps
         run.versions[rows, n] = self.version  # the version whose forward gave these logits
         n += 1  # in place: s.n_gen
-        s.last[:b] = tokens
-        stopped = torch.isin(tokens, self.eos_ids) if not self.ignore_eos else torch.zeros_like(tokens, dtype=bool)
+        stopped = np.isin(tokens, self.eos_host) if not self.ignore_eos else np.zeros(b, bool)
         if run.any_stop_strings:
             stopped |= self._stop_strings(run)
         done = stopped | (n >= s.max_tokens[:b])
-        slots = done.nonzero().flatten().tolist()
-        for slot, r, length, stop in zip(slots, rows[done].tolist(), n[done].tolist(), stopped[done].tolist()):
-            run.length[r], run.finish[r] = length, "stop" if stop else "length"
+        for slot in np.flatnonzero(done).tolist():
+            r, stop = int(rows[slot]), bool(stopped[slot])
+            run.length[r], run.finish[r] = int(n[slot]), "stop" if stop else "length"
             if stop:
                 self._keep(run, slot, r)
             i = run.row_request[r]
@@ -415,26 +529,28 @@ class TorchEngine:
                 run.finished.append(i)
         return done
 
-    def _stop_strings(self, run: Run) -> Tensor:
+    def _stop_strings(self, run: Run) -> np.ndarray:
         """Running slots whose response text now ends in one of their stop strings."""
         s, b = run.slots, run.active
-        hit = torch.zeros(b, dtype=torch.bool)
+        hit = np.zeros(b, bool)
         for i, (r, n) in enumerate(zip(s.row[:b].tolist(), s.n_gen[:b].tolist())):
             stop = run.requests[run.row_request[r]].stop
             if stop:
                 tail = self.tokenizer.decode(run.tokens[r, max(0, n - 16) : n].tolist())
                 hit[i] = any(tail.endswith(x) for x in stop)
-        return hit.to(self.device)
+        return hit
 
-    def _retire(self, run: Run, done: Tensor) -> None:
+    def _retire(self, run: Run, done: np.ndarray) -> None:
         """Free the done slots; the last running slots move into the holes so that 0..active-1 run."""
         s, keep = run.slots, ~done
         n_keep = int(keep.sum())
-        holes = (~keep[:n_keep]).nonzero().flatten()
-        if holes.numel():
-            movers = keep[n_keep:].nonzero().flatten() + n_keep
-            self.cache.move(holes, movers, int(s.pos[movers].max()))
+        holes = np.flatnonzero(~keep[:n_keep])
+        if holes.size:
+            movers = np.flatnonzero(keep[n_keep:]) + n_keep
+            dst, src = self._to_device(holes), self._to_device(movers)
+            self.cache.move(dst, src, int(s.pos[movers].max()))
             s.move(holes, movers)
+            self.buf.move(dst, src)
         run.active = n_keep
 
     def _recompute(self, run: Run) -> None:
@@ -444,46 +560,36 @@ class TorchEngine:
         contexts = []
         for r, n in zip(s.row[:b].tolist(), s.n_gen[:b].tolist()):
             prompt = run.requests[run.row_request[r]].prompt_ids
-            contexts.append(np.concatenate([prompt, run.tokens[r, : n - 1].to(torch.int32).cpu().numpy()]))
-        slots = torch.arange(b, device=self.device)
-        self._prefill(contexts, slots, slots)
+            contexts.append(np.concatenate([prompt, run.tokens[r, : n - 1].astype(np.int32)]))
+        self._prefill(contexts, np.arange(b), np.arange(b))
         self.counters["inflight_recomputed_tokens"] += sum(len(c) for c in contexts)
-
-    def _decode(self, run: Run) -> Tensor:
-        """One token for every running slot: the logits of the next."""
-        s, b = run.slots, run.active
-        pos = s.pos[:b]
-        logits = self.model.decode(s.last[:b], pos, self.cache).float()
-        if run.routes is not None:  # the experts of each slot's last token, at its position
-            run.routes[s.row[:b], pos] = self.model.last_routes()[:, 0].to(torch.int16)
-        pos += 1  # in place: s.pos
-        return logits
 
     # --- set-up and results ---
 
     def _ensure_cache(self, rows: int, length: int) -> None:
-        """A cache with enough slots (up to ``max_batch``) and positions; grown, never shrunk."""
+        """A cache with enough slots (up to ``max_batch``) and positions, and the decode step's buffers and
+        graphs over it; grown, never shrunk."""
         slots, old = min(self.max_batch, rows), self.cache
         if old is not None and old.slots >= slots and old.max_len >= length:
             return
         if old is not None:
             slots, length = max(slots, old.slots), max(length, old.max_len)
         length = min(-(-length // 128) * 128, self.max_context)
-        self.cache = None  # free the old one first
+        self.cache = self.buf = self.graphs = None  # free the old ones first (the graphs hold the old cache)
         self.cache = KVCache(self.model.args, slots, length, self.dtype, self.device)
+        self.buf = StepBuffers.empty(slots, self.device, self.route_shape)
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(self._step, slots, length)
 
     def _request_samples(self, run: Run, i: int) -> list[Sample]:
-        first = sum(r.n for r in run.requests[:i])
+        first = run.first_row[i]
         rows = range(first, first + run.requests[i].n)
-        tokens = run.tokens[first: first + len(rows)].to(torch.int32).cpu().numpy()
-        logps = run.logps[first: first + len(rows)].cpu().numpy()
-        routes = None if run.routes is None else run.routes[first: first + len(rows)].cpu().numpy()
-        versions = run.versions[first: first + len(rows)].cpu().numpy()
+        routes = None if run.routes is None else self._read(run.routes[first: first + len(rows)])
         # a row's routes: every token the engine ran, the prompt's and the response's but the last
         ran = len(run.requests[i].prompt_ids) - 1
-        return [Sample(tokens[k, : run.length[r]].copy(), logps[k, : run.length[r]].copy(), run.finish[r],
-                       None if routes is None else routes[k, : ran + run.length[r]].copy(),
-                       versions[k, : run.length[r]].copy())
+        return [Sample(run.tokens[r, : run.length[r]].astype(np.int32), run.logps[r, : run.length[r]].copy(),
+                       run.finish[r], None if routes is None else routes[k, : ran + run.length[r]].copy(),
+                       run.versions[r, : run.length[r]].copy())
                 for k, r in enumerate(rows)]
 
     def _samples(self, run: Run) -> list[list[Sample]]:

@@ -20,9 +20,10 @@ want). ``load_hf_state_dict`` / ``hf_state_dict`` convert from / to HF names,
 both the in-memory layout (fused experts, what ``safetensors.torch.save_model``
 writes) and the on-disk one of ``save_pretrained`` (one tensor per expert).
 
-MoE without a Python loop over experts, two ways: "grouped" sorts the
-(token, expert) pairs by expert and runs one ``torch._grouped_mm`` per
-projection (k/E of the arithmetic); "dense" runs every expert on every token
+MoE without a Python loop over experts (``EXPERTS``; the engine picks one with ``choose_experts``), two
+ways: "grouped" is kernels/moe.py's ``experts_grouped`` (pairs sorted by expert, one grouped matmul per
+projection: k/E of the arithmetic; no host read, so a CUDA graph can hold it); "dense" runs every expert on
+every token
 (bmm over experts) weighted by a routing that is zero outside the top-k (no
 sort, E/k times the arithmetic). Measured in the engine on the tiny MoE
 (8 experts, top-2; bench/sampler_throughput.py workload, 2 CPU cores, best of 5-7):
@@ -30,7 +31,8 @@ grouped 0.32-0.36 s, dense 0.47 s, dense as one [E*2I, H] linear 0.42 s,
 expert-major padded bmm 0.44 s; gathering each pair's expert matrices for a
 bmm was 5-10x slower than dense in isolation (the copies cost more than the
 arithmetic saved). Grouped is the default; dense is there for devices whose
-``_grouped_mm`` lacks the dtype.
+``_grouped_mm`` lacks the dtype (CUDA's kernel serves bf16 on sm_90 / sm_100; elsewhere torch falls back to a
+loop over groups that reads the offsets on the host).
 
 ``use_cpu_kernels()`` (fp32 on CPU; what the engine does there) swaps in the C++
 kernels of kernels/cpu_decode.cpp: the MoE block (routing, per-expert GEMMs run
@@ -44,7 +46,6 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -206,16 +207,13 @@ def route(router_logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, T
 
 
 def experts_grouped(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """Each token's k experts: (token, expert) pairs sorted by expert, then one grouped matmul per projection
-    (``torch._grouped_mm``: one kernel over all experts' segments, no Python loop)."""
-    k = experts.shape[1]
-    flat = experts.reshape(-1)
-    order = flat.argsort(stable=True)
-    token = order // k
-    offsets = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
-    gate, up = torch._grouped_mm(x[token], w13, offs=offsets).chunk(2, dim=-1)
-    out = torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets) * weights.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, token, out)
+    """kernels/moe.py's grouped experts on our layout (``w13 [E, H, 2I]``, ``w2 [E, I, H]``: its
+    ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` are their transposed views, no copy)."""
+    from ..kernels.moe import experts_grouped as moe_experts_grouped  # here: kernels.moe imports triton
+
+    if not x.shape[0]:
+        return torch.zeros_like(x)
+    return moe_experts_grouped(x, weights, experts, w13.transpose(1, 2), w2.transpose(1, 2))
 
 
 def experts_dense(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
@@ -229,8 +227,27 @@ def experts_dense(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2: 
 EXPERTS = {"grouped": experts_grouped, "dense": experts_dense}
 
 
+def choose_experts(device_type: str, dtype: torch.dtype, cuda_capability: tuple[int, int] | None = None,
+                   cpu_kernels: bool = False, forced: str | None = None) -> str:
+    """The engine's MoE experts, a pure function of (device, dtype, config): the C++ op ("cpu") with
+    ``cpu_kernels``; else ``forced`` (``TorchEngine(moe_impl=)``); on CUDA "grouped" where ``_grouped_mm`` has a
+    kernel for the dtype (bf16 on sm_90 / sm_100: k/E of dense's FLOPs, 1/16 for a 30B-A3B model), "dense"
+    elsewhere (torch's fallback loops over the groups after reading the offsets on the host: no CUDA graph);
+    "grouped" on CPU (torch's CPU kernel takes any float dtype)."""
+    if forced is not None and forced not in EXPERTS:
+        raise ValueError(f"moe_impl={forced!r}: choose one of {sorted(EXPERTS)}")
+    if cpu_kernels:
+        return "cpu"
+    if forced is not None:
+        return forced
+    if device_type == "cuda":
+        grouped = dtype == torch.bfloat16 and cuda_capability is not None and cuda_capability[0] in (9, 10)
+        return "grouped" if grouped else "dense"
+    return "grouped"
+
+
 class MoE(nn.Module):
-    def __init__(self, a: ModelArgs, impl: Literal["grouped", "dense", "cpu"] = "grouped") -> None:
+    def __init__(self, a: ModelArgs, impl: str = "grouped") -> None:  # EXPERTS names, or "cpu" (the C++ op)
         super().__init__()
         self.top_k, self.normalize, self.impl = a.top_k, a.norm_topk_prob, impl
         self.router = nn.Linear(a.dim, a.n_experts, bias=False)
@@ -268,7 +285,7 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, moe_impl: Literal["grouped", "dense", "cpu"] = "grouped") -> None:
+    def __init__(self, args: ModelArgs, moe_impl: str = "grouped") -> None:
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.dim)
@@ -310,11 +327,13 @@ class Transformer(nn.Module):
         decode step); ``record_routes`` must be on."""
         return torch.stack([m.routes for m in self.moe_blocks()], dim=-2)
 
-    def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+    def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int | None = None) -> Tensor:
         """Logits ``[B, V]`` of one new token per slot ``0..B-1`` (``tokens [B]`` at ``positions [B]``), its
-        K/V written into ``cache``. With the CPU kernels, one C++ op for the whole step."""
+        K/V written into ``cache``. With the CPU kernels, one C++ op for the whole step. ``kv_len`` (> every
+        position: the part of the cache attended to) given, no device->host read happens (a CUDA graph can
+        capture the step); else it is read from ``positions``."""
         if not self.cpu_kernels:
-            attend = cache.decode(positions, int(positions.max()) + 1)
+            attend = cache.decode(positions, int(positions.max()) + 1 if kv_len is None else kv_len)
             return self(tokens[:, None], positions[:, None], attend)[:, -1]
         weights, no_router = [], self.embed.weight.new_empty(0)  # a dense layer has no router
         for block in self.layers:

@@ -254,6 +254,10 @@ class SamplerConfig:
     """MoE: each rollout carries the experts the engine chose for each token at each MoE layer (torch engine;
     vLLM's enable_return_routed_experts), for the trainer's ``routing/disagree_frac``; on whenever
     trainer.routing_replay is."""
+    cuda_graphs: bool = True
+    """torch engine on CUDA: each decode step replays a CUDA graph captured per (batch bucket, attended-length
+    bucket) instead of launching ~20 kernels a layer (samplers/cuda_graphs.py); a capture that fails logs one
+    line and the engine decodes eagerly. No effect on CPU."""
     stream_groups: bool = False
     """Send a group's rollouts as soon as its rows finish (engines that can: torch), so scoring overlaps the
     rest of the batch. Off by default: on 2 shared CPU cores the scoring then slows the decode (measured

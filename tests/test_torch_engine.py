@@ -5,10 +5,13 @@ engine runs samplers/torch_model.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file, save_model
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from cascade_rl.learner.trainer import Batch
@@ -336,3 +339,208 @@ def test_next_turns_near_the_context_end_batched_with_longer_ones(tiny_model):
     alone = TorchEngine(tiny_model).generate([GenerationRequest("x", late2, 1, 0.0, 1.0, 4, [])])
     assert both[0][0].response_ids.tolist() == alone[0][0].response_ids.tolist()
     np.testing.assert_allclose(both[0][0].logprobs, alone[0][0].logprobs, atol=1e-4)
+
+
+# --- experts choice (8c) and the decode step's host reads (CUDA graphs) ---
+
+
+def test_experts_choice_is_grouped_on_cuda_where_grouped_mm_serves_the_dtype():
+    """A pure function of (device, dtype, config): grouped experts (k/E of dense's FLOPs, and no host read: a
+    CUDA graph holds them) on CUDA in bf16 on sm_90 / sm_100; dense where CUDA's ``_grouped_mm`` would fall back
+    to a host-reading loop; the C++ op on CPU in fp32; grouped on CPU otherwise."""
+    from cascade_rl.samplers.torch_model import choose_experts
+
+    assert choose_experts("cuda", torch.bfloat16, (9, 0)) == "grouped"
+    assert choose_experts("cuda", torch.bfloat16, (10, 0)) == "grouped"
+    assert choose_experts("cuda", torch.float32, (9, 0)) == "dense"
+    assert choose_experts("cuda", torch.bfloat16, (8, 0)) == "dense"
+    assert choose_experts("cpu", torch.float32, None, cpu_kernels=True) == "cpu"
+    assert choose_experts("cpu", torch.float32, None, cpu_kernels=True, forced="dense") == "cpu"
+    assert choose_experts("cpu", torch.bfloat16) == "grouped"
+    assert choose_experts("cpu", torch.float32, None, forced="dense") == "dense"
+    with pytest.raises(ValueError, match="moe_impl"):
+        choose_experts("cpu", torch.float32, None, forced="nope")
+
+
+def test_grouped_experts_give_the_dense_tokens_and_logprobs(tiny_model):
+    """The engine's grouped experts (kernels/moe.py's, what CUDA runs in bf16) sample what dense ones do, forced on
+    CPU (torch ops, no C++ kernels): greedy and seeded rows."""
+    out = {}
+    for impl in ("dense", "grouped"):
+        engine = TorchEngine(tiny_model, cpu_kernels=False, moe_impl=impl)
+        assert engine.experts == impl and {m.impl for m in engine.model.moe_blocks()} == {impl}
+        reqs = [request(engine, QUESTIONS[0], n=2, max_tokens=16, temperature=0.0),
+                request(engine, QUESTIONS[1], n=3, max_tokens=16, seed=5)]
+        out[impl] = [s for g in engine.generate(reqs) for s in g]
+    for a, b in zip(out["dense"], out["grouped"]):
+        np.testing.assert_array_equal(a.response_ids, b.response_ids)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def mixed_requests(engine, rows: int):
+    """``rows`` rows: greedy, top-p, seeded, stop strings and multi-turn keys mixed."""
+    kinds = [dict(temperature=0.0), dict(stop=["1", "="]), dict(top_p=0.8), dict(temperature=0.7, seed=3)]
+    reqs = []
+    for i in range(rows):
+        r = request(engine, QUESTIONS[i % 3], n=1, max_tokens=6 + 3 * (i % 4), **kinds[i % 4])
+        reqs.append(dataclasses.replace(r, key=f"r{i}", prefix_keys=[f"r{i}"] if i % 2 else []))
+    return reqs
+
+
+class HostReadGuard(TorchDispatchMode):
+    """Records every aten op; the ones that read the device from the host (``.item()`` and kin) or size their
+    output by the data (a sync on CUDA, and no CUDA graph can hold them) are what a decode step must not run."""
+
+    SYNCING = {"item", "_local_scalar_dense", "nonzero", "bincount", "masked_select", "unique", "_unique2", "unique_dim"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name == "repeat_interleave" and func._overloadname != "self_int":
+            name = "repeat_interleave(tensor repeats)"  # sizes its output by the repeats' sum
+        if name == "index" and any(t is not None and t.dtype == torch.bool for t in args[1]):
+            name = "index(bool mask)"  # a boolean mask sizes the output by the data
+        self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+    def reads(self) -> list[str]:
+        return [op for op in self.ops if op in self.SYNCING or "(" in op]
+
+
+@pytest.mark.parametrize("impl", ["cpu-kernels", "torch-ops"])
+@pytest.mark.parametrize("rows,max_batch", [(1, 256), (12, 256), (12, 5)])
+def test_one_host_read_per_decode_step(tiny_model, impl, rows, max_batch):
+    """Every device->host read of ``generate`` goes through ``TorchEngine._read`` (Python's reads of a tensor
+    raise elsewhere) and a step makes exactly one (its tokens and log-probs), whatever the batch size: admission,
+    stop checks, retiring and multi-turn keeping run on the host's own bookkeeping. torch-ops is the code a GPU
+    runs (grouped experts)."""
+    kw = dict(cpu_kernels=False, moe_impl="grouped") if impl == "torch-ops" else {}
+    engine = TorchEngine(tiny_model, max_batch=max_batch, **kw)
+    reqs = mixed_requests(engine, rows)
+    eos = int(engine.eos_ids[0])
+
+    def favour_eos(module, args, output):  # the first turns end at once, so each keyed row's K/V is kept
+        output[..., eos] += 100.0
+        return output
+
+    handle = engine.model.register_forward_hook(favour_eos)
+    try:
+        engine.generate(reqs)
+    finally:
+        handle.remove()
+    turns = [dataclasses.replace(r, prompt_ids=np.concatenate([r.prompt_ids, [11, 12]]).astype(np.int32))
+             for r in reqs]
+    engine.counters.clear()
+    inside = []
+    read = engine._read
+    engine._read = lambda t: (inside.append(1), read(t), inside.pop())[1]
+
+    def forbidden(name):
+        method = getattr(torch.Tensor, name)
+
+        def guarded(self, *a, **k):
+            assert inside, f"Tensor.{name} outside TorchEngine._read: a device->host read the count misses"
+            return method(self, *a, **k)
+        return name, method, guarded
+
+    patched = [forbidden(n) for n in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__")]
+    try:
+        for name, _, guarded in patched:
+            setattr(torch.Tensor, name, guarded)
+        groups = engine.generate(turns)
+    finally:
+        for name, method, _ in patched:
+            setattr(torch.Tensor, name, method)
+    c = engine.counters
+    assert sum(len(g) for g in groups) == rows
+    assert c["prefix_hits"] == rows // 2 and c["decode_steps"] > 0
+    assert c["host_reads"] == c["steps"] >= c["decode_steps"]  # one read a step
+
+
+@pytest.mark.parametrize("impl", ["torch-ops", "cpu-kernels"])
+def test_the_decode_step_reads_nothing_on_the_host(tiny_model, impl):
+    """``TorchEngine._step`` (what a CUDA graph captures) runs no op that reads the device from the host or sizes
+    its output by the data, with routes, top-p and greedy rows on: checked op by op."""
+    kw = dict(cpu_kernels=False) if impl == "torch-ops" else {}
+    engine = TorchEngine(tiny_model, return_routes=True, **kw)
+    assert engine.experts == ("grouped" if impl == "torch-ops" else "cpu")
+    engine.generate([request(engine, QUESTIONS[0], n=4, max_tokens=3)])  # a cache, buffers, K/V
+    guard = HostReadGuard()
+    with torch.inference_mode(), guard:
+        engine._step(4, 64, True, True)
+    assert guard.ops and not guard.reads()
+    if impl == "torch-ops":
+        assert "_grouped_mm" in guard.ops
+
+
+def test_a_routes_run_reads_once_a_step_and_once_a_request(tiny_model):
+    engine = TorchEngine(tiny_model, return_routes=True)
+    reqs = [request(engine, q, n=3, max_tokens=9) for q in QUESTIONS]
+    groups = engine.generate(reqs)
+    c = engine.counters
+    assert all(s.routes is not None for g in groups for s in g)
+    assert c["host_reads"] == c["steps"] + len(reqs)  # the routes of each request, when its rows are done
+
+
+# --- CUDA (bench/gpu_checks.sh): the graph-captured decode step ---
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_decode_has_no_sync(tiny_model, dtype):
+    """The decode step on CUDA in eager mode under ``set_sync_debug_mode("error")``: an op that syncs raises
+    and is named (a graph capture would fail on it, less legibly)."""
+    engine = TorchEngine(tiny_model, dtype=dtype, device="cuda", return_routes=True, cuda_graphs=False)
+    assert engine.experts == ("grouped" if dtype == "bfloat16" else "dense")
+    engine.generate([request(engine, QUESTIONS[0], n=4, max_tokens=3)])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            engine._step(4, 256, True, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_decode_equals_eager(tiny_model, dtype):
+    """Graph replays (padded batch and length buckets) sample what eager steps do; greedy rows, so the same
+    tokens, and log-probs to the dtype's rounding; continuous batching, stop strings and routes on."""
+    graphs = TorchEngine(tiny_model, dtype=dtype, device="cuda", return_routes=True, max_batch=6)
+    eager = TorchEngine(tiny_model, dtype=dtype, device="cuda", return_routes=True, max_batch=6, cuda_graphs=False)
+    reqs = [request(graphs, q, n=3, max_tokens=12 + 4 * i, temperature=0.0, stop=["=" * (i + 1)])
+            for i, q in enumerate(QUESTIONS)]
+    a, b = graphs.generate(reqs), eager.generate(reqs)
+    assert graphs.graphs is not None and graphs.graphs.enabled and graphs.graphs.graphs  # replayed, not eager
+    assert eager.graphs is None
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    for x, y in zip([s for g in a for s in g], [s for g in b for s in g]):
+        np.testing.assert_array_equal(x.response_ids, y.response_ids)
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=tol)
+        np.testing.assert_array_equal(x.routes, y.routes)
+    assert graphs.counters["host_reads"] == graphs.counters["steps"] + len(reqs)
+
+
+@cuda
+def test_cuda_graph_capture_failure_falls_back_to_eager(tiny_model, caplog):
+    engine = TorchEngine(tiny_model, device="cuda")
+    step = engine._step
+
+    def syncing(*a):  # a step that reads the device: capture raises
+        step(*a)
+        engine.buf.out.sum().item()
+
+    engine._ensure_cache(3, 64)
+    engine.graphs.step = syncing
+    groups = engine.generate([request(engine, QUESTIONS[0], n=3, max_tokens=8, temperature=0.0)])
+    assert not engine.graphs.enabled and "decoding eagerly" in caplog.text
+    eager = TorchEngine(tiny_model, device="cuda", cuda_graphs=False)
+    ref = eager.generate([request(eager, QUESTIONS[0], n=3, max_tokens=8, temperature=0.0)])
+    for x, y in zip(groups[0], ref[0]):
+        np.testing.assert_array_equal(x.response_ids, y.response_ids)
