@@ -679,3 +679,26 @@ def test_device_path_through_the_reused_staging_buffers_publishes_the_same_bytes
     finally:
         shm.close()
         stream.close()
+
+
+@needs_cuda
+def test_a_gpu_model_publishes_the_cpu_models_bytes_through_pinned_buffers(model):
+    """On a GPU: the trainer's model on CUDA (bf16, as a GPU run holds it) reaches the file through the pinned
+    staging buffers, and both transports publish exactly the bytes of the same weights on the CPU."""
+    import copy
+
+    cpu = copy.deepcopy(model).to(torch.bfloat16)
+    gpu = copy.deepcopy(cpu).to("cuda")
+    direct = make("shm")
+    try:
+        expected = direct.publish(cpu, 1)
+    finally:
+        direct.close()
+    for name in ("shm", "stream"):
+        t = make(name)
+        try:
+            got = t.publish(gpu, 1)
+            assert (got.nbytes, got.checksum) == (expected.nbytes, expected.checksum), name
+            assert t._staging._buffers and all(b.is_pinned() for b in t._staging._buffers), "staging buffers must be page-locked on CUDA"
+        finally:
+            t.close()
