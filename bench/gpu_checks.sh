@@ -12,8 +12,9 @@
 #                           /dev/shm's size, the compute mode, and a real two-process CUDA IPC probe (25 s bound)
 #   launch_tiny     150/35  bench/gpu_launch.py: a full MOPD launch, trainer + sampler + teacher sharing GPU 0 (tiny
 #                           model), bf16, Triton experts replaying the engine's routes (trainer.routing_replay)
-#   tests           150/15  the kernel tests, tests/test_experts.py, tests/test_gpu.py's in-process test and the two
-#                           cross-process CUDA IPC tests, on real CUDA (TRITON_INTERPRET unset); 60 s per test
+#   tests           150/15  the torch engine's CUDA-graph decode tests, pinned publishing, the two cross-process CUDA
+#                           IPC tests, tests/test_gpu.py's in-process test, tests/test_experts.py and the kernel tests,
+#                           on real CUDA (TRITON_INTERPRET unset); 60 s per test
 #   weight_transport 60/10  bench/weight_transport.py --quick: shm vs cuda_ipc publish + load in another process
 #   moe_kernels      75/10  bench/moe_kernels.py --rounds 5: Triton vs torch._grouped_mm vs the per-expert loop
 #   logprob_kernel   60/10  bench/logprob_kernel.py --rounds 3: the fused LM-head log-prob kernel vs chunked torch
@@ -29,7 +30,7 @@
 # lacks; it also warms Triton's cache for the kernel variants the tests share with it. tests compile the most kernel variants
 # (the slowest to compile) and come second: they localise a failure the launch only shows. They leave out what runs
 # elsewhere: tests/test_gpu.py's three-process launch (launch_tiny does that launch, timed) and the ahead-of-time
-# sm_90 compiles (test_kernels_compile_for_sm90, tests/test_triton_aot.py: ptxas needs no GPU, the CPU suite runs
+# sm_90 compiles (tests/test_triton_aot.py: ptxas needs no GPU, the CPU suite runs
 # them, and they cost 12+ compiles of this cap). The benchmarks follow, cheapest first; launch_50m last among the
 # runs (it repeats launch_tiny at a larger size); vLLM is not on that machine.
 #
@@ -187,15 +188,21 @@ gpu_part launch_tiny 150 35 "$PY" bench/gpu_launch.py --size tiny -- trainer.rou
 
 # --- the kernel tests and the in-process GPU tests ----------------------------------------------------------------
 # shellcheck disable=SC2206  # the selection is a list of words
-TESTS=(${GPU_CHECKS_TESTS:-tests/test_moe_kernels.py tests/test_logprob_kernel.py tests/test_experts.py tests/test_gpu.py
+# the newest CUDA code first (seconds each: the engine's CUDA graphs, pinned publishing, CUDA IPC across processes),
+# then the kernels, whose many Triton compiles are what a cap cuts short (each finished test is kept regardless)
+TESTS=(${GPU_CHECKS_TESTS:-tests/test_torch_engine.py::test_cuda_graph_decode_has_no_sync
+  tests/test_torch_engine.py::test_cuda_graph_decode_equals_eager
+  tests/test_torch_engine.py::test_cuda_graph_capture_failure_falls_back_to_eager
+  tests/test_torch_engine.py::test_experts_choice_is_grouped_on_cuda_where_grouped_mm_serves_the_dtype
+  tests/test_weight_transport.py::test_a_gpu_model_publishes_the_cpu_models_bytes_through_pinned_buffers
   tests/test_weight_transport.py::test_cuda_ipc_loads_bitwise_in_another_process
-  tests/test_weight_transport.py::test_cuda_ipc_torn_read_across_processes})
+  tests/test_weight_transport.py::test_cuda_ipc_torn_read_across_processes
+  tests/test_gpu.py tests/test_experts.py tests/test_moe_kernels.py tests/test_logprob_kernel.py})
 PER_TEST=()  # pytest-timeout (on the GPU machine; in the dev extra): one stuck test fails alone, the rest run
 "$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(-o "timeout=${GPU_CHECKS_TEST_TIMEOUT_S:-60}")
 gpu_part tests 150 15 env GPU_CHECKS_TESTS_JSONL="$LOGS/tests.jsonl" PYTHONPATH="$PYTHONPATH:$PWD/bench" \
   "$PY" -m pytest -q -rfEs -p no:cacheprovider -p gpu_checks_pytest --junitxml="$LOGS/tests.xml" "${PER_TEST[@]}" \
-  --deselect tests/test_gpu.py::test_mopd_launch_with_trainer_sampler_and_teacher_on_one_gpu \
-  --deselect tests/test_logprob_kernel.py::test_kernels_compile_for_sm90 "${TESTS[@]}"
+  --deselect tests/test_gpu.py::test_mopd_launch_with_trainer_sampler_and_teacher_on_one_gpu "${TESTS[@]}"
 
 # --- weights between processes on one GPU, then the kernel benchmarks (full shapes, fewer rounds) ----------------
 gpu_part weight_transport 60 10 "$PY" bench/weight_transport.py --quick
