@@ -1,6 +1,6 @@
 """Host memory per published version: an FSDP2 trainer (2 CPU ranks, gloo) publishing through ``shm``.
 
-    .venv/bin/python bench/publish_memory.py [--size 50m] [--arch qwen3_moe] [--dtype bfloat16]
+    .venv/bin/python bench/publish_memory.py [--size 50m] [--arch qwen3_moe] [--dtype bfloat16] [--quick]
 
 Builds a ``make-tiny-model`` model of ``--size`` (50m: 512 wide, 8 layers, MoE), shards it over two ranks as the
 trainer does (learner/parallel.py: bf16 weights held as fp32 shards) and publishes one version with each way,
@@ -15,7 +15,9 @@ For each: rank 0's peak RSS during the publish above its RSS before it (sampled 
 bytes (tmpfs: host memory too) and the files in the run's /dev/shm folder after three versions (``keep`` 2).
 Host RAM per version = peak RSS delta + the file. On CUDA the staging buffers add 2 x 64 MiB pinned, once.
 
-Writes bench/results/publish_memory.json; the last stdout line is the summary JSON object.
+Writes bench/results/publish_memory.json; the last stdout line is the summary JSON object (bench/run_all.py's
+row: host bytes per version against the full state dict's; target: at most 0.75 of it, and rank 0's memory
+above the file under 0.75 of the model's bytes). ``--quick``: the 10m model.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def rank_main(model_dir: str, mode: str, dtype: str, out: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="50m")
+    ap.add_argument("--quick", action="store_true", help="the 10m model (make bench)")
     ap.add_argument("--arch", default="qwen3_moe")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rank", nargs=3, help=argparse.SUPPRESS)  # model_dir mode out: run by torchrun
@@ -109,6 +112,8 @@ def main() -> None:
 
     from cascade_rl.learner.tiny_model import make_tiny_model
 
+    if args.quick:
+        args.size = "10m"
     tmp = Path(tempfile.mkdtemp())
     model_dir = make_tiny_model(tmp / "model", arch=args.arch, size=args.size)
     # every allocation above 64 KiB its own mapping, returned on free: RSS then shows live memory (glibc otherwise
@@ -125,7 +130,15 @@ def main() -> None:
         r["host_bytes_per_version"] = r["peak_rss_delta"] + r["file_bytes"]
     params = results["gathered"]["params"]
     file_bytes = results["gathered"]["file_bytes"]
+    ours, before = (results[m]["host_bytes_per_version"] for m in ("gathered", "full_state_dict"))
+    ratio = ours / before
     summary = {
+        "name": "publish_memory",
+        "metric": f"host MB per published version at {args.size} (rank 0's peak RSS above it + the /dev/shm file), "
+                  "one parameter gathered at a time",
+        "value": round(ours / 1e6, 1), "baseline": "the full state dict on rank 0",
+        "baseline_value": round(before / 1e6, 1), "ratio": round(ratio, 3), "target": "<= 0.75",
+        "pass": ratio <= 0.75 and results["gathered"]["peak_rss_delta"] < 0.75 * file_bytes,
         "size": args.size, "arch": args.arch, "dtype": args.dtype, "params": params,
         "file_MB": round(file_bytes / 1e6, 1), "largest_param_MB": round(results["gathered"]["largest_param"] / 1e6, 1),
         **{f"{m}_MB": round(r["host_bytes_per_version"] / 1e6, 1) for m, r in results.items()},
