@@ -212,6 +212,9 @@ def read_run(run_dir: Path, expect: dict) -> tuple[dict, list[str]]:
     for wid, dev in devices.items():
         if not dev:
             problems.append(f"{wid}: no device recorded in summary.json workers[].counters.device")
+        elif dev.split()[0] in ("vllm", "sglang"):  # an engine of its own: "vllm bf16 gpus=[0]" (samplers/worker.py)
+            if ("gpus=" in dev) != (expect["device"] == "cuda"):
+                problems.append(f"{wid} ran on {dev!r}, expected {expect['device']}")
         elif not dev.startswith(expect["device"]):
             problems.append(f"{wid} ran on {dev!r}, expected {expect['device']}")
 
