@@ -26,6 +26,7 @@ for a position no row owns (a lane's free tail). The ``*_sources`` functions bel
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import Tensor, nn
@@ -37,14 +38,34 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
                                                                                       nn.Module)]
 
 
+class _RouterHooks:
+    """The one forward hook of each router of a model, installed with the first ``RoutingReplay`` over it and
+    shared by every later one (a teacher or a test wraps one model in many Policies: a hook per Policy would pile
+    up for the life of the process). It hands a router's output to the replay whose ``sources`` is open, if any."""
+
+    ATTR = "_cascade_rl_router_hooks"
+
+    def __init__(self, routers: list[nn.Module]) -> None:
+        self.active: RoutingReplay | None = None
+        for layer, router in enumerate(routers):
+            setattr(router, self.ATTR, self)
+            router.register_forward_hook(functools.partial(self._hook, layer))
+
+    @classmethod
+    def of(cls, routers: list[nn.Module]) -> _RouterHooks:
+        return getattr(routers[0], cls.ATTR, None) or cls(routers)
+
+    def _hook(self, layer: int, router: nn.Module, args, output):
+        return None if self.active is None else self.active.route(layer, router, output)
+
+
 class RoutingReplay:
     def __init__(self, routers: list[nn.Module], replay: bool) -> None:
         self.routers, self.replay = routers, replay
         self._ids: Tensor | None = None  # [tokens of the call, layers, k] the routes' dtype (int16), -1: route freely
         self._disagree: Tensor | int = 0
         self._routes: Tensor | int = 0
-        for layer, router in enumerate(routers):
-            router.register_forward_hook(self._hook(layer))
+        self._hooks = _RouterHooks.of(routers)
 
     @classmethod
     def install(cls, model: nn.Module, replay: bool = True) -> RoutingReplay | None:
@@ -68,10 +89,11 @@ class RoutingReplay:
         flat = routes.reshape(n * length, layers, k)
         src = src.reshape(-1).to(flat.device)
         self._ids = flat[src.clamp(min=0)].masked_fill_((src < 0)[:, None, None], -1)
+        outer, self._hooks.active = self._hooks.active, self
         try:
             yield
         finally:
-            self._ids = None
+            self._ids, self._hooks.active = None, outer
 
     def take_stats(self) -> dict[str, Tensor | int]:
         """(token, layer) routes compared since the last call, and how many of them the trainer chose otherwise."""
@@ -79,27 +101,27 @@ class RoutingReplay:
         self._disagree = self._routes = 0
         return out
 
-    def _hook(self, layer: int):
-        def hook(router: nn.Module, args, output):
-            if self._ids is None:
-                return None
-            logits, weights, own = output
-            forced = self._ids[:, layer].long()  # this layer only: [T, k]
-            if forced.shape[0] != own.shape[0]:
-                raise RuntimeError(f"routing replay: {forced.shape[0]} routes for a forward of {own.shape[0]} tokens")
-            given = (forced >= 0).all(dim=-1)
-            differ = (own.sort(dim=-1).values != forced.sort(dim=-1).values).any(dim=-1) & given
-            self._disagree = self._disagree + differ.sum()
-            self._routes = self._routes + given.sum()
-            if not self.replay:
-                return None
-            ids = torch.where(given[:, None], forced, own)
-            picked = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
-            if getattr(router, "norm_topk_prob", True):
-                picked = picked / picked.sum(dim=-1, keepdim=True)
-            return logits, picked.to(weights.dtype), ids
+    def route(self, layer: int, router: nn.Module, output):
+        """A router's forward hook while ``sources`` is open: compare its experts with the routes', and take
+        the routes' when replaying (the hook's return value replaces the router's output)."""
+        if self._ids is None:
+            return None
+        logits, weights, own = output
+        forced = self._ids[:, layer].long()  # this layer only: [T, k]
+        if forced.shape[0] != own.shape[0]:
+            raise RuntimeError(f"routing replay: {forced.shape[0]} routes for a forward of {own.shape[0]} tokens")
+        given = (forced >= 0).all(dim=-1)
+        differ = (own.sort(dim=-1).values != forced.sort(dim=-1).values).any(dim=-1) & given
+        self._disagree = self._disagree + differ.sum()
+        self._routes = self._routes + given.sum()
+        if not self.replay:
+            return None
+        ids = torch.where(given[:, None], forced, own)
+        picked = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
+        if getattr(router, "norm_topk_prob", True):
+            picked = picked / picked.sum(dim=-1, keepdim=True)
+        return logits, picked.to(weights.dtype), ids
 
-        return hook
 
 
 # --- where each layout's tokens come from in the padded batch ----------------------------------------------------

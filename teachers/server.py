@@ -79,8 +79,10 @@ class Teacher:
         self.model = model.requires_grad_(False).eval()
         self.domains = sorted(set(domains))
         t = trainer_cfg
-        self.policy_args = dict(chunk_tokens=t.logprob_chunk_tokens, pack=t.pack, pack_tokens=t.pack_tokens,
-                                logprob_impl=t.logprob_impl)
+        # one Policy for the life of the server, its temperature set per forward (a Policy per forward would add
+        # its router hooks to an MoE model each batch)
+        self.policy = Policy(self.model, 1.0, chunk_tokens=t.logprob_chunk_tokens, pack=t.pack,
+                             pack_tokens=t.pack_tokens, logprob_impl=t.logprob_impl)
         head = model.get_output_embeddings().weight
         self.vocab = min(head.shape[0], model.get_input_embeddings().num_embeddings)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
@@ -121,7 +123,8 @@ class Teacher:
             group = [requests[i] for i in members]
             ids, lengths, mask = (t.to(self.device) for t in batch_rows(group))
             with torch.inference_mode():
-                lp, _ = Policy(self.model, temperature, **self.policy_args)(ids, lengths, mask)
+                self.policy.temperature = temperature
+                lp, _ = self.policy(ids, lengths, mask)
             flat = lp[mask].float().cpu().numpy()  # row-major: request by request, response by response
             bounds = np.cumsum([len(r.response_ids) for r in group])[:-1]
             for i, values in zip(members, np.split(flat, bounds)):

@@ -329,3 +329,21 @@ def test_sigterm_drains_what_it_holds_and_exits_0(orch):
     assert all(m.ok for m in replies)  # what it held (or got before the orchestrator read its notice) is answered
     assert orch.procs["teacher-c"].wait(timeout=15) == 0
     orch.until(lambda: any(r.worker_id == "teacher-c" and r.draining and r.slots == 0 for r in orch.readies))
+
+
+def test_a_moe_teacher_keeps_one_hook_per_router_however_many_batches(tiny_model, tmp_path):
+    """A teacher serving a MoE model for many batches: each router keeps the one forward hook routing replay
+    installs (a Policy built per forward used to add one per router per batch, for the life of the run), and
+    wrapping the model in more Policies adds none."""
+    from cascade_rl.modeling.routing import moe_routers
+
+    cfg = run_config(tiny_model, tmp_path)
+    teacher = Teacher(AutoModelForCausalLM.from_pretrained(tiny_model), ["math"], cfg.trainer)
+    routers = moe_routers(teacher.model)
+    assert routers
+    for seed in range(5):
+        requests = groups(seed, 2, temperature=[0.6, 1.0][seed % 2])
+        assert all(not teacher.check(r) for r in requests)
+        teacher.logprobs(requests)
+    Policy(teacher.model, routing_replay=True)
+    assert [len(r._forward_hooks) for r in routers] == [1] * len(routers)
