@@ -221,7 +221,8 @@ class OrchestratorConfig:
     the next round waits 1 s, 2 s, 4 s ... (at most 30 s) for the verifier to come back. The step fails when the
     verifiers have been unavailable this long (a large judge model reloads in minutes)."""
     mask_threshold: float | None = None
-    """Drop groups where no rollout scores above this (paper: 0.5 for agentless SWE RL); null: off."""
+    """Loss-mask groups where no rollout scores above this: they stay in the batch (and the books) with their loss
+    masked, not dropped (paper: 0.5 for agentless SWE RL); null: off."""
     stall_timeout_s: float = 900.0
     """When no step (or evaluation) completes for this long, the supervisor writes run_dir/stall.txt: every
     worker's state, last heartbeat and what it holds, what the orchestrator waits for, and a stack dump of every
@@ -363,7 +364,7 @@ class GpusConfig:
     trainer: list[int] = field(default_factory=list)
     """The trainer's GPUs, one per rank (trainer.world_size of them), e.g. [0, 1]."""
     samplers: list[int] = field(default_factory=list)
-    """The GPU of each sampler: sampler-i runs on samplers[i] (workers.samplers of them; ``ctl scale`` beyond
+    """The GPU of each sampler: sampler-i runs on samplers[i] (sampler.count of them; ``ctl scale`` beyond
     the list is refused)."""
     teachers: list[int] = field(default_factory=list)
     """The GPU of each teacher server (teacher-i serves the i-th distinct teacher checkpoint)."""
