@@ -1,4 +1,4 @@
-"""The one runtime of every worker that serves requests (sampler, verifier, teacher).
+"""The one runtime of every worker that serves requests (sampler, verifier, teacher, environment).
 
     WorkerRuntime(service, cfg, worker_id, batch_window_s=cfg.sampler.batch_window_s).run()
 
