@@ -28,8 +28,9 @@ ALLOWED = {
 }
 
 
-def imported_packages(path: Path, package: str) -> list[tuple[int, str]]:
-    """(line, our package) of every import of ``cascade_rl.X`` in the file; relative imports resolved."""
+def imported_packages(path: Path, package: str, folder: tuple[str, ...] = ()) -> list[tuple[int, str]]:
+    """(line, our package) of every import of ``cascade_rl.X`` in the file; relative imports resolved from
+    ``folder``, the file's folders below ``package`` (``("launchers",)`` for supervisor/launchers/x.py)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
@@ -37,9 +38,9 @@ def imported_packages(path: Path, package: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
                 names = [node.module or ""]
-            elif node.level == 1:  # from . import x / from .x import y: this package
+            elif node.level <= len(folder) + 1:  # from . / from .. inside the package: this package
                 names = [f"cascade_rl.{package}"]
-            else:  # from ..other import y: a sibling package of the namespace
+            else:  # a level above the package: a sibling package of the namespace
                 names = [f"cascade_rl.{(node.module or '').split('.')[0]}"]
         else:
             continue
@@ -50,11 +51,12 @@ def imported_packages(path: Path, package: str) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_a_package_imports_only_what_its_layer_may(package):
-    files = sorted((ROOT / package).glob("*.py"))
+    files = sorted((ROOT / package).rglob("*.py"))  # nested folders too (supervisor/launchers/)
     assert files, f"no modules under {package}/"
     allowed = ALLOWED[package] | {package}
-    broken = [f"{path.relative_to(ROOT)}:{line}: imports cascade_rl.{dep}"
-              for path in files for line, dep in imported_packages(path, package) if dep not in allowed]
+    broken = [f"{path.relative_to(ROOT)}:{line}: imports cascade_rl.{dep}" for path in files
+              for line, dep in imported_packages(path, package, path.relative_to(ROOT / package).parent.parts)
+              if dep not in allowed]
     assert not broken, f"{package}/ may import only {sorted(allowed)} of ours (docs/ARCHITECTURE.md §1):\n" + \
         "\n".join(broken)
 
@@ -64,3 +66,39 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path):
     module.write_text("import os\nfrom . import moe\n\ndef f():\n    from cascade_rl.modeling.logprobs import check_args\n"
                       "    import cascade_rl.samplers.engine\n    from ..teachers import server\n")
     assert imported_packages(module, "kernels") == [(2, "kernels"), (5, "modeling"), (6, "samplers"), (7, "teachers")]
+
+
+def test_nested_relative_imports_resolve_to_the_package(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from . import rules\nfrom ..procs import free_ports\nfrom ...learner import weights\n")
+    assert imported_packages(module, "supervisor", ("launchers",)) == [(1, "supervisor"), (2, "supervisor"),
+                                                                       (3, "learner")]
+
+
+def our_imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every ``cascade_rl`` import in a file outside the package (bench/)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("cascade_rl."):
+            found.append((node.lineno, node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names if a.name.startswith("cascade_rl.")]
+    return found
+
+
+def test_bench_imports_what_the_package_has():
+    """bench/ runs only when a session records figures: every ``cascade_rl`` module and name its scripts import
+    (inside functions too) must exist, so a rename in the package fails here rather than in the next bench run."""
+    import importlib.util
+
+    missing = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for line, module, names in our_imports(path):
+            try:
+                mod = importlib.import_module(module)
+            except ImportError as e:
+                missing.append(f"{path.relative_to(ROOT)}:{line}: {module}: {e}")
+                continue
+            missing += [f"{path.relative_to(ROOT)}:{line}: {module} has no {name}" for name in names
+                        if not hasattr(mod, name) and importlib.util.find_spec(f"{module}.{name}") is None]
+    assert not missing, "bench/ imports what the package no longer has:\n" + "\n".join(missing)
