@@ -47,12 +47,14 @@ from cascade_rl.protocol.messages import (
     TeacherLogprobs,
     TeacherRequest,
     WeightsReady,
+    WorkKey,
+    rollout_id,
 )
 from cascade_rl.protocol.sockets import UNREACHABLE
 from cascade_rl.verifiers.registry import is_group_domain
 
 from . import groups as rules
-from .groups import TEACHER, Group
+from .groups import Group
 from .ledger import Ledger
 from .pool import Worker, WorkerPool
 from .trajectories import TrajectoryRules, Turns
@@ -98,7 +100,7 @@ class Core(TrajectoryRules):
         self.prompt_queue: deque[str] = deque()  # group ids waiting for a sampler
         self.score_queue: deque[tuple[str, int]] = deque()  # (group id, rollout index; -1: the whole group)
         self.teacher_queue: deque[str] = deque()  # MOPD: group ids waiting for a teacher
-        self.turn_queue: deque[str] = deque()  # multi-turn work keys waiting: environment steps and next turns
+        self.turn_queue: deque[WorkKey] = deque()  # multi-turn work keys waiting: environment steps and next turns
         self.outbox: list[tuple[bytes, object]] = []
         self.version = 0  # the newest trained version (StepDone)
         self.weights: WeightsReady | None = None  # the newest notice, for samplers that join late
@@ -156,7 +158,7 @@ class Core(TrajectoryRules):
     def expire(self) -> None:
         """Items past their deadline go out again: a group to another sampler, a score or teacher request again."""
         for ident, key in self.pool.expired(self.clock()):
-            g = self.groups.get(key)
+            g = self.groups.get(key) if isinstance(key, str) else None  # a sampler holds a group by its id
             if g is not None:
                 log.warning("group %s: sampler %s missed its deadline; re-dispatching", key, ident.decode())
                 self._redispatch(g)
@@ -215,7 +217,7 @@ class Core(TrajectoryRules):
             return
         g = self.groups.get(r.group_id)
         if g is None or r.attempt != g.attempt or g.worker != ident:
-            self._dropped(f"{r.group_id}/{r.index}", r.attempt, "a rollout of an attempt already re-dispatched")
+            self._dropped(rollout_id(r.group_id, r.index), r.attempt, "a rollout of an attempt already re-dispatched")
             return
         w = self.pool.get(ident)
         if w is not None:
@@ -245,22 +247,23 @@ class Core(TrajectoryRules):
         self._queue_score(g, r.index)
 
     def _on_score(self, ident: bytes, s: Score) -> None:
-        g, index, attempt = self._reply(ident, s.key)
+        key = s.key
+        g = self._reply(ident, key, "score")
         if g is None:
             return
-        if not index.isdigit() or not 0 <= int(index) < g.n or int(index) in g.scores:
-            self._dropped(f"{g.group_id}/{index}", attempt, "a second score of this rollout")
+        if not 0 <= key.index < g.n or key.index in g.scores:
+            self._dropped(key.rollout_id, key.attempt, "a second score of this rollout")
             return
-        g.scores[int(index)] = s
+        g.scores[key.index] = s
         if s.unavailable and not g.error:  # a judge down, no sandbox: not a reward of 0 (verifiers/errors.py)
             g.error = f"{rules.UNAVAILABLE}: {s.reason}"
 
     def _on_teacher(self, ident: bytes, t: TeacherLogprobs) -> None:
-        g, index, attempt = self._reply(ident, t.key)
+        g = self._reply(ident, t.key, "teacher")
         if g is None:
             return
-        if index != TEACHER or g.teacher is not None or len(g.rollouts) < g.n:
-            self._dropped(f"{g.group_id}/0", attempt, "a second teacher reply for this group")
+        if g.teacher is not None or len(g.rollouts) < g.n:
+            self._dropped(t.key.rollout_id, t.key.attempt, "a second teacher reply for this group")
             return
         lens = [len(g.rollouts[i].response_ids) for i in range(g.n)]
         if not t.ok or len(t.logprobs) != sum(lens):
@@ -276,17 +279,17 @@ class Core(TrajectoryRules):
         self.last_step = msg  # the newest (its checkpoint ends the summary)
         self.steps_done[msg.step] = msg  # until the main loop logs it (several in flight with max_staleness > 1)
 
-    def _reply(self, ident: bytes, key: str) -> tuple[Group | None, str, int]:
-        """A reply to the score or teacher request ``key``: frees the worker's credit. Its group, index part and
-        attempt if it answers the group's current attempt, else (None, "", -1), counted as dropped."""
+    def _reply(self, ident: bytes, key: WorkKey, kind: str) -> Group | None:
+        """A reply to the score or teacher request ``key``: frees the worker's credit. Its group if it answers the
+        group's current attempt, else None, counted as dropped (a key of another ``kind`` than the reply's names
+        no rollout: a stray reply)."""
         self.pool.release(ident, key)
-        parsed = rules.parse_key(key)
-        g = self.groups.get(parsed[0]) if parsed else None
-        if parsed is None or g is None or parsed[2] != g.attempt:
-            rid = f"{parsed[0]}/{0 if parsed[1] == TEACHER else parsed[1]}" if parsed else ""
-            self._dropped(rid, parsed[2] if parsed else -1, "a reply to an attempt already re-dispatched")
-            return None, "", -1
-        return g, parsed[1], parsed[2]
+        g = self.groups.get(key.group)
+        if g is None or key.attempt != g.attempt or key.kind != kind:
+            rid = key.rollout_id if key.kind == kind else ""
+            self._dropped(rid, key.attempt, "a reply to an attempt already re-dispatched")
+            return None
+        return g
 
     def _dropped(self, rollout_id: str, attempt: int, reason: str) -> None:
         if not self.ledger.duplicate(rollout_id, attempt, reason):
@@ -383,18 +386,17 @@ class Core(TrajectoryRules):
 
     # ------------------------------------------------------------------ sending work again
 
-    def _requeue_item(self, key: str) -> None:
-        """A score or teacher request that will not come back (deadline, worker gone): ask again."""
-        parsed = rules.parse_key(key)
-        g = self.groups.get(parsed[0]) if parsed else None
-        if g is None or parsed[2] != g.attempt:
+    def _requeue_item(self, key: WorkKey) -> None:
+        """A score, teacher or multi-turn request that will not come back (deadline, worker gone): ask again."""
+        g = self.groups.get(key.group)
+        if g is None or key.attempt != g.attempt:
             return  # its group is done, or was re-dispatched (the new attempt asks for itself)
-        if parsed[1] == TEACHER:
+        if key.kind == "teacher":
             self.teacher_queue.append(g.group_id)
-        elif rules.parse_turn(parsed[1]) is not None:
+        elif key.kind in ("env", "gen"):
             self.turn_queue.append(key)  # its trajectory still waits for it (else the dispatch skips it)
         else:
-            self._queue_score(g, int(parsed[1]))
+            self._queue_score(g, key.index)
 
     def _redispatch(self, g: Group) -> None:
         self.pool.release(g.worker, g.group_id)
@@ -406,7 +408,7 @@ class Core(TrajectoryRules):
 
     def _requeue_worker(self, ident: bytes, w: Worker, why: str) -> None:
         for key in list(w.held):
-            g = self.groups.get(key)
+            g = self.groups.get(key) if isinstance(key, str) else None  # a sampler holds a group by its id
             if g is not None:
                 if g.worker == ident and g.first_turns() < g.n and not g.error:
                     log.warning("group %s: %s (%s); re-dispatching", key, why, ident.decode())

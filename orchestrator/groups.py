@@ -2,9 +2,11 @@
 
 Ids (docs/ARCHITECTURE.md §6, the ledger): a training group of step s is ``s{s}g{k}`` (k counts the step's
 groups, refills included), an evaluation group ``e{k}``; rollout i of a group is ``{group}/{i}`` for the
-whole of its life, whichever attempt (re-dispatch) produced it. Score requests are keyed
-``{group}/{i}/{attempt}``, teacher requests ``{group}/teacher/{attempt}``; a multi-turn row's environment
-steps ``{group}/{i}:env{t}/{attempt}`` and its later turns ``{group}/{i}:gen{t}/{attempt}`` (orchestrator/turns.py).
+whole of its life, whichever attempt (re-dispatch) produced it (protocol/messages.py ``rollout_id``). The work
+handed to verifiers, teachers and environments is keyed by a ``WorkKey`` (protocol/messages.py), built here
+(``score_key``, ``teacher_key``, ``turn_key``) and echoed in the reply; its text (logs, the stall report) is
+``{group}/{i}/{attempt}`` for a score, ``{group}/teacher/{attempt}``, ``{group}/{i}:env{t}/{attempt}`` and
+``{group}/{i}:gen{t}/{attempt}`` for a multi-turn row's environment step and later turn (orchestrator/turns.py).
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ import dataclasses
 import numpy as np
 
 from cascade_rl.data.rows import Row
-from cascade_rl.protocol.messages import Rollout, SamplingParams, Score
+from cascade_rl.protocol.messages import Rollout, SamplingParams, Score, WorkKey, rollout_id
 
 from .turns import Trajectory
 
-TEACHER = "teacher"  # the index part of a teacher request's key
 # the reason of a group failed by a verifier that could not score (verifiers/errors.py): not the prompts' fault, so
 # its replacements do not use up refill rounds (orchestrator/main.py sample_batch)
 UNAVAILABLE = "verifier_unavailable"
@@ -52,41 +53,24 @@ class Group:
         return bool(self.error) or (len(self.scores) == self.n and (not self.needs_teacher or self.teacher is not None))
 
     def rollout_id(self, index: int) -> str:
-        return f"{self.group_id}/{index}"
+        return rollout_id(self.group_id, index)
 
     def ids(self) -> list[str]:
         return [self.rollout_id(i) for i in range(self.n)]
 
-    def score_key(self, index: int) -> str:
-        return f"{self.group_id}/{index}/{self.attempt}"
+    def score_key(self, index: int) -> WorkKey:
+        return WorkKey.score(self.group_id, index, self.attempt)
 
-    def teacher_key(self) -> str:
-        return f"{self.group_id}/{TEACHER}/{self.attempt}"
+    def teacher_key(self) -> WorkKey:
+        return WorkKey.teacher(self.group_id, self.attempt)
 
-    def turn_key(self, index: int, kind: str, turn: int) -> str:
+    def turn_key(self, index: int, kind: str, turn: int) -> WorkKey:
         """A multi-turn row's environment step (``kind`` "env") or next turn ("gen") after model turn ``turn``."""
-        return f"{self.group_id}/{index}:{kind}{turn}/{self.attempt}"
+        return WorkKey.step(self.group_id, index, kind, turn, self.attempt)
 
     def first_turns(self) -> int:
         """Rows whose first turn the sampler of the group sent (it holds the group until all have come)."""
         return len(self.trajectories) if self.env else len(self.rollouts)
-
-
-def parse_key(key: str) -> tuple[str, str, int] | None:
-    """(group id, index part, attempt) of a score or teacher key; None for a key that is not one."""
-    parts = key.rsplit("/", 2)
-    if len(parts) != 3 or not parts[2].isdigit():
-        return None
-    return parts[0], parts[1], int(parts[2])
-
-
-def parse_turn(part: str) -> tuple[int, str, int] | None:
-    """(row, "env" | "gen", turn) of a multi-turn key's index part ("3:env1"); None for any other."""
-    index, _, rest = part.partition(":")
-    kind, turn = rest[:3], rest[3:]
-    if not index.isdigit() or kind not in ("env", "gen") or not turn.isdigit():
-        return None
-    return int(index), kind, int(turn)
 
 
 def rewards(g: Group, overlong_penalty: bool) -> np.ndarray:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from cascade_rl.protocol.messages import WorkKey
+
 
 @dataclasses.dataclass
 class Held:
@@ -24,7 +26,7 @@ class Worker:
     slots: int  # capacity: sequences for a sampler or a teacher, score requests for a verifier
     version: int = 0
     domains: tuple[str, ...] = ()
-    held: dict[str, Held] = dataclasses.field(default_factory=dict)  # item key -> what it takes
+    held: dict[str | WorkKey, Held] = dataclasses.field(default_factory=dict)  # a group id (sampler) or work key
     draining: bool = False  # retiring (a swap, a scale-down): finishes what it holds, gets nothing new
 
     @property
@@ -69,10 +71,10 @@ class WorkerPool:
                 if w.role == role and (domain is None or domain in w.domains) and w.fits(need)]
         return min(free, key=lambda iw: iw[1].load) if free else None
 
-    def assign(self, ident: bytes, key: str, need: int, now: float, timeout_s: float) -> None:
+    def assign(self, ident: bytes, key: str | WorkKey, need: int, now: float, timeout_s: float) -> None:
         self.workers[ident].held[key] = Held(need, now + timeout_s, now)
 
-    def release(self, ident: bytes | None, key: str) -> bool:
+    def release(self, ident: bytes | None, key: str | WorkKey) -> bool:
         """Free ``key`` at ``ident``; False if that worker did not hold it."""
         w = self.workers.get(ident) if ident is not None else None
         return w is not None and w.held.pop(key, None) is not None
@@ -81,7 +83,7 @@ class WorkerPool:
         """Items held by workers of ``role``."""
         return sum(len(w.held) for w in self.workers.values() if w.role == role)
 
-    def expired(self, now: float) -> list[tuple[bytes, str]]:
+    def expired(self, now: float) -> list[tuple[bytes, str | WorkKey]]:
         """Items past their deadline, released."""
         out = [(i, k) for i, w in self.workers.items() for k, h in w.held.items() if now > h.deadline]
         for ident, key in out:
@@ -96,7 +98,7 @@ class WorkerPool:
             held = sorted(w.held.items(), key=lambda kv: kv[1].since)
             out[ident.decode(errors="replace")] = {
                 "role": w.role, "draining": w.draining, "slots": w.slots, "load": w.load, "items": len(held),
-                "keys": [k for k, _ in held[:show]],
+                "keys": [str(k) for k, _ in held[:show]],
                 "oldest_s": round(now - held[0][1].since, 1) if held else 0.0,
                 "next_deadline_s": round(min(h.deadline for _, h in held) - now, 1) if held else None,
             }

@@ -11,9 +11,8 @@ from typing import Protocol
 
 import numpy as np
 
-from cascade_rl.protocol.messages import EnvReply, EnvRequest, PromptRequest, Rollout
+from cascade_rl.protocol.messages import EnvReply, EnvRequest, PromptRequest, Rollout, WorkKey
 
-from . import groups as rules
 from . import turns
 from .groups import Group
 from .turns import Phase, Trajectory
@@ -51,7 +50,7 @@ class TrajectoryRules:
 
     def _on_next_turn(self, ident: bytes, r: Rollout) -> None:
         """A later turn of a multi-turn row (``PromptRequest.index``), sent by any sampler."""
-        key = f"{r.group_id}/{r.index}:gen{r.turn}/{r.attempt}"
+        key = WorkKey.step(r.group_id, r.index, "gen", r.turn, r.attempt)  # what its PromptRequest was assigned as
         g, t = self._turn_reply(ident, key, "gen")
         if g is None:
             return
@@ -65,7 +64,7 @@ class TrajectoryRules:
         g, t = self._turn_reply(ident, reply.key, "env")
         if g is None:
             return
-        i = rules.parse_turn(rules.parse_key(reply.key)[1])[0]
+        i = reply.key.index
         if not reply.ok:
             t.phase = Phase.done
             g.error = f"env_error: {reply.error}"
@@ -91,18 +90,16 @@ class TrajectoryRules:
             t.phase = Phase.gen
             self.turn_queue.append(g.turn_key(i, "gen", t.turn))
 
-    def _turn_reply(self, ident: bytes, key: str, kind: str) -> tuple[Group | None, Trajectory | None]:
+    def _turn_reply(self, ident: bytes, key: WorkKey, kind: str) -> tuple[Group | None, Trajectory | None]:
         """The group and trajectory a multi-turn reply answers, if it is the one they wait for; else counted as
         a duplicate (a reply to a step sent again, or to an attempt already re-dispatched)."""
         self.pool.release(ident, key)
-        parsed = rules.parse_key(key)
-        turn = rules.parse_turn(parsed[1]) if parsed else None
-        g = self.groups.get(parsed[0]) if parsed else None
-        t = g.trajectories.get(turn[0]) if g is not None and turn else None
-        if t is None or turn[1] != kind or parsed[2] != g.attempt or t.turn != turn[2] or t.phase != kind \
+        g = self.groups.get(key.group)
+        t = g.trajectories.get(key.index) if g is not None else None
+        if t is None or key.kind != kind or key.attempt != g.attempt or t.turn != key.turn or t.phase != kind \
                 or g.error:
-            rid = f"{parsed[0]}/{turn[0]}" if turn else ""
-            self._dropped(rid, parsed[2] if parsed else -1, f"a second reply to {kind} step {key}")
+            rid = key.rollout_id if key.kind in ("env", "gen") else ""  # a score or teacher key names no step
+            self._dropped(rid, key.attempt, f"a second reply to {kind} step {key}")
             return None, None
         return g, t
 
@@ -111,10 +108,9 @@ class TrajectoryRules:
         to any sampler (the whole trajectory as the prompt; the engine reuses its cached prefix)."""
         while self.turn_queue:
             key = self.turn_queue[0]
-            parsed = rules.parse_key(key)
-            i, kind, turn = rules.parse_turn(parsed[1])
-            g = self.groups.get(parsed[0])
-            t = g.trajectories.get(i) if g is not None and g.attempt == parsed[2] and not g.error else None
+            i, kind, turn = key.index, key.kind, key.turn
+            g = self.groups.get(key.group)
+            t = g.trajectories.get(i) if g is not None and g.attempt == key.attempt and not g.error else None
             if t is None or t.turn != turn or t.phase != kind:
                 self.turn_queue.popleft()
                 continue

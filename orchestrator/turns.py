@@ -7,8 +7,9 @@ continues the whole trajectory, until a turn calls no tool, ``orchestrator.max_t
 The finished trajectory is one ``Rollout`` whose ``loss_mask`` is True on the model's tokens only: GRPO,
 MOPD's teacher log-probs and the mismatch metrics see those, never the observations. Pure state, no IO.
 
-Keys of the work a trajectory hands out (``groups.parse_key`` reads them): ``{group}/{i}:env{t}/{attempt}``
-(the environment step after model turn t) and ``{group}/{i}:gen{t}/{attempt}`` (the sampler's turn t + 1).
+Keys of the work a trajectory hands out (``WorkKey.step``, protocol/messages.py): kind "env" (the environment
+step after model turn t, ``{group}/{i}:env{t}/{attempt}`` as text) and "gen" (the sampler's turn t + 1,
+``{group}/{i}:gen{t}/{attempt}``).
 """
 
 from __future__ import annotations

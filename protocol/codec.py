@@ -61,9 +61,12 @@ def message(type_name: str):
     return wrap
 
 
-def struct(cls: type) -> type:
-    """A dataclass that travels nested inside a message header (no arrays)."""
-    return dataclasses.dataclass(cls)
+def struct(cls: type | None = None, *, frozen: bool = False):
+    """A dataclass that travels nested inside a message header (no arrays); its ``validate``, if it has one, is
+    checked where it is decoded, like a message's. ``frozen``: a value type (hashable: a dict key)."""
+    if cls is None:
+        return lambda c: dataclasses.dataclass(c, frozen=frozen)
+    return dataclasses.dataclass(cls, frozen=frozen)
 
 
 # --------------------------------------------------------------------------- encode
@@ -206,8 +209,12 @@ def _check(where: str, value: Any, hint: Any) -> Any:
         return [_check(f"{where}[{i}]", v, args[0]) for i, v in enumerate(value)] if args else value
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected map for {hint.__name__}")
-        return _build(hint, value, where, None, None)
+            raise ProtocolError(f"{where}: expected map for {hint.__name__}, got {type(value).__name__}")
+        built = _build(hint, value, where, None, None)
+        reason = built.validate() if hasattr(built, "validate") else ""
+        if reason:
+            raise ProtocolError(f"{where}: {reason}")
+        return built
     raise TypeError(f"{where}: unsupported field type {hint!r}")  # a bug in a message definition
 
 

@@ -31,6 +31,69 @@ class SamplingParams:
     seed: int | None = None
 
 
+def rollout_id(group: str, index: int) -> str:
+    """The ledger's id of rollout ``index`` of ``group`` for its whole life, whichever attempt made it
+    (``ledger.jsonl``, ``trained_ids.jsonl``, ``TrainBatch.ids``): ``{group}/{index}``."""
+    return f"{group}/{index}"
+
+
+@struct(frozen=True)
+class WorkKey:
+    """One item of work the orchestrator hands a verifier, a teacher or an environment, echoed in its reply
+    (docs/ARCHITECTURE.md §3): what it is of which group, and the group's attempt (a reply to an older attempt is
+    a duplicate). Built here, by kind; carried as a map, never as text to parse. ``str(key)`` is its name in
+    logs and the stall report: ``{group}/{index}/{attempt}`` (score), ``{group}/teacher/{attempt}``,
+    ``{group}/{index}:env{turn}/{attempt}`` and ``{group}/{index}:gen{turn}/{attempt}`` (multi-turn, §12)."""
+
+    group: str  # the group id (orchestrator/groups.py: s3g5, e2)
+    kind: str  # one of KINDS
+    index: int = 0  # the row of the group (teacher: 0, the request is the whole group's)
+    turn: int = 0  # env: the step after model turn ``turn``; gen: the sampler's turn ``turn`` + 1; else 0
+    attempt: int = 0  # the group's re-dispatches when it was handed out
+
+    KINDS = ("score", "teacher", "env", "gen")  # a class constant, not a field
+
+    @classmethod
+    def score(cls, group: str, index: int, attempt: int) -> WorkKey:
+        """The score of rollout ``index`` (a verifier's ``ScoreRequest`` or one of a ``GroupScoreRequest``)."""
+        return cls(group, "score", index, 0, attempt)
+
+    @classmethod
+    def teacher(cls, group: str, attempt: int) -> WorkKey:
+        """The teacher's log-probs of the whole group (MOPD)."""
+        return cls(group, "teacher", 0, 0, attempt)
+
+    @classmethod
+    def step(cls, group: str, index: int, kind: str, turn: int, attempt: int) -> WorkKey:
+        """A multi-turn row's environment step (``kind`` "env") or next turn ("gen") after model turn ``turn``."""
+        return cls(group, kind, index, turn, attempt)
+
+    @property
+    def rollout_id(self) -> str:
+        """The ledger's id of the rollout this work is for (a teacher's: the group's first)."""
+        return rollout_id(self.group, self.index)
+
+    def __str__(self) -> str:
+        if self.kind == "teacher":
+            return f"{self.group}/teacher/{self.attempt}"
+        if self.kind == "score":
+            return f"{self.group}/{self.index}/{self.attempt}"
+        return f"{self.group}/{self.index}:{self.kind}{self.turn}/{self.attempt}"
+
+    def validate(self) -> str:
+        if not self.group:
+            return "empty group id"
+        if self.kind not in self.KINDS:
+            return f"kind {self.kind!r} is none of {self.KINDS}"
+        if min(self.index, self.turn, self.attempt) < 0:
+            return f"negative index, turn or attempt in {self}"
+        if self.kind in ("score", "teacher") and self.turn:
+            return f"a {self.kind} key has no turn ({self.turn})"
+        if self.kind == "teacher" and self.index:
+            return f"a teacher key has no row index ({self.index})"
+        return ""
+
+
 @message("ready")
 class Ready:
     """worker → orchestrator: I am up, on ``version``, with ``slots`` free work slots."""
@@ -114,7 +177,7 @@ class Rollout:
 class ScoreRequest:
     """orchestrator → verifier: score one response of ``domain``."""
 
-    key: str
+    key: WorkKey
     domain: str
     text: str
     reference: str = ""
@@ -130,7 +193,7 @@ class GroupScoreRequest:
     """orchestrator → verifier: score a group's responses together (pairwise judges: GenRM); one ``Score`` per
     key comes back, ``keys[i]`` for ``texts[i]``."""
 
-    keys: list[str]
+    keys: list[WorkKey]
     domain: str
     prompt: str
     texts: list[str]
@@ -148,7 +211,7 @@ class GroupScoreRequest:
 class Score:
     """verifier → orchestrator: the reward of one response."""
 
-    key: str
+    key: WorkKey
     reward: float
     ok: bool
     reason: str = ""
@@ -164,7 +227,7 @@ class EnvRequest:
     assistant turn last, as text); ``state`` is what the environment returned last time for this trajectory
     (opaque to the orchestrator: any environment worker can serve any step)."""
 
-    key: str  # {group}/{i}:env{turn}/{attempt}
+    key: WorkKey  # kind "env": row ``index``'s step after model turn ``turn``
     env: str  # the environment's registered name
     domain: str
     messages: list[dict[str, Any]]
@@ -183,7 +246,7 @@ class EnvReply:
     """environment → orchestrator: the tool turn(s) that answer the assistant turn of ``key``, or ``done``: the
     turn made no tool call, the episode ends and its final turn is scored by the domain's verifier."""
 
-    key: str
+    key: WorkKey
     done: bool
     tool_messages: list[dict[str, Any]] = field(default_factory=list)  # {"role": "tool", "content": ...}, in order
     state: dict[str, Any] = field(default_factory=dict)  # handed back with the next step of this trajectory
@@ -202,7 +265,7 @@ class TeacherRequest:
     ``domain`` (MOPD). The group's responses share the prompt; ``response_ids`` holds them back to back,
     response i being the next ``response_lens[i]`` tokens."""
 
-    key: str
+    key: WorkKey
     domain: str
     prompt_ids: np.ndarray = array("int32")  # [P]
     response_ids: np.ndarray = array("int32")  # [sum(response_lens)] the responses, concatenated
@@ -226,7 +289,7 @@ class TeacherLogprobs:
     """teacher → orchestrator: the teacher's log-prob of each response token of the group ``key``, in the
     request's order (``len(logprobs) == len(response_ids)``); empty when ``ok`` is False."""
 
-    key: str
+    key: WorkKey
     logprobs: np.ndarray = array("float32")  # [sum(response_lens)]
     ok: bool = True
     error: str = ""  # why not ok: a token out of the vocabulary, too long, a domain not served, ...

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from cascade_rl.protocol import cuda_ipc
-from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, WeightsReady
+from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, WeightsReady, WorkKey
 from cascade_rl.protocol.runtime import Pending, WorkerRuntime
 from cascade_rl.protocol.weights import WeightsError, resolve
 from cascade_rl.protocol.worker_main import worker_start
@@ -48,7 +48,8 @@ def to_generation(req: PromptRequest) -> GenerationRequest:
         max_tokens=s.max_tokens,
         stop=list(s.stop),
         seed=s.seed,
-        prefix_keys=[f"{req.group_id}/{i}/{req.attempt}" for i in rows] if req.keep else [],
+        # a row of this attempt, named as its score will be: the K/V a later turn of the row resumes from
+        prefix_keys=[str(WorkKey.score(req.group_id, i, req.attempt)) for i in rows] if req.keep else [],
     )
 
 

@@ -29,7 +29,7 @@ from cascade_rl.modeling.experts import use_moe_impl
 from cascade_rl.modeling.logprobs import token_logprobs
 from cascade_rl.modeling.packing import share_prefixes
 from cascade_rl.modeling.policy import Policy
-from cascade_rl.protocol.messages import TeacherRequest, TrainBatch
+from cascade_rl.protocol.messages import TeacherRequest, TrainBatch, WorkKey
 from cascade_rl.samplers.engine import GenerationRequest
 from cascade_rl.samplers.torch_engine import TorchEngine
 from cascade_rl.samplers.torch_model import ModelArgs, UnservedModelError
@@ -177,7 +177,7 @@ def teacher_requests(seed: int = 0) -> list[TeacherRequest]:
     out = []
     for g in range(6):
         lens = rng.integers(1, 16, size=int(rng.integers(1, 4))).astype(np.int32)
-        out.append(TeacherRequest(f"g{g}", "math", rng.integers(0, 300, int(rng.integers(3, 21)), np.int32),
+        out.append(TeacherRequest(WorkKey.teacher(f"g{g}", 0), "math", rng.integers(0, 300, int(rng.integers(3, 21)), np.int32),
                                   rng.integers(0, 300, int(lens.sum()), np.int32), lens, (1.0, 0.7)[g % 2]))
     return out
 

@@ -18,7 +18,7 @@ from cascade_rl.environments.calculator import CalcError, evaluate
 from cascade_rl.environments.python_tool import PythonTool
 from cascade_rl.environments.registry import ENVIRONMENTS, build_environment, register_environment
 from cascade_rl.environments.tool_calls import CallError, ToolCall, parse_tool_calls
-from cascade_rl.protocol.messages import EnvReply, EnvRequest, Heartbeat, Ready
+from cascade_rl.protocol.messages import EnvReply, EnvRequest, Heartbeat, Ready, WorkKey
 from cascade_rl.protocol.sockets import bind_router, recv, recv_routed, send
 from cascade_rl.verifiers import sandbox
 
@@ -180,7 +180,7 @@ def test_run_step_turns_environment_failures_into_failed_replies():
         def step(self, messages, state, metadata):
             return StepResult(done=False, state={"obj": object()})
 
-    req = EnvRequest("k", "e", "tool_use", turn("x"), deadline_s=5.0)
+    req = EnvRequest(WorkKey.step("k", 0, "env", 0, 0), "e", "tool_use", turn("x"), deadline_s=5.0)
     down = run_step(Raises(), req, "w")
     assert not down.ok and "ToolUnavailable: sandbox down" in down.error and down.worker_id == "w"
     assert not run_step(Unsendable(), req).ok and "cannot be sent" in run_step(Unsendable(), req).error
@@ -320,20 +320,21 @@ def test_worker_serves_steps_over_the_wire(worker):
     assert isinstance(ready, Ready) and ready.role == "environment" and ready.slots == 5
     assert ready.domains == ["calculator", "python"]
 
-    def step(key: str, env: str, text: str, state: dict | None = None) -> EnvReply:
+    def step(group: str, after: int, env: str, text: str, state: dict | None = None) -> EnvReply:
+        key = WorkKey.step(group, 0, "env", after, 0)
         send(router, EnvRequest(key, env, "tool_use", turn(text), state or {}, deadline_s=20.0), identity=ident)
         _, reply = receive(router)
         assert isinstance(reply, EnvReply) and reply.key == key and reply.worker_id == "environment-t"
         return reply
 
-    first = step("g/0:env0/0", "python", call("python", code="x = 41"))
+    first = step("g", 0, "python", call("python", code="x = 41"))
     assert first.ok and not first.done and first.state == {"cells": ["x = 41"]}
-    second = step("g/0:env1/0", "python", call("python", code="print(x + 1)"), first.state)
+    second = step("g", 1, "python", call("python", code="print(x + 1)"), first.state)
     assert second.ok and second.tool_messages == [{"role": "tool", "content": "42\n"}] and second.tool_calls == 1
-    assert step("g/0:env2/0", "python", "The answer is 42.", second.state).done
-    unknown = step("u/0:env0/0", "no_such_env", call("python", code="1"))
+    assert step("g", 2, "python", "The answer is 42.", second.state).done
+    unknown = step("u", 0, "no_such_env", call("python", code="1"))
     assert not unknown.ok and "no_such_env" in unknown.error and "python" in unknown.error
-    calc = step("c/0:env0/0", "calculator", call("calculator", expression="x"))
+    calc = step("c", 0, "calculator", call("calculator", expression="x"))
     assert calc.ok and calc.tool_errors == 1
 
     t_end, counters = time.monotonic() + 10, {}

@@ -49,7 +49,7 @@ from hypothesis import strategies as st
 
 from cascade_rl.protocol import codec, messages  # noqa: F401  (messages registers every wire type)
 from cascade_rl.protocol.codec import ALLOWED_DTYPES, PROTOCOL_VERSION, ProtocolError, decode, encode, registered_types
-from cascade_rl.protocol.messages import Heartbeat, PromptRequest, Ready, Score, WeightsReady
+from cascade_rl.protocol.messages import Heartbeat, PromptRequest, Ready, Score, WeightsReady, WorkKey
 from cascade_rl.protocol.sockets import WorkerLink, recv_routed, send
 
 REGISTERED = registered_types()
@@ -167,6 +167,13 @@ def _check(type_name: str, frames: list, expect: tuple[type, ...] | None = None)
 
 _MSGPACK_INT = st.integers(-(2**63), 2**64 - 1)
 _LEAVES = st.one_of(st.none(), st.booleans(), _MSGPACK_INT, st.floats(), st.text(max_size=8), st.binary(max_size=8))
+_COUNT = st.integers(0, 2**64 - 1)
+_GROUP = st.text(min_size=1, max_size=6)
+_WORK_KEYS = st.one_of(  # every kind of key the orchestrator builds (WorkKey.validate refuses the rest)
+    st.builds(WorkKey.score, _GROUP, _COUNT, _COUNT),
+    st.builds(WorkKey.teacher, _GROUP, _COUNT),
+    st.builds(WorkKey.step, _GROUP, _COUNT, st.sampled_from(["env", "gen"]), _COUNT, _COUNT),
+)
 _ANY = st.recursive(
     _LEAVES, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=5
 )
@@ -181,6 +188,8 @@ def _hint_strategy(hint: Any) -> st.SearchStrategy:
         return st.none()
     if hint is Any:
         return _ANY
+    if hint is WorkKey:
+        return _WORK_KEYS
     scalars = {bool: st.booleans(), int: _MSGPACK_INT, float: st.floats(), str: st.text(max_size=12)}
     if hint in scalars:
         return scalars[hint]
@@ -225,7 +234,7 @@ def _fix_env_request(draw, kw: dict) -> None:
 
 
 def _fix_group_score_request(draw, kw: dict) -> None:
-    kw["keys"] = draw(st.lists(st.text(max_size=6), min_size=1, max_size=3))
+    kw["keys"] = draw(st.lists(_WORK_KEYS, min_size=1, max_size=3))
     kw["texts"] = draw(st.lists(st.text(max_size=6), min_size=len(kw["keys"]), max_size=len(kw["keys"])))
     _fix_deadline(draw, kw)
 
@@ -756,7 +765,7 @@ def _malformed_burst(rng: random.Random, expect: tuple[type, ...], n: int) -> li
     """``n`` multiparts each of which decode(frames, expect) rejects, of many kinds."""
     valid = [
         _frames(PromptRequest(group_id="g", domain="math", prompt_ids=np.arange(5, dtype=np.int32))),
-        _frames(Score(key="k", reward=1.0, ok=True)),  # a valid message of a type the socket does not take
+        _frames(Score(key=WorkKey.score("k", 0, 0), reward=1.0, ok=True)),  # a valid message of a type the socket does not take
         _frames(Ready(worker_id="w", role="sampler", slots=2)),
         _frames(WeightsReady(version=3, uri="file:///w")),
     ]

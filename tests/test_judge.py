@@ -499,21 +499,21 @@ def test_client_error_is_not_retried(judge_server):
 def test_registered_judges_score_through_the_verifier_worker_pool(judge_server, monkeypatch):
     """The registry entries the worker runs: genrm as a group verifier, llm_judge per response, with
     ``verifier.judge`` settings, in a real scoring process of the worker's pool."""
-    from cascade_rl.protocol.messages import GroupScoreRequest, ScoreRequest
+    from cascade_rl.protocol.messages import GroupScoreRequest, ScoreRequest, WorkKey
     from cascade_rl.verifiers.worker import Pool
 
     pool = Pool(1, {}, [], {"judge": {"base_url": judge_server, "model": SERVED, "api_key_env": "",
                                       "concurrency": 4, "timeout_s": 60, "max_tokens": 16}})
     try:
-        pool.submit(GroupScoreRequest(["g/0/0", "g/1/0", "g/2/0"], "genrm", "Capital of France?",
+        pool.submit(GroupScoreRequest([WorkKey.score("g", i, 0) for i in range(3)], "genrm", "Capital of France?",
                                       ["Paris.", "It is Paris.", "Lyon."], deadline_s=120))
         out = {}
         t_end = time.monotonic() + 150
         while len(out) < 3 and time.monotonic() < t_end:
             out.update({s.key: s for s in pool.collect(0.05)})
-        assert all(out[k].ok for k in ("g/0/0", "g/1/0", "g/2/0")), [s.reason for s in out.values()]
+        assert all(out[WorkKey.score("g", i, 0)].ok for i in range(3)), [s.reason for s in out.values()]
         assert all(math.isfinite(s.reward) for s in out.values())
-        pool.submit(ScoreRequest("q/0/0", "llm_judge", "It is 4.", "4", {"question": "What is 2+2?"}, 120))
+        pool.submit(ScoreRequest(WorkKey.score("q", 0, 0), "llm_judge", "It is 4.", "4", {"question": "What is 2+2?"}, 120))
         t_end, got = time.monotonic() + 150, []
         while not got and time.monotonic() < t_end:
             got = pool.collect(0.05)

@@ -135,7 +135,7 @@ def test_a_hung_or_dead_judge_makes_the_score_unavailable(judge_model, tmp_path)
     """The verifier worker's pool scoring llm_judge against a judge that is frozen (SIGSTOP: its deadline passes) and
     then dead (SIGKILL: the connection is refused): both ``unavailable``, so the orchestrator fails the group rather
     than train on a 0; a hung verifier of a domain without a judge stays a plain failure."""
-    from cascade_rl.protocol.messages import ScoreRequest
+    from cascade_rl.protocol.messages import ScoreRequest, WorkKey
     from cascade_rl.verifiers.worker import Pool
 
     cfg = judge_cfg(serve="torch", path=judge_model, args=["--threads", "1"])
@@ -146,14 +146,14 @@ def test_a_hung_or_dead_judge_makes_the_score_unavailable(judge_model, tmp_path)
             pid = _listener_pid(url)
             os.kill(pid, signal.SIGSTOP)
             ask = {"question": "What is 3 + 4?"}  # answered "It is 7.", not "7": the reference itself needs no judge
-            pool.submit(ScoreRequest("g/0/0", "llm_judge", "<think>\n</think>\n\nIt is 7.", "7", ask, 3.0))
+            pool.submit(ScoreRequest(WorkKey.score("g", 0, 0), "llm_judge", "<think>\n</think>\n\nIt is 7.", "7", ask, 3.0))
             hung = _collect(pool, 1)[0]
             assert not hung.ok and hung.unavailable and hung.reason.startswith("timeout")
             os.killpg(pid, signal.SIGKILL)
-            pool.submit(ScoreRequest("g/1/0", "llm_judge", "<think>\n</think>\n\nIt is 7.", "7", ask, 30.0))
+            pool.submit(ScoreRequest(WorkKey.score("g", 1, 0), "llm_judge", "<think>\n</think>\n\nIt is 7.", "7", ask, 30.0))
             dead = _collect(pool, 1)[0]
             assert not dead.ok and dead.unavailable and "JudgeError: judge request" in dead.reason
-            pool.submit(ScoreRequest("g/2/0", "math", "7", "7", {}, 1.0))
+            pool.submit(ScoreRequest(WorkKey.score("g", 2, 0), "math", "7", "7", {}, 1.0))
             plain = _collect(pool, 1)[0]
             assert not plain.ok and not plain.unavailable and plain.reason.startswith("timeout")
         finally:

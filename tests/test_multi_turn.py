@@ -24,6 +24,7 @@ from cascade_rl.protocol.messages import (
     SamplingParams,
     Score,
     ScoreRequest,
+    WorkKey,
 )
 from cascade_rl.protocol.sockets import UNREACHABLE
 
@@ -143,19 +144,20 @@ def test_a_trajectory_through_sampler_environment_and_verifier(world, tokenizer,
     core.receive(s, turn_rollout(req, 0, call))
     core.receive(s, turn_rollout(req, 1, answer))  # row 1 answers at once: no tool call -> its env says done
     steps = dict((m.key, m) for _, m in sent(core, EnvRequest))
-    assert set(steps) == {f"{g.group_id}/0:env1/0", f"{g.group_id}/1:env1/0"}
-    step0 = steps[f"{g.group_id}/0:env1/0"]
+    assert set(steps) == {WorkKey.step(g.group_id, 0, "env", 1, 0), WorkKey.step(g.group_id, 1, "env", 1, 0)}
+    assert sorted(map(str, steps)) == [f"{g.group_id}/0:env1/0", f"{g.group_id}/1:env1/0"]  # as logs name them
+    step0 = steps[WorkKey.step(g.group_id, 0, "env", 1, 0)]
     assert step0.env == "python" and step0.messages[-1]["role"] == "assistant" and CALL in step0.messages[-1]["content"]
     core.receive(E0, EnvReply(step0.key, False, [{"role": "tool", "content": "3901\n"}], {"cells": ["print(47*83)"]},
                               tool_calls=1))
-    core.receive(E0, EnvReply(f"{g.group_id}/1:env1/0", True))
+    core.receive(E0, EnvReply(WorkKey.step(g.group_id, 1, "env", 1, 0), True))
     (s2, cont), = sent(core, PromptRequest)  # row 0's second turn: the whole trajectory is its prompt
     assert cont.index == 0 and cont.turn == 1 and cont.n == 1
     used = len(cont.prompt_ids) - len(prompt)  # the turn samples at most what the budget leaves
     assert cont.sampling.max_tokens == min(64, 3 * 64 - used)
     core.receive(s2, turn_rollout(cont, 0, answer))
     (_, step2), = sent(core, EnvRequest)
-    assert step2.key == f"{g.group_id}/0:env2/0" and step2.state == {"cells": ["print(47*83)"]}
+    assert step2.key == WorkKey.step(g.group_id, 0, "env", 2, 0) and step2.state == {"cells": ["print(47*83)"]}
     core.receive(E0, EnvReply(step2.key, True))
     scores = sent(core, ScoreRequest)
     assert sorted(r.text.endswith("\\boxed{3901}") for _, r in scores) == [True, True]  # the final turn is scored
@@ -190,7 +192,7 @@ def test_an_environment_worker_killed_mid_trajectory_loses_nothing(world, tokeni
     for i in range(2):
         core.receive(s, turn_rollout(req, i, call))
     first = {m.key: ident for ident, m in sent(core, EnvRequest)}
-    victim = first[f"{g.group_id}/0:env1/0"]
+    victim = first[WorkKey.step(g.group_id, 0, "env", 1, 0)]
     other = E1 if victim == E0 else E0
     core.receive(victim, UNREACHABLE)
     again = {m.key: ident for ident, m in sent(core, EnvRequest)}
@@ -221,7 +223,7 @@ def test_a_step_past_its_deadline_is_sent_again_and_env_errors_fail_the_group(wo
     clock.now = 11.0
     core.expire()
     again = sent(core, EnvRequest)
-    assert sorted(m.key for _, m in again) == sorted(m.key for _, m in first)
+    assert sorted(str(m.key) for _, m in again) == sorted(str(m.key) for _, m in first)
     core.receive(E0, EnvReply(again[0][1].key, False, ok=False, error="no environment 'pythn'"))
     assert g.complete and g.error.startswith("env_error: no environment")
 
@@ -233,11 +235,12 @@ def test_a_truncated_turn_or_the_last_turn_ends_the_trajectory(world, tokenizer)
     core.receive(s, turn_rollout(req, 0, call[:-1], finish="length"))  # cut at max_tokens: no step
     core.receive(s, turn_rollout(req, 1, call))
     (_, step), = sent(core, EnvRequest)
-    assert step.key.startswith(f"{g.group_id}/1:")
+    assert (step.key.group, step.key.index, step.key.kind) == (g.group_id, 1, "env")
     assert g.trajectories[0].phase == "done" and 0 in g.rollouts
     # row 1 keeps calling: after max_turns (3) model turns it ends without another step
     for turn in (1, 2):
-        core.receive(E0, EnvReply(f"{g.group_id}/1:env{turn}/0", False, [{"role": "tool", "content": "3901\n"}]))
+        core.receive(E0, EnvReply(WorkKey.step(g.group_id, 1, "env", turn, 0), False,
+                                  [{"role": "tool", "content": "3901\n"}]))
         (s2, cont), = sent(core, PromptRequest)
         core.receive(s2, turn_rollout(cont, 1, call))
         if turn == 1:
@@ -272,7 +275,7 @@ def test_hanging_crashing_and_fork_bombing_tools_fail_closed_and_the_trajectory_
     for _, step in sent(core, EnvRequest):
         reply = run_step(env, step)
         assert reply.ok and reply.tool_errors == 1, reply
-        observations[int(step.key.split("/")[1].split(":")[0])] = reply.tool_messages[0]["content"]
+        observations[step.key.index] = reply.tool_messages[0]["content"]
         core.receive(E0, reply)
     assert "timed out" in observations[0] and "killed by signal 9" in observations[1], observations
     assert "Resource temporarily unavailable" in observations[2] or "timed out" in observations[2], observations

@@ -30,6 +30,7 @@ from cascade_rl.protocol.messages import (
     TeacherLogprobs,
     TeacherRequest,
     WeightsReady,
+    WorkKey,
 )
 from cascade_rl.protocol.sockets import UNREACHABLE
 
@@ -80,7 +81,7 @@ def sample_and_score(core: Core, rewards: list[float], finish: list[str] | None 
     for i in range(len(rewards)):
         core.receive(ident, rollout(req, i, version=step, finish=(finish or ["stop"] * len(rewards))[i]))
     for v, score in sent(core, ScoreRequest):
-        i = int(score.key.split("/")[1])
+        i = score.key.index
         core.receive(v, Score(score.key, rewards[i], True))
     assert g.complete
     return g
@@ -214,7 +215,7 @@ def test_a_group_domain_is_scored_as_one_request_when_the_group_is_complete(cloc
     core.receive(ident, rollout(req, 3))
     (v, greq), = sent(core)  # one request for the whole group
     assert isinstance(greq, GroupScoreRequest) and v == V0
-    assert greq.keys == [f"{g.group_id}/{i}/0" for i in range(4)] and greq.texts[0] == "5 6 7"
+    assert greq.keys == [WorkKey.score(g.group_id, i, 0) for i in range(4)] and greq.texts[0] == "5 6 7"
     assert greq.domain == "test_group_len" and greq.prompt == "q"
     assert set(core.pool.get(V0).held) == set(greq.keys)
 
@@ -233,7 +234,7 @@ def test_an_evaluation_group_of_a_group_domain_is_scored_one_response_at_a_time(
     core.receive(ident, rollout(req, 1))
     out = sent(core)
     assert [type(m) for _, m in out] == [ScoreRequest, ScoreRequest] and not g.train
-    assert [m.key for _, m in out] == [f"{g.group_id}/0/0", f"{g.group_id}/1/0"]
+    assert [str(m.key) for _, m in out] == [f"{g.group_id}/0/0", f"{g.group_id}/1/0"]
     assert out[0][1].reference == "a baseline reply" and out[0][1].metadata["question"] == "q"
 
 
@@ -284,7 +285,7 @@ def test_a_sampler_past_its_deadline_loses_the_group_and_its_late_rollouts_are_d
         core.receive(second, rollout(req1, i))
     for v, s in sent(core, ScoreRequest):
         core.receive(v, Score(s.key, 1.0, True))
-    core.receive(V0, Score(f"{g.group_id}/0/0", 1.0, True))  # a score of the superseded attempt
+    core.receive(V0, Score(WorkKey.score(g.group_id, 0, 0), 1.0, True))  # a score of the superseded attempt
     core.trained(core.settle([g]))
     lines = ledger_lines(tmp_path)
     assert [(r["id"], r["attempt"], r["fate"]) for r in lines] == [
@@ -337,11 +338,13 @@ def test_replies_with_keys_never_sent_are_dropped_not_fatal(clock):
     for i in range(2):
         core.receive(ident, rollout(req, i))
     sent(core)
-    for key in ("garbage", f"{g.group_id}/x/0", f"{g.group_id}/0/7", f"{g.group_id}/0", "a/b/c/d", f"{g.group_id}/9/0"):
+    # (malformed keys never get this far: the codec refuses them, tests/test_protocol.py)
+    for key in (WorkKey.score("garbage", 0, 0), WorkKey.teacher(g.group_id, 0), WorkKey.score(g.group_id, 0, 7),
+                WorkKey.step(g.group_id, 0, "env", 1, 0), WorkKey.score("a/b/c", 0, 0), WorkKey.score(g.group_id, 9, 0)):
         core.receive(V0, Score(key, 1.0, True))
-    core.receive(T0, TeacherLogprobs("nope", np.zeros(1, np.float32)))
+    core.receive(T0, TeacherLogprobs(WorkKey.teacher("nope", 0), np.zeros(1, np.float32)))
     assert not g.scores and core.books()["duplicates_dropped"] + core.stray_replies == 7
-    core.receive(V0, Score(f"{g.group_id}/1/0", 1.0, True))  # the real key still lands
+    core.receive(V0, Score(WorkKey.score(g.group_id, 1, 0), 1.0, True))  # the real key still lands
     assert list(g.scores) == [1]
 
 
@@ -360,7 +363,7 @@ def test_mopd_sends_each_group_to_its_teacher_and_trains_on_the_replies(clock):
             core.receive(v, Score(s.key, 0.0, True))
     (t, treq), = [(i, m) for i, m in out if isinstance(m, TeacherRequest)]
     assert g.needs_teacher and not g.complete  # scored, but no teacher log-probs yet
-    assert treq.key == f"{g.group_id}/teacher/0" and treq.domain == "math" and treq.temperature == 0.7
+    assert treq.key == WorkKey.teacher(g.group_id, 0) and treq.domain == "math" and treq.temperature == 0.7
     assert treq.response_lens.tolist() == [3, 1, 2, 4] and len(treq.response_ids) == 10 and treq.validate() == ""
     clock.now = 6  # past its deadline: asked again
     core.expire()
@@ -381,9 +384,9 @@ def test_a_teacher_error_or_a_wrong_length_filters_the_group_with_its_reason(clo
     join(core, S0, "sampler")
     join(core, V0, "verifier")
     join(core, T0, "teacher")
-    for reply, reason in ((TeacherLogprobs("", np.zeros(0, np.float32), ok=False, error="token id 999 outside"),
+    for reply, reason in ((TeacherLogprobs(WorkKey.teacher("?", 0), np.zeros(0, np.float32), ok=False, error="token id 999 outside"),
                            "teacher_error: token id 999 outside"),
-                          (TeacherLogprobs("", np.zeros(3, np.float32)), "teacher_error: 3 log-probs for 6 tokens")):
+                          (TeacherLogprobs(WorkKey.teacher("?", 0), np.zeros(3, np.float32)), "teacher_error: 3 log-probs for 6 tokens")):
         g = core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=0)
         (ident, req), = sent(core, PromptRequest)
         for i in range(2):
@@ -440,7 +443,7 @@ def test_routes_and_token_versions_travel_through_the_core_into_the_batch_and_th
         assert r.validate() == ""
         core.receive(ident, r)
     for v, score in sent(core, ScoreRequest):
-        core.receive(v, Score(score.key, float(score.key.endswith("/0")), True))
+        core.receive(v, Score(score.key, float(score.key.attempt == 0), True))
     kept = core.settle([g])
     batch = build_batch(1, kept, 2, 0, mopd=False, overlong_penalty=False, cursor={})
     core.trained(kept)

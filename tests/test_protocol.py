@@ -37,7 +37,10 @@ from cascade_rl.protocol.messages import (
     WeightsGet,
     WeightsReady,
     WeightsRefused,
+    WorkKey,
 )
+
+K = WorkKey.score("k", 0, 0)  # a key for messages whose key does not matter
 
 # --------------------------------------------------------------------------- helpers
 
@@ -83,7 +86,7 @@ def _rollout(n_prompt: int = 9, n_resp: int = 5, **kw: Any) -> Rollout:
 
 def _teacher_request(lens: tuple[int, ...] = (3, 1, 4), **kw: Any) -> TeacherRequest:
     fields: dict[str, Any] = dict(
-        key="g-7",
+        key=WorkKey.teacher("g-7", 0),
         domain="math",
         prompt_ids=np.array([151644, 872, 198, 3838], dtype=np.int32),
         response_lens=np.array(lens, dtype=np.int32),
@@ -119,33 +122,33 @@ def sample_messages() -> list[Any]:
         _rollout(routes=np.arange(13 * 48 * 8, dtype=np.int16).reshape(13, 48, 8) % 128),  # R3: 48 layers, top-8
         PromptRequest(group_id="g-1", domain="tool_use", prompt_ids=np.arange(12, dtype=np.int32), n=1, attempt=1,
                       index=3, turn=2),  # a multi-turn row's next turn
-        EnvRequest(key="g-1/3:env1/0", env="python", domain="tool_use",
+        EnvRequest(key=WorkKey.step("g-1", 3, "env", 1, 0), env="python", domain="tool_use",
                    messages=[{"role": "user", "content": "2*3?"},
                              {"role": "assistant", "content": '<tool_call>{"name": "python"}</tool_call>'}],
                    state={"cells": ["x = 1"]}, metadata={"k": 1}, deadline_s=30.0),
-        EnvReply(key="g-1/3:env1/0", done=False, tool_messages=[{"role": "tool", "content": "6\n"}],
+        EnvReply(key=WorkKey.step("g-1", 3, "env", 1, 0), done=False, tool_messages=[{"role": "tool", "content": "6\n"}],
                  state={"cells": ["x = 1", "print(2*3)"]}, tool_calls=1, worker_id="environment-0", t_env=0.2),
-        EnvReply(key="g-1/3:env2/0", done=True),
-        EnvReply(key="g-1/3:env2/1", done=False, ok=False, error="no environment 'pythn'"),
+        EnvReply(key=WorkKey.step("g-1", 3, "env", 2, 0), done=True),
+        EnvReply(key=WorkKey.step("g-1", 3, "env", 2, 1), done=False, ok=False, error="no environment 'pythn'"),
         ScoreRequest(
-            key="g-1/3",
+            key=WorkKey.score("g-1", 3, 0),
             domain="math",
             text="The answer is \\boxed{4}. 日本語 ✓",
             reference="4",
             metadata={"tolerance": 1e-6, "tags": ["algebra", "easy"], "nested": {"k": [1, 2, None]}, "flag": True},
             deadline_s=12.5,
         ),
-        ScoreRequest(key="k", domain="code", text=""),
-        GroupScoreRequest(keys=["g-1/0/0", "g-1/1/0"], domain="genrm", prompt="Write a haiku.",
+        ScoreRequest(key=K, domain="code", text=""),
+        GroupScoreRequest(keys=[WorkKey.score("g-1", 0, 0), WorkKey.score("g-1", 1, 0)], domain="genrm", prompt="Write a haiku.",
                           texts=["an old pond", "frog jumps in"], metadata={"lang": "en"}, deadline_s=90.0),
-        Score(key="g-1/3", reward=1.0, ok=True, reason="match", t_verify=0.012, worker_id="verifier-2"),
-        Score(key="g-1/4", reward=-0.5, ok=False),
+        Score(key=WorkKey.score("g-1", 3, 0), reward=1.0, ok=True, reason="match", t_verify=0.012, worker_id="verifier-2"),
+        Score(key=WorkKey.score("g-1", 4, 2), reward=-0.5, ok=False),
         _teacher_request(),
-        TeacherRequest(key="g-one", domain="code", prompt_ids=np.array([1], np.int32),
+        TeacherRequest(key=WorkKey.teacher("g-one", 1), domain="code", prompt_ids=np.array([1], np.int32),
                        response_ids=np.array([2], np.int32), response_lens=np.array([1], np.int32)),  # defaults
-        TeacherLogprobs(key="g-7", logprobs=np.array([-0.5, -np.inf, -0.0, -12.25, -1e-30, -3.0, -1.0, -2.0],
+        TeacherLogprobs(key=WorkKey.teacher("g-7", 0), logprobs=np.array([-0.5, -np.inf, -0.0, -12.25, -1e-30, -3.0, -1.0, -2.0],
                                                      dtype=np.float32), worker_id="teacher-0", t_teacher=0.031),
-        TeacherLogprobs(key="g-8", logprobs=np.zeros(0, np.float32), ok=False, error="domain 'x' is not served"),
+        TeacherLogprobs(key=WorkKey.teacher("g-8", 3), logprobs=np.zeros(0, np.float32), ok=False, error="domain 'x' is not served"),
         _train_batch(),
         _train_batch(teacher=False),
         _train_batch(n=0, length=7, group_size=4),  # 0 rows, 2-D empty arrays
@@ -309,7 +312,7 @@ def test_int_and_float_field_conversions():
     assert neg.version == -3 and type(neg.version) is int
 
     # Float fields accept ints (and numpy floats) and come back as Python floats.
-    score = decode(encode(Score(key="k", reward=1, ok=True, t_verify=np.float32(0.5))))
+    score = decode(encode(Score(key=K, reward=1, ok=True, t_verify=np.float32(0.5))))
     assert score.reward == 1.0 and type(score.reward) is float
     assert score.t_verify == 0.5 and type(score.t_verify) is float
     done = decode(encode(StepDone(step=1, version=2, metrics={"loss": 3, "kl": 0.25})))
@@ -329,7 +332,7 @@ def test_int_and_float_field_conversions():
     assert req.sampling.seed is None
 
     # The same through a hand-written header: int into float fields.
-    frames = _edit(Score(key="k", reward=0.5, ok=True), lambda h: h.update(reward=-2, t_verify=0))
+    frames = _edit(Score(key=K, reward=0.5, ok=True), lambda h: h.update(reward=-2, t_verify=0))
     out = decode(frames)
     assert out.reward == -2.0 and type(out.reward) is float and type(out.t_verify) is float
 
@@ -337,11 +340,12 @@ def test_int_and_float_field_conversions():
 def test_missing_optional_fields_take_defaults_and_unknown_keys_are_ignored():
     frames = [
         msgpack.packb(
-            {"t": "score", "v": PROTOCOL_VERSION, "key": "k", "reward": 0.5, "ok": False, "from_the_future": [1, 2]}
+            {"t": "score", "v": PROTOCOL_VERSION, "key": {"group": "k", "kind": "score"}, "reward": 0.5, "ok": False,
+             "from_the_future": [1, 2]}
         )
     ]
     out = decode(frames)
-    assert out == Score(key="k", reward=0.5, ok=False)
+    assert out == Score(key=K, reward=0.5, ok=False)
     frames = [
         msgpack.packb(
             {
@@ -391,7 +395,7 @@ def test_zmq_round_trip_zero_copy(socket_pair):
         _train_batch(n=64, length=512, group_size=8),
         _rollout(n_prompt=3000, n_resp=4000),
         _rollout(n_resp=0, finish_reason="error"),
-        Score(key="k", reward=1.0, ok=True),
+        Score(key=K, reward=1.0, ok=True),
         Control(op="stop", args={"graceful": True}),
     ]
     for msg in messages:
@@ -420,7 +424,7 @@ def test_zmq_round_trip_zero_copy(socket_pair):
 
 def test_zmq_expect_rejects_other_types(socket_pair):
     push, pull = socket_pair
-    push.send_multipart(encode(Score(key="k", reward=0.0, ok=False)), copy=False)
+    push.send_multipart(encode(Score(key=K, reward=0.0, ok=False)), copy=False)
     frames = pull.recv_multipart(copy=False)
     _reject(frames, "unexpected message type 'score'", expect=(Rollout, TrainBatch))
     push.send_multipart([b"\xc1\xc1", b"junk"], copy=False)
@@ -434,7 +438,7 @@ def test_reject_empty_and_non_msgpack():
     _reject([], "empty message")
     _reject([b"\xc1 not msgpack at all"], "header is not msgpack")
     _reject([b""], "header is not msgpack")
-    good = _bytes_frames(Score(key="k", reward=1.0, ok=True))[0]
+    good = _bytes_frames(Score(key=K, reward=1.0, ok=True))[0]
     _reject([good[:-3]], "header is not msgpack")  # truncated
     _reject([good + b"\x00"], "header is not msgpack")  # trailing data
     ext = msgpack.packb({"t": "score", "v": 1, "key": msgpack.ExtType(5, b"xx"), "reward": 1.0, "ok": True})
@@ -450,17 +454,17 @@ def test_reject_non_map_header():
 
 
 def test_reject_header_too_large():
-    big = Score(key="k", reward=1.0, ok=True, reason="x" * MAX_HEADER_BYTES)
+    big = Score(key=K, reward=1.0, ok=True, reason="x" * MAX_HEADER_BYTES)
     frames = encode(big)
     assert len(frames[0]) > MAX_HEADER_BYTES
     _reject(frames, "exceeds", str(MAX_HEADER_BYTES))
     # Just under the limit is fine.
-    fits = Score(key="k", reward=1.0, ok=True, reason="x" * (MAX_HEADER_BYTES - 1000))
+    fits = Score(key=K, reward=1.0, ok=True, reason="x" * (MAX_HEADER_BYTES - 1000))
     assert decode(encode(fits)).reason == fits.reason
 
 
 def test_reject_version_and_type():
-    score = Score(key="k", reward=1.0, ok=True)
+    score = Score(key=K, reward=1.0, ok=True)
     _reject(_edit(score, lambda h: h.update(v=PROTOCOL_VERSION + 1)), "protocol version 2")
     _reject(_edit(score, lambda h: h.update(v="1")), "protocol version '1'")
     _reject(_edit(score, lambda h: h.pop("v")), "protocol version None")
@@ -474,7 +478,7 @@ def test_reject_version_and_type():
 
 
 def test_reject_missing_required_fields():
-    _reject(_edit(Score(key="k", reward=1.0, ok=True), lambda h: h.pop("key")), "score.key: required field missing")
+    _reject(_edit(Score(key=K, reward=1.0, ok=True), lambda h: h.pop("key")), "score.key: required field missing")
     _reject(_edit(_rollout(), lambda h: h.pop("index")), "rollout.index: required field missing")
     tb = _train_batch()
     frames = _edit(tb, lambda h: h.pop("input_ids"))
@@ -493,13 +497,17 @@ WRONG_SCALARS = [
     (_rollout(), ("policy_version",), None, "expected int, got NoneType"),
     (_rollout(), ("group_id",), 7, "rollout.group_id: expected str, got int"),
     (_rollout(), ("finish_reason",), b"stop", "expected str, got bytes"),
-    (Score(key="k", reward=1.0, ok=True), ("key",), 1.5, "score.key: expected str, got float"),
-    (Score(key="k", reward=1.0, ok=True), ("reward",), "1.0", "score.reward: expected float, got str"),
-    (Score(key="k", reward=1.0, ok=True), ("reward",), True, "score.reward: expected float, got bool"),
-    (Score(key="k", reward=1.0, ok=True), ("ok",), 1, "score.ok: expected bool, got int"),
+    (Score(key=K, reward=1.0, ok=True), ("key",), 1.5, "score.key: expected map for WorkKey, got float"),
+    (Score(key=K, reward=1.0, ok=True), ("key",), "k/0/0", "score.key: expected map for WorkKey, got str"),
+    (Score(key=K, reward=1.0, ok=True), ("key", "attempt"), "0", "score.key.attempt: expected int, got str"),
+    (EnvReply(key=WorkKey.step("g", 1, "env", 2, 0), done=True), ("key", "turn"), 2.0,
+     "env_reply.key.turn: expected int, got float"),
+    (Score(key=K, reward=1.0, ok=True), ("reward",), "1.0", "score.reward: expected float, got str"),
+    (Score(key=K, reward=1.0, ok=True), ("reward",), True, "score.reward: expected float, got bool"),
+    (Score(key=K, reward=1.0, ok=True), ("ok",), 1, "score.ok: expected bool, got int"),
     (Ready(worker_id="w", role="sampler", slots=2), ("domains",), "math", "ready.domains: expected list, got str"),
     (Ready(worker_id="w", role="sampler", slots=2), ("domains",), ["math", 2], "ready.domains[1]: expected str"),
-    (ScoreRequest(key="k", domain="d", text="t"), ("metadata",), [1, 2], "score_request.metadata: expected map"),
+    (ScoreRequest(key=K, domain="d", text="t"), ("metadata",), [1, 2], "score_request.metadata: expected map"),
     (StepDone(step=1, version=1), ("metrics",), {"loss": "low"}, "step_done.metrics['loss']: expected float"),
     (Heartbeat(role="r", worker_id="w", pid=1, state="s"), ("pid",), "1", "heartbeat.pid: expected int"),
     (Control(op="status"), ("args",), None, "control.args: expected map"),
@@ -625,7 +633,7 @@ def test_reject_frame_referenced_twice_and_unreferenced_frames():
     _reject(frames, "array frame", "referenced twice")
     _reject(_bytes_frames(r) + [b"extra"], "rollout: 1 unreferenced array frame(s)")
     _reject(_bytes_frames(r) + [b"", b""], "2 unreferenced array frame(s)")
-    _reject(_bytes_frames(Score(key="k", reward=1.0, ok=True)) + [b""], "1 unreferenced")
+    _reject(_bytes_frames(Score(key=K, reward=1.0, ok=True)) + [b""], "1 unreferenced")
     tb = _train_batch(teacher=False)
     _reject(_bytes_frames(tb) + [np.zeros((4, 6), np.float32).tobytes()], "unreferenced")
     # Dropping a frame shifts the indices: caught as out of range, not mis-decoded.
@@ -830,9 +838,41 @@ def test_random_mutations_raise_only_protocol_error():
     assert len(reasons) >= 15, reasons  # the mutations reached many different checks
 
 
+def test_work_key_round_trips_and_names_itself_as_before():
+    keys = [WorkKey.score("s3g5", 2, 0), WorkKey.teacher("s3g5", 1), WorkKey.step("e4", 0, "env", 1, 2),
+            WorkKey.step("e4", 3, "gen", 2, 0)]
+    for key in keys:  # every kind, in every message that carries one; a frozen value, usable as a dict key
+        assert decode(encode(Score(key, 1.0, True))).key == key
+        assert {key: 1}[decode(encode(EnvReply(key, True))).key] == 1
+    group = decode(encode(GroupScoreRequest(keys[:1] * 2, "genrm", "p", ["a", "b"])))
+    assert group.keys == keys[:1] * 2 and all(type(k) is WorkKey for k in group.keys)
+    # the text of logs and the stall report is the old string key's, and the ledger's rollout id too
+    assert [str(k) for k in keys] == ["s3g5/2/0", "s3g5/teacher/1", "e4/0:env1/2", "e4/3:gen2/0"]
+    assert [k.rollout_id for k in keys] == ["s3g5/2", "s3g5/0", "e4/0", "e4/3"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        keys[0].attempt = 1
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda k: k.update(kind="bogus"), "score.key: kind 'bogus' is none of"),
+    (lambda k: k.update(attempt=-1), "score.key: negative index, turn or attempt"),
+    (lambda k: k.update(group=""), "score.key: empty group id"),
+    (lambda k: k.update(turn=2), "score.key: a score key has no turn"),
+    (lambda k: k.update(kind="teacher", index=3), "score.key: a teacher key has no row index"),
+    (lambda k: k.pop("group"), "score.key.group: required field missing"),
+    (lambda k: k.pop("kind"), "score.key.kind: required field missing"),
+    (lambda k: k.update(index="2"), "score.key.index: expected int, got str"),
+])
+def test_malformed_work_key_is_refused(edit, reason):
+    _reject(_edit(Score(WorkKey.score("g", 2, 0), 1.0, True), lambda h: edit(h["key"])), reason)
+    # the same check inside a list of keys
+    group = GroupScoreRequest([WorkKey.score("g", 0, 0), WorkKey.score("g", 2, 0)], "genrm", "p", ["a", "b"])
+    _reject(_edit(group, lambda h: edit(h["keys"][1])), reason.replace("score.key", "group_score_request.keys[1]"))
+
+
 def test_group_score_request_needs_one_key_per_text():
     with pytest.raises(ProtocolError, match="2 keys for 1 texts"):
-        decode(encode(GroupScoreRequest(keys=["a", "b"], domain="genrm", prompt="p", texts=["x"])))
+        decode(encode(GroupScoreRequest(keys=[WorkKey.score("g", 0, 0), WorkKey.score("g", 1, 0)], domain="genrm", prompt="p", texts=["x"])))
 
 
 def test_teacher_request_and_logprobs_round_trip_one_group():
@@ -842,10 +882,10 @@ def test_teacher_request_and_logprobs_round_trip_one_group():
     # lens summing past 2**31 in int32 must not wrap around to a "matching" small sum
     wrapping = _teacher_request(lens=(2**31 - 1, 2**31 - 1, 2), response_ids=np.zeros(0, np.int32))
     _reject(encode(wrapping), "response_lens sum to 4294967296")
-    reply = decode(encode(TeacherLogprobs("g-7", np.full(7, -1.5, np.float32), worker_id="teacher-0")))
+    reply = decode(encode(TeacherLogprobs(WorkKey.teacher("g-7", 0), np.full(7, -1.5, np.float32), worker_id="teacher-0")))
     assert reply.ok and reply.error == "" and reply.logprobs.dtype == np.float32 and len(reply.logprobs) == 7
     # a failed reply needs no array data but still declares the (empty) array
-    failed = decode(encode(TeacherLogprobs("g-8", np.zeros(0, np.float32), ok=False, error="too long")))
+    failed = decode(encode(TeacherLogprobs(WorkKey.teacher("g-8", 0), np.zeros(0, np.float32), ok=False, error="too long")))
     assert not failed.ok and failed.error == "too long" and failed.logprobs.shape == (0,)
     _reject(_edit(_teacher_request(), lambda h: h.pop("response_lens")), "teacher_request.response_lens: required")
     _reject(_edit(_teacher_request(), lambda h: h.update(temperature="1")), "teacher_request.temperature: expected float")

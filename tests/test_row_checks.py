@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cascade_rl.protocol.messages import ScoreRequest
+from cascade_rl.protocol.messages import ScoreRequest, WorkKey
 from cascade_rl.verifiers.registry import (
     CHECKS,
     GROUP_VERIFIERS,
@@ -225,17 +225,17 @@ def test_plugin_by_path_in_spawned_scoring_processes(plugin_file):
 
     pool = Pool(1, {}, [str(plugin_file)])
     try:
-        reqs = [ScoreRequest("k/0", "test_rc_word_count", "a b c", "3", {}, 20.0),
-                ScoreRequest("k/1", "test_rc_word_count", "a b", "3", {}, 20.0)]
+        reqs = [ScoreRequest(WorkKey.score("k", 0, 0), "test_rc_word_count", "a b c", "3", {}, 20.0),
+                ScoreRequest(WorkKey.score("k", 1, 0), "test_rc_word_count", "a b", "3", {}, 20.0)]
         for r in reqs:
             pool.submit(r)
         scores, t_end = {}, time.monotonic() + 30
         while len(scores) < 2 and time.monotonic() < t_end:
-            scores.update((s.key, s) for s in pool.collect(0.05))
+            scores.update((s.key.index, s) for s in pool.collect(0.05))
     finally:
         pool.close()
-    assert scores["k/0"].ok and scores["k/0"].reward == 1.0, scores["k/0"].reason
-    assert scores["k/1"].ok and scores["k/1"].reward == 0.0
+    assert scores[0].ok and scores[0].reward == 1.0, scores[0].reason
+    assert scores[1].ok and scores[1].reward == 0.0
 
 
 def test_plugin_errors_name_the_entry_and_cause(tmp_path):

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from cascade_rl.learner.trainer import Batch
 from cascade_rl.modeling.policy import Policy
 from cascade_rl.protocol.codec import decode, encode
-from cascade_rl.protocol.messages import Heartbeat, Ready, Score, TeacherLogprobs, TeacherRequest, TrainBatch
+from cascade_rl.protocol.messages import Heartbeat, Ready, Score, TeacherLogprobs, TeacherRequest, TrainBatch, WorkKey
 from cascade_rl.protocol.sockets import bind_router, recv, recv_routed, send
 from cascade_rl.supervisor.config import compose
 from cascade_rl.teachers.server import Teacher, batch_rows
@@ -48,7 +48,7 @@ def groups(seed: int, n_groups: int, temperature: float = 1.0, domain: str = "ma
     out = []
     for g in range(n_groups):
         lens = rng.integers(1, 41, size=int(rng.integers(1, 5))).astype(np.int32)
-        out.append(TeacherRequest(f"s{seed}/g{g}", domain, rng.integers(0, VOCAB, int(rng.integers(3, 31)), np.int32),
+        out.append(TeacherRequest(WorkKey.teacher(f"s{seed}g{g}", 0), domain, rng.integers(0, VOCAB, int(rng.integers(3, 31)), np.int32),
                                   rng.integers(0, VOCAB, int(lens.sum()), np.int32), lens, temperature))
     return out
 
@@ -96,7 +96,7 @@ class Orchestrator:
         self.logs: dict = {}
         self.idents: dict[str, bytes] = {}
         self.readies: list[Ready] = []
-        self.replies: dict[str, TeacherLogprobs] = {}
+        self.replies: dict[WorkKey, TeacherLogprobs] = {}
         self.counters: dict[str, dict] = {}
 
     def start(self, worker_id: str, model: str, domains: str) -> None:
@@ -117,7 +117,7 @@ class Orchestrator:
     def send_raw(self, worker_id: str, frames: list[bytes]) -> None:
         self.router.send_multipart([self.idents[worker_id], *frames])
 
-    def replies_for(self, keys: list[str], timeout_s: float = 30.0) -> list[TeacherLogprobs]:
+    def replies_for(self, keys: list[WorkKey], timeout_s: float = 30.0) -> list[TeacherLogprobs]:
         t_end = time.monotonic() + timeout_s
         while not set(keys) <= set(self.replies):
             assert time.monotonic() < t_end, f"no reply for {set(keys) - set(self.replies)}"
@@ -202,9 +202,9 @@ def orch(tiny_model, perturbed_model, tmp_path_factory):
 
 
 def test_batch_rows_put_response_tokens_in_request_order_and_check_names_the_problem(tiny_model):
-    reqs = [TeacherRequest("a", "math", np.array([5, 6], np.int32), np.array([7, 8, 9], np.int32),
+    reqs = [TeacherRequest(WorkKey.teacher("a", 0), "math", np.array([5, 6], np.int32), np.array([7, 8, 9], np.int32),
                            np.array([1, 2], np.int32)),
-            TeacherRequest("b", "math", np.array([1], np.int32), np.array([4], np.int32), np.array([1], np.int32))]
+            TeacherRequest(WorkKey.teacher("b", 0), "math", np.array([1], np.int32), np.array([4], np.int32), np.array([1], np.int32))]
     ids, lengths, mask = batch_rows(reqs)
     assert ids.tolist() == [[5, 6, 7, 0], [5, 6, 8, 9], [1, 4, 0, 0]] and lengths.tolist() == [3, 4, 2]
     assert ids[mask].tolist() == [7, 8, 9, 4]  # row-major mask order = the requests' response_ids
@@ -212,7 +212,7 @@ def test_batch_rows_put_response_tokens_in_request_order_and_check_names_the_pro
     cfg = run_config(tiny_model, Path("/nonexistent"))
     teacher = Teacher.load(tiny_model, ["math"], cfg)
     assert teacher.check(reqs[0]) == ""
-    bad = TeacherRequest("c", "math", np.array([1, VOCAB], np.int32), np.array([2], np.int32), np.array([1], np.int32))
+    bad = TeacherRequest(WorkKey.teacher("c", 0), "math", np.array([1, VOCAB], np.int32), np.array([2], np.int32), np.array([1], np.int32))
     assert f"prompt_ids: token id {VOCAB} out of range [0, {VOCAB})" in teacher.check(bad)
     bad.prompt_ids = np.zeros(0, np.int32)
     assert "empty prompt" in teacher.check(bad)
@@ -255,16 +255,16 @@ def test_two_teachers_answer_only_their_own_domains_with_their_own_checkpoints(o
 
     a, b = groups(3, 2, domain="mcqa"), groups(3, 2, domain="code")  # the same sequences, keys made distinct
     for r in b:
-        r.key = "code/" + r.key
-    wrong_a = TeacherRequest("a-code", "code", a[0].prompt_ids, a[0].response_ids, a[0].response_lens)
-    wrong_b = TeacherRequest("b-math", "math", a[0].prompt_ids, a[0].response_ids, a[0].response_lens)
+        r.key = WorkKey.teacher("code-" + r.key.group, 0)
+    wrong_a = TeacherRequest(WorkKey.teacher("a-code", 0), "code", a[0].prompt_ids, a[0].response_ids, a[0].response_lens)
+    wrong_b = TeacherRequest(WorkKey.teacher("b-math", 0), "math", a[0].prompt_ids, a[0].response_ids, a[0].response_lens)
     for r in [*a, wrong_a]:
         orch.send("teacher-a", r)
     for r in [*b, wrong_b]:
         orch.send("teacher-b", r)
     got_a = orch.replies_for([r.key for r in a])
     got_b = orch.replies_for([r.key for r in b])
-    err_a, err_b = orch.replies_for(["a-code", "b-math"])
+    err_a, err_b = orch.replies_for([wrong_a.key, wrong_b.key])
     assert not err_a.ok and "domain 'code' is not served" in err_a.error and len(err_a.logprobs) == 0
     assert not err_b.ok and "domain 'math' is not served" in err_b.error and err_b.worker_id == "teacher-b"
 
@@ -279,8 +279,8 @@ def test_bad_requests_get_an_error_or_are_counted_and_the_teacher_goes_on(orch):
     base = orch.counters_of("teacher-a", lambda c: "errors" in c)
     good = groups(4, 1)[0]
 
-    def like(key: str, **fields) -> TeacherRequest:
-        return TeacherRequest(**{**good.__dict__, "key": key, **fields})
+    def like(name: str, **fields) -> TeacherRequest:
+        return TeacherRequest(**{**good.__dict__, "key": WorkKey.teacher(name, 0), **fields})
 
     errors = {
         "oov": like("oov", response_ids=np.where(np.arange(len(good.response_ids)) == 0, 10**6, good.response_ids)),
@@ -297,10 +297,10 @@ def test_bad_requests_get_an_error_or_are_counted_and_the_teacher_goes_on(orch):
     orch.send_raw("teacher-a", [b"\x81\xa1t\xa3bad", b"extra"])
     orch.send("teacher-a", like("lens", response_lens=np.array([len(good.response_ids) + 1], np.int32)))
     orch.send("teacher-a", like("empty", response_ids=np.zeros(0, np.int32), response_lens=np.array([0], np.int32)))
-    orch.send("teacher-a", Score("k", 1.0, True))
+    orch.send("teacher-a", Score(WorkKey.score("k", 0, 0), 1.0, True))
     orch.send("teacher-a", good)
 
-    replies = dict(zip(errors, orch.replies_for(list(errors))))
+    replies = dict(zip(errors, orch.replies_for([r.key for r in errors.values()])))
     assert all(not m.ok and len(m.logprobs) == 0 for m in replies.values())
     assert f"response_ids: token id 1000000 out of range [0, {VOCAB})" in replies["oov"].error
     assert "prompt_ids: token id -1 out of range" in replies["negative"].error
@@ -310,7 +310,7 @@ def test_bad_requests_get_an_error_or_are_counted_and_the_teacher_goes_on(orch):
     assert "deadline" in replies["late"].error
     (ok,) = orch.replies_for([good.key])
     assert ok.ok and len(ok.logprobs) == len(good.response_ids)
-    assert "lens" not in orch.replies and "empty" not in orch.replies  # malformed: no reply, counted below
+    assert {WorkKey.teacher("lens", 0), WorkKey.teacher("empty", 0)}.isdisjoint(orch.replies)  # malformed: no reply, counted below
 
     c = orch.counters_of("teacher-a", lambda c: c["malformed"] >= base["malformed"] + 5
                          and c["errors"] >= base["errors"] + len(errors))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cascade_rl.protocol.messages import ScoreRequest
+from cascade_rl.protocol.messages import ScoreRequest, WorkKey
 from cascade_rl.verifiers.worker import Pool, parse_impls
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # spawned pool processes inherit sys.path
@@ -30,12 +30,13 @@ def run(pool: Pool, reqs: list[ScoreRequest], limit_s: float = 20.0) -> dict[str
         while pending and pool.room:
             pool.submit(pending.pop(0))
         for s in pool.collect(0.02):
-            out[s.key] = s
+            out[s.key.group] = s
     return out
 
 
-def req(key: str, domain: str, text: str = r"\boxed{4}", reference: str = "4", deadline_s: float = 5.0, **meta):
-    return ScoreRequest(key, domain, text, reference, meta, deadline_s)
+def req(name: str, domain: str, text: str = r"\boxed{4}", reference: str = "4", deadline_s: float = 5.0, **meta):
+    """A request keyed as the score of group ``name``'s row 0 (``run`` maps replies by that name)."""
+    return ScoreRequest(WorkKey.score(name, 0, 0), domain, text, reference, meta, deadline_s)
 
 
 def test_a_hanging_verifier_is_killed_at_its_deadline_and_the_pool_goes_on(pool):
@@ -91,8 +92,8 @@ def test_impl_overrides_parse_and_refuse_garbage():
 def test_group_requests_get_one_score_per_response(pool):
     from cascade_rl.protocol.messages import GroupScoreRequest
 
-    good = GroupScoreRequest(["g/0/0", "g/1/0", "g/2/0"], "test_group_len", "p", ["aa", "a", "aaa"])
-    bad = GroupScoreRequest(["b/0/0", "b/1/0"], "test_group_short", "p", ["x", "y"])
+    good = GroupScoreRequest([WorkKey.score("g", i, 0) for i in range(3)], "test_group_len", "p", ["aa", "a", "aaa"])
+    bad = GroupScoreRequest([WorkKey.score("b", i, 0) for i in range(2)], "test_group_short", "p", ["x", "y"])
     out = {}
     pool.submit(good)
     pool.submit(bad)
