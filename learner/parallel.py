@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from cascade_rl.protocol.codec import decode, encode
 
 from .optim import LOW_PRECISION
-from .weights import file_order
+from .weight_layout import file_order
 
 
 @dataclasses.dataclass(frozen=True)
