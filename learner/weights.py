@@ -109,14 +109,16 @@ class ShmTransport:
             with open(tmp, "wb") as f:  # one copy (the write); the checksum thread hashes the same buffers meanwhile
                 f.write(lay.header)
                 checksum.update(lay.header)
-                behind = None
+                # a source that gathers each tensor when read (FSDP2) frees it once hashed: the hash then runs at
+                # most one tensor behind the write, so its queue never holds a model; a module's tensors live on
+                throttle, behind = hasattr(model, "read"), None
                 for data, _ in lay.tensors():
                     for chunk in self._staging.host(data):  # a CPU tensor's own bytes, or a pinned staging chunk
                         f.write(chunk)
                         hashed = checksum.update(chunk)
                         self._staging.hold(hashed)  # a staging chunk is reused once hashed
-                    if behind is not None:  # the hash runs at most one tensor behind the write: a gathered
-                        behind.result()  # tensor (FSDP2) is freed once hashed, so the queue never holds a model
+                    if throttle and behind is not None:
+                        behind.result()
                     behind = hashed
         except BaseException:
             tmp.unlink(missing_ok=True)
