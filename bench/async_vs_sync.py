@@ -74,15 +74,15 @@ def long_model() -> str:
 
 
 WORKLOADS = {  # name -> (model, launch overrides)
-    "short": (model_dir, ["trainer.prompts_per_step=8", "trainer.group_size=8", "sampling.max_tokens=32"]),
-    "long": (long_model, ["trainer.prompts_per_step=2", "trainer.group_size=2", "sampling.max_tokens=400"]),
+    "short": (model_dir, ["run.prompts_per_step=8", "run.group_size=8", "sampling.max_tokens=32"]),
+    "long": (long_model, ["run.prompts_per_step=2", "run.group_size=2", "sampling.max_tokens=400"]),
 }
 
 
 def launch(mode: str, workload: str, delay: float, steps: int, work: Path) -> dict:
     run_dir = work / f"{workload}-{mode}-d{delay}-{time.monotonic_ns()}"
     model, overrides = WORKLOADS[workload]
-    args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model()}", f"trainer.steps={steps}",
+    args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model()}", f"run.steps={steps}",
             *MODES[mode], "trainer.correction=icepop", *overrides, "trainer.lr=2e-5", *math_data(8),
             f"sampler.delay_s={delay}", "supervisor.progress=none"]
     r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=1800,

@@ -49,10 +49,10 @@ CONFIGS = {  # name -> launch overrides
 def run(name: str, model: Path, steps: int, work: Path) -> dict:
     run_dir = work / name
     s = SETUP
-    args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}",
-            f"trainer.prompts_per_step={s['prompts_per_step']}", f"trainer.group_size={s['group_size']}",
+    args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"run.steps={steps}",
+            f"run.prompts_per_step={s['prompts_per_step']}", f"run.group_size={s['group_size']}",
             f"sampling.max_tokens={s['max_tokens']}", f"trainer.lr={s['lr']}", *math_data(), f"data.seed={s['seed']}",
-            f"trainer.seed={s['seed']}", "orchestrator.eval_n=0", "orchestrator.eval_greedy=false",
+            f"run.seed={s['seed']}", "orchestrator.eval_n=0", "orchestrator.eval_greedy=false",
             "supervisor.progress=none", "sampler.return_routes=true", *CONFIGS[name]]
     t0 = time.perf_counter()
     run_tree([*CLI, *args])

@@ -309,10 +309,10 @@ def main(argv: list[str] | None = None) -> dict:
     build_s = time.perf_counter() - t0
 
     overrides = [
-        "stage=mopd", "trainer.algorithm=mopd", f"run_dir={run_dir}", f"model.path={paths['student']}",
+        "stage=mopd", "run.algorithm=mopd", f"run_dir={run_dir}", f"model.path={paths['student']}",
         f"+teacher.checkpoints.{DOMAIN}={paths['teacher']}", f"data.files=[{paths['train']}]",
-        f"data.eval_files=[{paths['heldout']}]", "data.eval_per_domain=16", f"trainer.steps={steps}",
-        f"trainer.prompts_per_step={prompts}", f"trainer.group_size={group}", f"sampling.max_tokens={max_tokens}",
+        f"data.eval_files=[{paths['heldout']}]", "data.eval_per_domain=16", f"run.steps={steps}",
+        f"run.prompts_per_step={prompts}", f"run.group_size={group}", f"sampling.max_tokens={max_tokens}",
         "supervisor.progress=plain", *device_overrides(args.device, args.engine), *args.overrides,
     ]  # fmt: skip
     if run_dir.exists():

@@ -42,12 +42,12 @@ from _common import CLI, ROOT, builtin_data, full_sft_model, machine, sft_model 
 
 RESULTS = ROOT / "bench" / "results"
 JUDGE = ROOT / "models" / "judge-sft"
-RL = ["trainer.prompts_per_step=16", "trainer.group_size=8", "trainer.lr=5e-5"]  # configs/run/cascade.yaml
-MOPD = ["stage=mopd", "trainer.prompts_per_step=16", "trainer.group_size=8", "trainer.lr=3e-5",
+RL = ["run.prompts_per_step=16", "run.group_size=8", "trainer.lr=5e-5"]  # configs/run/cascade.yaml
+MOPD = ["stage=mopd", "run.prompts_per_step=16", "run.group_size=8", "trainer.lr=3e-5",
         "trainer.warmup_steps=5", "trainer.warmup_start_lr=3e-6"]  # configs/cascade/demo.yaml's MOPD
 # chat with the judge: demo.yaml's RLHF (4 rollouts a prompt: 6 pairs to judge, not 28), and MOPD on the same rollouts
-RLHF = ["stage=rlhf", "trainer.prompts_per_step=16", "trainer.group_size=4", "trainer.lr=2e-5"]
-CHAT_MOPD = [*MOPD, "trainer.group_size=4"]
+RLHF = ["stage=rlhf", "run.prompts_per_step=16", "run.group_size=4", "trainer.lr=2e-5"]
+CHAT_MOPD = [*MOPD, "run.group_size=4"]
 JUDGED = ["verifier.judge.serve=torch", f"verifier.judge.path={JUDGE}", "verifier.judge.genrm.template=compact",
           "verifier.judge.max_tokens=16", "verifier.judge.concurrency=32", "verifier.judge.args=[--threads,1]",
           "teacher.threads=1"]  # as configs/cascade/demo.yaml
@@ -88,13 +88,13 @@ def evaluated(files: dict, tasks: list[str], every: int) -> list[str]:
 
 
 def seeded(seed: int) -> list[str]:
-    return [f"trainer.seed={seed}", f"data.seed={seed}"]
+    return [f"run.seed={seed}", f"data.seed={seed}"]
 
 
 def regressed_start(out: Path, sft: str, files: dict, a: argparse.Namespace) -> tuple[str, float, float]:
     """The math race's start (the SFT model after IF-RL), with the SFT teacher's and the start's math accuracy."""
     regress = launch(out, [f"model.path={sft}", f"data.files=[{files['rl']['arithmetic_if']}]", "stage=if_rl", *RL,
-                           f"trainer.steps={a.regress_steps}", "trainer.save_every=0",
+                           f"run.steps={a.regress_steps}", "trainer.save_every=0",
                            "orchestrator.max_refill_rounds=64", *evaluated(files, ["arithmetic"], a.regress_steps),
                            *seeded(0)])
     (_, teacher_math), (_, start_math) = curve(regress, "math")[0], curve(regress, "math")[-1]
@@ -104,7 +104,7 @@ def regressed_start(out: Path, sft: str, files: dict, a: argparse.Namespace) -> 
 def rlhf_teacher(out: Path, sft: str, files: dict, a: argparse.Namespace) -> dict:
     """The judge-scored domain's teacher: ``--teacher-steps`` of RLHF from the SFT model; its genrm before and after."""
     run = launch(out, [f"model.path={sft}", f"data.files=[{files['rl']['chat']}]", *JUDGED, *RLHF,
-                       f"trainer.steps={a.teacher_steps}", "trainer.save_every=0",
+                       f"run.steps={a.teacher_steps}", "trainer.save_every=0",
                        *evaluated(files, ["chat", "chat_gold"], a.teacher_steps), *seeded(0)])
     (_, start_genrm), (_, teacher_genrm) = curve(run, "genrm")[0], curve(run, "genrm")[-1]
     return {"teacher": final_checkpoint(out), "start_genrm": start_genrm, "teacher_genrm": teacher_genrm,
@@ -114,7 +114,7 @@ def rlhf_teacher(out: Path, sft: str, files: dict, a: argparse.Namespace) -> dic
 def math_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace,
               begin: tuple[str, float, float]) -> dict:
     start, teacher_math, start_math = begin
-    common = [f"model.path={start}", f"data.files=[{files['rl']['arithmetic']}]", f"trainer.steps={a.steps}",
+    common = [f"model.path={start}", f"data.files=[{files['rl']['arithmetic']}]", f"run.steps={a.steps}",
               "trainer.save_every=0", *evaluated(files, ["arithmetic"], a.eval_every), *seeded(seed)]
     row = {"seed": seed, "start": start, "start_math": start_math, "teacher": sft, "teacher_math": teacher_math,
            "gap": teacher_math - start_math, "clearly_above": teacher_math - start_math >= GAP}
@@ -130,7 +130,7 @@ def rlhf_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace
     judged = evaluated(files, ["chat", "chat_gold"], a.eval_every)
     row = {"seed": seed, **teacher}
     start_genrm, teacher_genrm = teacher["start_genrm"], teacher["teacher_genrm"]
-    common = [f"model.path={sft}", f"trainer.steps={a.steps}", "trainer.save_every=0", *judged, *seeded(seed)]
+    common = [f"model.path={sft}", f"run.steps={a.steps}", "trainer.save_every=0", *judged, *seeded(seed)]
     for method, extra in (("rlhf", [*chat, *RLHF]),
                           ("mopd", [*chat, *CHAT_MOPD, f"+teacher.checkpoints.genrm={teacher['teacher']}"])):
         metrics = launch(out / method, [*common, *extra])

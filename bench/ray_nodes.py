@@ -54,7 +54,7 @@ def launch(name: str, overrides: list[str], steps: int, work: Path) -> dict:
     run_dir = work / f"{name}-{time.monotonic_ns()}"
     t0 = time.perf_counter()
     r = subprocess.run([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={sft_model()}", *math_data(),
-                        f"trainer.steps={steps}", "trainer.prompts_per_step=8", "supervisor.progress=none",
+                        f"run.steps={steps}", "run.prompts_per_step=8", "supervisor.progress=none",
                         *overrides], capture_output=True, text=True, env=dict(os.environ, PYTHONSAFEPATH="1"))
     wall = time.perf_counter() - t0
     if r.returncode != 0:

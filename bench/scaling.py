@@ -60,8 +60,8 @@ def _numel(shape) -> int:
 
 def launch(model: Path, samplers: int, steps: int, work: Path) -> dict:
     run_dir = work / f"{model.name}-s{samplers}-{time.monotonic_ns()}"
-    args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}",
-            "trainer.prompts_per_step=8", "trainer.group_size=8", "sampling.max_tokens=64", "trainer.lr=3e-6",
+    args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"run.steps={steps}",
+            "run.prompts_per_step=8", "run.group_size=8", "sampling.max_tokens=64", "trainer.lr=3e-6",
             *math_data(), "orchestrator.eval_n=0",
             "orchestrator.eval_greedy=false", "orchestrator.sampler_timeout_s=600", f"sampler.count={samplers}",
             f"sampler.threads={0 if samplers == 1 else 1}", "supervisor.progress=none"]

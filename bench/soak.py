@@ -50,8 +50,8 @@ CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
 TARGET_PCT = 10.0
 # tiny preset, shrunk: many short steps (the schema's fields: supervisor/config.py)
 OVERRIDES = [
-    "trainer.prompts_per_step=2",
-    "trainer.group_size=2",
+    "run.prompts_per_step=2",
+    "run.group_size=2",
     "sampling.max_tokens=8",
     "orchestrator.eval_n=1",
     "orchestrator.eval_greedy=false",
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = tmp / "run"
 
     # --------------------------------------------------------------------------- launch and sample
-    cmd = [*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}", *OVERRIDES,
+    cmd = [*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"run.steps={steps}", *OVERRIDES,
            *math_data(4)]
     log = open(tmp / "launch.log", "wb")
     t0 = time.monotonic()

@@ -175,8 +175,8 @@ def run_tree(cmd: list[str], env: dict | None = None, timeout: float = 1800) -> 
 def run_ours(staleness: int, model: Path, steps: int, work: Path) -> dict:
     run_dir = work / f"ours-k{staleness}-{time.monotonic_ns()}"
     s = SETUP
-    args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"trainer.steps={steps}",
-            f"trainer.prompts_per_step={s['prompts_per_step']}", f"trainer.group_size={s['group_size']}",
+    args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"run.steps={steps}",
+            f"run.prompts_per_step={s['prompts_per_step']}", f"run.group_size={s['group_size']}",
             f"sampling.max_tokens={s['max_tokens']}", "sampling.temperature=1.0", f"trainer.lr={s['lr']}",
             "trainer.kl_coef=0", *math_data(), f"data.seed={s['seed']}",
             "model.dtype=float32", "orchestrator.eval_n=0", "orchestrator.eval_greedy=false",

@@ -137,13 +137,13 @@ def save(
 
 
 def resolve(resume_from: str, run_dir: Path) -> Path | None:
-    """``trainer.resume_from`` as a checkpoint directory: "" -> None, "latest" -> the newest complete one
+    """``run.resume_from`` as a checkpoint directory: "" -> None, "latest" -> the newest complete one
     under run_dir/checkpoints, else the path itself; FileNotFoundError if that is not a complete checkpoint."""
     if not resume_from:
         return None
     path = latest(Path(run_dir) / "checkpoints") if resume_from == "latest" else Path(resume_from)
     if path is None or not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"trainer.resume_from={resume_from}: no complete checkpoint there")
+        raise FileNotFoundError(f"run.resume_from={resume_from}: no complete checkpoint there")
     return path
 
 

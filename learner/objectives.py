@@ -1,4 +1,4 @@
-"""The update rules as the trainer applies them, registered by name (``trainer.algorithm``).
+"""The update rules as the trainer applies them, registered by name (``run.algorithm``).
 
 Each objective maps one micro-batch's log-probs to ``(loss, stats)``: the loss is
 the micro-batch's share of the step's loss (a mean over its groups or rows; the
@@ -71,7 +71,7 @@ def grpo(t: Terms, cfg) -> tuple[Tensor, dict[str, Tensor]]:
 @OBJECTIVES.register("mopd")
 def mopd(t: Terms, cfg) -> tuple[Tensor, dict[str, Tensor]]:
     if t.teacher_logprobs is None:
-        raise ValueError("trainer.algorithm=mopd: the TrainBatch carries no teacher_logprobs")
+        raise ValueError("run.algorithm=mopd: the TrainBatch carries no teacher_logprobs")
     weights, stats = corrected(t, cfg)
     if weights is None:
         weights = t.loss_mask.float()

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 -m cascade_rl.learner.trainer ...      # trainer.world_size = 2
 
 The model is an HF causal LM loaded from ``model.path`` (policy version 0), or
-from a checkpoint with ``trainer.resume_from``. Each ``TrainBatch`` is one
+from a checkpoint with ``run.resume_from``. Each ``TrainBatch`` is one
 optimizer step (version + 1): per-token log-probs of the response tokens at
 the sampling temperature (modeling/policy.py: packed rows, LM head in chunks,
 no [tokens x vocab] logits), the stage's objective (learner/objectives.py:
@@ -118,22 +118,23 @@ LR_DECAYS = {
 }
 
 
-def lr_at(step: int, cfg) -> float:
+def lr_at(step: int, cfg, steps: int) -> float:
     """Linear warm-up from warmup_start_lr to lr over warmup_steps, then lr times ``LR_DECAYS[cfg.lr_decay]``
-    of the progress through the steps left (constant by default: the paper's schedule)."""
+    of the progress through the steps left of ``steps`` (constant by default: the paper's schedule)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.warmup_start_lr + (cfg.lr - cfg.warmup_start_lr) * step / cfg.warmup_steps
-    left = max(1, cfg.steps - cfg.warmup_steps)
+    left = max(1, steps - cfg.warmup_steps)
     return cfg.lr * LR_DECAYS[cfg.lr_decay]((step - cfg.warmup_steps) / left)
 
 
 def train_step(policy: Policy, optimizer, batch: Batch, cfg, step: int,
-               reference: Policy | None = None) -> dict[str, float]:
-    """One optimizer step of ``cfg.algorithm`` on ``batch`` (this rank's share); returns its metrics
-    (Python floats: the ``.item()`` calls at the end are the step's only device syncs)."""
+               reference: Policy | None = None, *, run) -> dict[str, float]:
+    """One optimizer step of ``run.algorithm`` on ``batch`` (this rank's share) with the ``trainer`` section
+    ``cfg`` and the ``run`` section (``algorithm``, ``steps``); returns its metrics (Python floats: the
+    ``.item()`` calls at the end are the step's only device syncs)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, cfg)
-    objective = OBJECTIVES[cfg.algorithm]
+        group["lr"] = lr_at(step, cfg, run.steps)
+    objective = OBJECTIVES[run.algorithm]
     advantages = group_advantages(batch.rewards.view(-1, batch.group_size)).flatten()
     policy.train()
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=batch.rewards.device))
@@ -192,7 +193,7 @@ def build(cfg, ranks: parallel.Ranks, device: torch.device | str = "cpu"):
     weights and moments for bf16 parameters), tokenizer, and the state to resume from (``{"step": 0, "extra":
     {}}`` for a fresh stage)."""
     t = cfg.trainer
-    resume = checkpoint.resolve(cfg.trainer.resume_from, Path(cfg.run_dir))
+    resume = checkpoint.resolve(cfg.run.resume_from, Path(cfg.run_dir))
     model = load_model(resume or cfg.model.path, cfg, device)
     reference = None
     if t.kl_coef > 0:  # the stage's starting policy; each rank holds a full copy (no gradient, no optimizer)
@@ -203,7 +204,8 @@ def build(cfg, ranks: parallel.Ranks, device: torch.device | str = "cpu"):
         Policy(model, cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl,
                t.share_prefix, t.routing_replay),
         ranks)
-    optimizer = MasterAdamW(policy.parameters(), lr=lr_at(0, t), betas=tuple(t.betas), weight_decay=t.weight_decay)
+    optimizer = MasterAdamW(policy.parameters(), lr=lr_at(0, t, cfg.run.steps), betas=tuple(t.betas),
+                            weight_decay=t.weight_decay)
     state = {"step": 0, "extra": {}}
     if resume:
         state = load_state(resume, policy, optimizer, ranks)
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     tcfg, run_dir = cfg.trainer, Path(cfg.run_dir)
     device = role_device(cfg, "trainer")  # cuda:LOCAL_RANK when gpus.trainer names GPUs, else cpu
     ranks = parallel.init(tcfg.world_size, device)
-    torch.manual_seed(tcfg.seed)
+    torch.manual_seed(cfg.run.seed)
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
     policy, reference, optimizer, tokenizer, state = build(cfg, ranks, device)
@@ -288,10 +290,11 @@ def main(argv: list[str] | None = None) -> None:
     status = {"state": "waiting", "version": version,
               "counters": {"steps": version, "train_s": 0.0, "device": where}}
     if ranks.main:
-        options = dict(cfg.weights_options)
+        options = dict(cfg.weights_options.get(cfg.weights_transport) or {})  # typed per transport in the schema
         # the address samplers on other hosts reach us at: this node's in a Ray run (supervisor/launchers/)
-        if cfg.weights_transport == "stream" and (host := os.environ.get("CASCADE_RL_NODE_IP") or cfg.host):
-            options.setdefault("host", host)
+        if cfg.weights_transport == "stream" and not options["host"] and (
+                host := os.environ.get("CASCADE_RL_NODE_IP") or cfg.host):
+            options["host"] = host
         transport = TRANSPORTS[cfg.weights_transport](run_id=cfg.run_id, **options)
         pub = zmq.Context.instance().socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
@@ -306,17 +309,18 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- loop: one TrainBatch = one optimizer step = one policy version
     try:
-        while version < tcfg.steps:
+        while version < cfg.run.steps:
             msg: TrainBatch = parallel.broadcast_message(link.inbox.get() if ranks.main else None, ranks)
             status["state"] = "training"
             t0 = time.perf_counter()
             batch = Batch.from_message(msg).to(device)
             batch = batch.rows(parallel.shard_rows(len(batch.rewards) // batch.group_size, batch.group_size, ranks))
-            metrics = parallel.reduce_metrics(train_step(policy, optimizer, batch, tcfg, version, reference), ranks)
+            metrics = parallel.reduce_metrics(train_step(policy, optimizer, batch, tcfg, version, reference,
+                                                         run=cfg.run), ranks)
             version += 1
             notice = publish(transport, policy, ranks, version)  # rank 0's notice; a collective under FSDP2
             checkpoint_dir = ""
-            if version == tcfg.steps or (tcfg.save_every and version % tcfg.save_every == 0):
+            if version == cfg.run.steps or (tcfg.save_every and version % tcfg.save_every == 0):
                 checkpoint_dir = save_state(policy, optimizer, tokenizer, run_dir, version,
                                             {"policy_version": version, "orchestrator": dict(msg.cursor)}, ranks)
             metrics["train_s"] = time.perf_counter() - t0

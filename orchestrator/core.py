@@ -86,7 +86,7 @@ class Rules:
         o = cfg.orchestrator
         return cls(o.max_inflight_groups, o.sampler_timeout_s, o.verifier_timeout_s, o.teacher_timeout_s,
                    o.max_staleness, o.dynamic_filtering, o.overlong_penalty, o.mask_threshold,
-                   cfg.trainer.algorithm == "mopd", o.env_timeout_s, o.max_turns, o.max_total_tokens, context)
+                   cfg.run.algorithm == "mopd", o.env_timeout_s, o.max_turns, o.max_total_tokens, context)
 
 
 class Core(TrajectoryRules):

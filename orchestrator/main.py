@@ -84,7 +84,7 @@ class Orchestrator:
                          turns_=TurnRenderer(self.render))
         self.core.version = self.start_step
         self.metrics = MetricsLog(self.run_dir, cfg.orchestrator.tensorboard)
-        self.status = {"state": "starting", "step": self.start_step, "steps": cfg.trainer.steps, "progress": 0}
+        self.status = {"state": "starting", "step": self.start_step, "steps": cfg.run.steps, "progress": 0}
         self._snapshot: dict = {"state": "starting"}
         self.link = RouterLink(cfg.endpoints.orchestrator, cfg.endpoints.get("heartbeat") or None, INBOUND,
                                status=lambda: self._snapshot, heartbeat_s=cfg.supervisor.heartbeat_s).start()
@@ -97,7 +97,7 @@ class Orchestrator:
     # ------------------------------------------------------------------ the stage, top to bottom
 
     def run(self) -> dict:
-        t_start, o, steps = time.perf_counter(), self.cfg.orchestrator, self.cfg.trainer.steps
+        t_start, o, steps = time.perf_counter(), self.cfg.orchestrator, self.cfg.run.steps
         roles = ["trainer", "sampler", "verifier"] + (["teacher"] if self.core.rules.mopd else []) + (
             ["environment"] if self.cfg.environment.serve else [])
         self.pump(lambda: all(self.core.pool.have(r) for r in roles), "workers: " + ", ".join(roles))
@@ -150,15 +150,15 @@ class Orchestrator:
         """``prompts_per_step`` complete groups sampled for ``step``. Filtered and stale groups are replaced by new
         ones, for at most ``max_refill_rounds`` rounds; a round that lost groups to an unavailable verifier (a judge
         server restarting) does not count: the next waits for it to come back (``wait_for_verifiers``)."""
-        t, o, s = self.cfg.trainer, self.cfg.orchestrator, self.cfg.sampling
+        r, o, s = self.cfg.run, self.cfg.orchestrator, self.cfg.sampling
         sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
-        wanted, kept, rounds, outage = t.prompts_per_step, [], 0, Outage()
+        wanted, kept, rounds, outage = r.prompts_per_step, [], 0, Outage()
         while True:
             batch = []
             for _ in range(wanted - len(kept)):
                 row = self.prompts.next()  # rendered when drawn, never kept: a file may hold millions
                 ids = np.array(self.render.ids(row.messages), np.int32)
-                batch.append(self.core.add_group(row, ids, t.group_size, sampling, train=True, step=step,
+                batch.append(self.core.add_group(row, ids, r.group_size, sampling, train=True, step=step,
                                                  env=self.env_of(row)))
             self.pump(lambda batch=batch: all(g.complete for g in batch),
                       lambda batch=batch: f"step {step}: {sum(g.complete for g in batch)} of {len(batch)} groups "
@@ -197,7 +197,7 @@ class Orchestrator:
     def to_trainer(self, step: int, groups: list[Group]) -> None:
         self.pump(lambda: self.core.pool.have("trainer"), "the trainer")
         o = self.cfg.orchestrator
-        batch = build_batch(step, groups, self.cfg.trainer.group_size, self.tokenizer.pad_token_id or 0,
+        batch = build_batch(step, groups, self.cfg.run.group_size, self.tokenizer.pad_token_id or 0,
                             self.core.rules.mopd, o.overlong_penalty, {"examples_drawn": self.prompts.drawn})
         self.link.send((self.core.pool.first("trainer"), batch))
         self.core.trained(groups)
@@ -215,7 +215,7 @@ class Orchestrator:
                               if k.startswith("mismatch/")})
         metrics = step_metrics(step, self.core.version, groups, self.cfg.orchestrator.overlong_penalty, t_sample,
                                time.perf_counter() - t0, done)
-        every, steps = self.cfg.orchestrator.eval_every, self.cfg.trainer.steps
+        every, steps = self.cfg.orchestrator.eval_every, self.cfg.run.steps
         if every and (step + 1) % every == 0 and step + 1 < steps:
             metrics.update(self.evaluate())
         self._log(metrics)
@@ -295,8 +295,8 @@ class Orchestrator:
         return self.render.prefix + self.tokenizer.decode(response_ids, skip_special_tokens=True)
 
     def _resume(self) -> int:
-        """With ``trainer.resume_from``: the checkpoint's step, with the data cursor replayed to it."""
-        path = checkpoint.resolve(self.cfg.trainer.resume_from, self.run_dir)
+        """With ``run.resume_from``: the checkpoint's step, with the data cursor replayed to it."""
+        path = checkpoint.resolve(self.cfg.run.resume_from, self.run_dir)
         if path is None:
             return 0
         info = json.loads((path / checkpoint.STATE_JSON).read_text())

@@ -103,7 +103,7 @@ def server_command(cfg, port: int) -> list[str]:
     ``sampler.sglang.skip_tokenizer_init``, ``sampler.sglang.args``."""
     s = cfg.sampler.sglang
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(cfg.model.path), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", dtype_name(cfg.model.dtype), "--random-seed", str(int(cfg.trainer.seed))]
+           "--port", str(port), "--dtype", dtype_name(cfg.model.dtype), "--random-seed", str(int(cfg.run.seed))]
     if s.skip_tokenizer_init:  # no tokenizer: no stop strings (module docstring)
         cmd.append("--skip-tokenizer-init")
     share = float(s.mem_fraction_static) or memory_fraction(cfg, "sampler")

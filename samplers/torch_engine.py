@@ -75,7 +75,7 @@ class TorchEngine:
     def from_config(cls, cfg, device: torch.device, url: str = "") -> TorchEngine:
         """The run's model in ``model.dtype`` on the sampler's ``device``."""
         return cls(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
-                   return_routes=cfg.sampler.return_routes or cfg.trainer.routing_replay,
+                   return_routes=cfg.sampler.return_routes,
                    inflight_kv=cfg.sampler.inflight_kv, cuda_graphs=cfg.sampler.cuda_graphs)
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 256,

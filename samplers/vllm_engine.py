@@ -114,7 +114,7 @@ def vllm_options(cfg, device, total_memory: int | None = None) -> dict:
     on a GPU shared with other processes: module docstring). ``total_memory``: the GPU's bytes (default: read
     from the device)."""
     v = cfg.sampler.vllm
-    options = dict(dtype=dtype_name(cfg.model.dtype), device=str(device), seed=int(cfg.trainer.seed),
+    options = dict(dtype=dtype_name(cfg.model.dtype), device=str(device), seed=int(cfg.run.seed),
                    max_model_len=int(v.max_model_len) or None, kv_cache_gib=int(v.kv_cache_gib),
                    enforce_eager=bool(v.enforce_eager), **dict(v.options))
     if str(device).startswith("cuda"):
@@ -182,7 +182,7 @@ class VLLMEngine:
 
     @classmethod
     def from_config(cls, cfg, device, url: str = "") -> VLLMEngine:
-        return cls(cfg.model.path, return_routes=bool(cfg.sampler.return_routes or cfg.trainer.routing_replay),
+        return cls(cfg.model.path, return_routes=bool(cfg.sampler.return_routes),
                    **vllm_options(cfg, device))
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None, seed: int = 0,

@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     args, cfg = worker_start(__doc__.splitlines()[0], rest)
     if cfg.sampler.threads and not cfg.get("inline"):  # inline: one process, torch's threads are everyone's
         torch.set_num_threads(cfg.sampler.threads)
-    torch.manual_seed(zlib.crc32(f"{cfg.trainer.seed}:{args.worker_id}".encode()))
+    torch.manual_seed(zlib.crc32(f"{cfg.run.seed}:{args.worker_id}".encode()))
     sampler = Sampler(cfg, args.worker_id, known.engine_url)
     runtime = WorkerRuntime(sampler, cfg, args.worker_id, cfg.sampler.batch_window_s, weights=True,
                             expect=(PromptRequest, WeightsReady))

@@ -187,12 +187,12 @@ class Cascade:
         stage_dir = self.run_dir / stage.name
         launch = self.stage_config(stage, model, stage_dir)
         entry = {"status": "running", "run_dir": str(stage_dir), "model": model, "stage": stage.stage,
-                 "files": list(launch.data.files), "algorithm": launch.trainer.algorithm, "steps": launch.trainer.steps,
+                 "files": list(launch.data.files), "algorithm": launch.run.algorithm, "steps": launch.run.steps,
                  "teachers": dict(launch.teacher.checkpoints)}
         self.record["stages"][stage.name] = entry
         self.save()
-        print(f"cascade: stage {stage.name} ({launch.trainer.algorithm} on {len(launch.data.files)} files, "
-              f"{launch.trainer.steps} steps) from {model}")
+        print(f"cascade: stage {stage.name} ({launch.run.algorithm} on {len(launch.data.files)} files, "
+              f"{launch.run.steps} steps) from {model}")
         rc = Supervisor(launch).run()
         if rc != 0:
             return rc

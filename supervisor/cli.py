@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     launch = sub.add_parser("launch", help="start a run: supervisor, orchestrator, trainer, samplers, verifiers")
     launch.add_argument("preset", help="a preset of configs/run/ (e.g. tiny, demo) or a YAML file")
-    launch.add_argument("overrides", nargs="*", help="hydra overrides, e.g. trainer.steps=5 run_dir=/tmp/r")
+    launch.add_argument("overrides", nargs="*", help="hydra overrides, e.g. run.steps=5 run_dir=/tmp/r")
     launch.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     launch.add_argument("--inline", action="store_true",
                         help="every role a thread of this process (inproc sockets): for a debugger or py-spy")
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args, extra = p.parse_known_args(argv)  # data check: FILE... and key=value overrides around --model
     if extra and hasattr(args, "overrides") and args.cmd != "data" and all("=" in w for w in extra):
-        args.overrides += extra  # overrides after a flag: launch tiny --inline trainer.steps=5
+        args.overrides += extra  # overrides after a flag: launch tiny --inline run.steps=5
         extra = []
     if extra and args.cmd != "data":
         p.error(f"unrecognized arguments: {' '.join(extra)}")

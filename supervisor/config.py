@@ -1,6 +1,6 @@
 """Hydra composition of the launch schema (supervisor/schema.py) and the cross-process rules.
 
-    cascade-rl launch tiny run_dir=/tmp/r trainer.steps=3 sampler.count=2
+    cascade-rl launch tiny run_dir=/tmp/r run.steps=3 sampler.count=2
 
 ``compose`` merges, in order: the schema's defaults, ``configs/config.yaml``,
 the named preset ``configs/run/<name>.yaml`` (or a YAML file path) and the
@@ -61,8 +61,10 @@ def compose(preset: str | None, overrides: list[str], check: bool = True) -> Dic
         raise ConfigError("; ".join(unknown))
     if not cfg.run_dir:
         cfg.run_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    if cfg.resume and not cfg.trainer.resume_from:
-        cfg.trainer.resume_from = "latest"
+    if cfg.resume and not cfg.run.resume_from:
+        cfg.run.resume_from = "latest"
+    if cfg.trainer.routing_replay:  # the trainer replays the routes the samplers return: they read only their own
+        cfg.sampler.return_routes = True
     judge.apply_defaults(cfg.verifier.judge)  # a served judge's name, which the verifiers send
     if check:
         validate(cfg)
@@ -74,7 +76,7 @@ def validate(cfg: DictConfig) -> None:
     the data (the domains it holds) are checked when it is prepared (supervisor/run_data.py). Fixed choices are
     typed in the schema; names of implementations are checked here against their registries."""
     problems = []
-    t, o, s, v = cfg.trainer, cfg.orchestrator, cfg.sampler, cfg.verifier
+    r, t, o, s, v = cfg.run, cfg.trainer, cfg.orchestrator, cfg.sampler, cfg.verifier
     for key, value, registry in _registered_names(cfg):
         if value not in registry:
             problems.append(f"{key}={value!r}: choose one of {', '.join(sorted(registry))}")
@@ -82,19 +84,19 @@ def validate(cfg: DictConfig) -> None:
         problems.append("need 0 < trainer.eps_low <= 1 <= trainer.eps_high (the band must hold ratio 1)")
     if t.kl_coef < 0 or t.entropy_coef < 0:
         problems.append("trainer.kl_coef and trainer.entropy_coef must be >= 0")
-    if t.world_size < 1 or t.prompts_per_step % t.world_size:
-        problems.append("trainer.prompts_per_step must be a multiple of trainer.world_size (>= 1)")
+    if t.world_size < 1 or r.prompts_per_step % t.world_size:
+        problems.append("run.prompts_per_step must be a multiple of trainer.world_size (>= 1)")
     if o.max_staleness < 0:
         problems.append("orchestrator.max_staleness must be >= 0 (0: strictly on-policy)")
-    if o.max_staleness > 0 and t.algorithm == "grpo" and t.correction == "none":
+    if o.max_staleness > 0 and r.algorithm == "grpo" and t.correction == "none":
         problems.append("orchestrator.max_staleness > 0 trains on rollouts of older weights: set "
                         "trainer.correction (icepop, the paper's truncated weights, or tis, seq_tis, mis, geo_mask)")
     if len(t.geo_band) != 2 or not 0 < t.geo_band[0] <= 1 <= t.geo_band[1]:
         problems.append("trainer.geo_band must be [low, high] with 0 < low <= 1 <= high")
-    if t.group_size < 2 and t.algorithm == "grpo":
-        problems.append("trainer.group_size must be >= 2 for GRPO (advantages are group-normalised)")
-    if t.micro_batch_groups and t.prompts_per_step % t.micro_batch_groups:
-        problems.append("trainer.prompts_per_step must be a multiple of trainer.micro_batch_groups")
+    if r.group_size < 2 and r.algorithm == "grpo":
+        problems.append("run.group_size must be >= 2 for GRPO (advantages are group-normalised)")
+    if t.micro_batch_groups and r.prompts_per_step % t.micro_batch_groups:
+        problems.append("run.prompts_per_step must be a multiple of trainer.micro_batch_groups")
     if o.max_inflight_groups < 1:
         problems.append("orchestrator.max_inflight_groups must be >= 1")
     if s.count < 1 or v.count < 1:
@@ -133,8 +135,8 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"verifier.domains: no verifier for {unknown} (registered: {sorted(known)})")
     problems += judge.problems(v.judge)
     teachers = cfg.teacher.checkpoints
-    if teachers and t.algorithm != "mopd":
-        problems.append("teacher.checkpoints are used by trainer.algorithm=mopd only")
+    if teachers and r.algorithm != "mopd":
+        problems.append("teacher.checkpoints are used by run.algorithm=mopd only")
     if missing := [p for p in teachers.values() if not Path(p).is_dir()]:
         problems.append(f"teacher.checkpoints: {missing} are not directories")
     triton = [k for k, val in (("model.moe_impl", cfg.model.moe_impl), ("trainer.logprob_impl", t.logprob_impl))
@@ -157,10 +159,12 @@ def validate(cfg: DictConfig) -> None:
         if cfg.sampler.engine != "torch":
             problems.append(f"sampler.inflight_updates: the {cfg.sampler.engine} engine cannot take weights between "
                             "decode steps here; use sampler.engine=torch or drop inflight_updates")
-    if cfg.sampler.inflight_kv not in ("recompute", "keep"):
-        problems.append(f"sampler.inflight_kv={cfg.sampler.inflight_kv!r}: choose recompute or keep")
+    try:
+        OmegaConf.to_object(cfg.weights_options)  # each transport's options check themselves (schema_weights.py)
+    except ValueError as err:
+        problems.append(str(err))
     problems += launch_problems(cfg)
-    if t.algorithm == "mopd" and (t.kl_coef or t.entropy_coef):
+    if r.algorithm == "mopd" and (t.kl_coef or t.entropy_coef):
         problems.append("trainer.kl_coef / entropy_coef apply to grpo only")
     if problems:
         raise ConfigError("invalid launch config:\n  " + "\n  ".join(problems))
@@ -170,12 +174,12 @@ def _registered_names(cfg: DictConfig) -> list[tuple[str, str, dict]]:
     """(key, value, registry) of every setting that names a registered implementation."""
     from cascade_rl.learner.losses import CORRECTIONS
     from cascade_rl.learner.objectives import OBJECTIVES
-    from cascade_rl.learner.weights import TRANSPORTS
+    from cascade_rl.weights.registry import TRANSPORTS
     from cascade_rl.modeling.policy import LOGPROB_IMPLS
     from cascade_rl.samplers.engine import ENGINES, register_builtin_engines
 
     register_builtin_engines()
-    return [("trainer.algorithm", cfg.trainer.algorithm, OBJECTIVES),
+    return [("run.algorithm", cfg.run.algorithm, OBJECTIVES),
             ("trainer.logprob_impl", cfg.trainer.logprob_impl, LOGPROB_IMPLS),
             ("trainer.correction", cfg.trainer.correction, CORRECTIONS),
             ("weights_transport", cfg.weights_transport, TRANSPORTS),

@@ -1,9 +1,9 @@
 """Config mistakes as one line that says what to change, not a Hydra traceback.
 
     try:
-        compose("tiny", ["trainer.stepz=3"])
+        compose("tiny", ["run.stepz=3"])
     except ConfigError as e:
-        print(e)   # trainer.stepz: no such setting (did you mean trainer.steps?)
+        print(e)   # run.stepz: no such setting (did you mean run.steps?)
 
 ``explain`` reads the exception Hydra or OmegaConf raised (an unknown key, a
 value of the wrong type, a preset that does not exist, an override that does
@@ -34,7 +34,7 @@ def _section(schema: type, name: str) -> type | None:
     return type(value) if dataclasses.is_dataclass(value) else None
 
 
-# keys of earlier versions -> where they live now (the per-role sections of supervisor/schema.py)
+# keys of earlier versions -> where they live now (the sections of supervisor/schema.py): the one table of moved keys
 RENAMED = {
     "workers.samplers": "sampler.count", "workers.sampler_engine": "sampler.engine",
     "workers.sampler_slots": "sampler.slots", "workers.sampler_stream_groups": "sampler.stream_groups",
@@ -45,15 +45,19 @@ RENAMED = {
     "workers.judge": "verifier.judge", "teachers": "teacher.checkpoints",
     "trainer.importance_weights": "trainer.correction (importance_weights=true is correction=icepop)",
     "workers.inflight_updates": "sampler.inflight_updates",
+    **{f"trainer.{key}": f"run.{key}" for key in ("algorithm", "steps", "prompts_per_step", "group_size", "seed",
+                                                   "resume_from")},
+    **{f"weights_options.{key}": f"weights_options.stream.{key}" for key in ("endpoint", "host", "chunk_mb")},
+    "weights_options.keep": "weights_options.TRANSPORT.keep (TRANSPORT: shm, stream or cuda_ipc)",
 }
 
 
 def _suggest(full_key: str, schema: type) -> str:
-    """" (did you mean trainer.steps?)" for a misspelt key of the schema, " (renamed: sampler.engine)" for a key
+    """" (did you mean run.steps?)" for a misspelt key of the schema, " (moved to sampler.engine)" for a key
     of an earlier version, else ""."""
     for old, new in RENAMED.items():
         if full_key == old or full_key.startswith(old + "."):
-            return f" (renamed: {new}{full_key[len(old):]})"
+            return f" (moved to {new}{full_key[len(old):]})"
     if full_key == "workers":
         return " (its settings moved to the sections sampler, verifier and teacher)"
     *parents, leaf = full_key.split(".")
@@ -73,7 +77,7 @@ def renamed_overrides(overrides: list[str]) -> list[str]:
         key = override.lstrip("+~").split("=", 1)[0]
         for old, new in RENAMED.items():
             if key == old or key.startswith(old + "."):
-                out.append(f"{key}: renamed to {new}{key[len(old):]}")
+                out.append(f"{key} moved to {new}{key[len(old):]}")
     return out
 
 

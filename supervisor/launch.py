@@ -426,7 +426,7 @@ class Supervisor:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
-        display = Display(self.cfg.supervisor.progress, self.cfg.trainer.steps, self.run_dir)
+        display = Display(self.cfg.supervisor.progress, self.cfg.run.steps, self.run_dir)
         # SIGTERM (a CI timeout, `kill`) must stop the workers too, like Ctrl-C does
         signal.signal(signal.SIGTERM, _interrupt)
         outcome = "running"

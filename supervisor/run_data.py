@@ -83,10 +83,10 @@ def prepare_run_data(cfg: DictConfig) -> Report:
                           f"verifier.judge.base_url (its OpenAI-compatible endpoint, e.g. a vLLM server), or serve "
                           f"one: verifier.judge.serve=torch (or vllm) verifier.judge.path=DIR")
     cfg.environment.serve = environments_of(cfg, report, used)
-    if cfg.trainer.algorithm == "mopd":
+    if cfg.run.algorithm == "mopd":
         trained = set(report.domains["train"])
         if untaught := sorted(trained - set(cfg.teacher.checkpoints)):
-            raise ConfigError(f"trainer.algorithm=mopd: no teacher for {untaught}; set +teacher.checkpoints.DOMAIN=CHECKPOINT_DIR "
+            raise ConfigError(f"run.algorithm=mopd: no teacher for {untaught}; set +teacher.checkpoints.DOMAIN=CHECKPOINT_DIR "
                               f"(the cascade runner picks each domain's best checkpoint)")
         # a teacher of a domain the data does not hold would be a process with nothing to do
         cfg.teacher.checkpoints = {d: p for d, p in cfg.teacher.checkpoints.items() if d in trained}

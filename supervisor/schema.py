@@ -1,19 +1,19 @@
 """The launch schema: one dataclass per section, one section per process role, a docstring under every field.
 
-    cascade-rl launch tiny run_dir=/tmp/r trainer.steps=3 sampler.count=2
+    cascade-rl launch tiny run_dir=/tmp/r run.steps=3 sampler.count=2
 
-Sections: ``model``, ``gpus``, ``data``, ``sampling`` (what every role shares), then one per process role:
-``orchestrator``, ``trainer``, ``sampler``, ``verifier``, ``teacher``, ``supervisor``. Fixed choices are typed
-(``StrEnum``: OmegaConf refuses any other value with the list of allowed ones); names of registered
-implementations (engines, objectives, log-prob paths, weight transports, verifiers) are checked against their
-registries when the config is validated (supervisor/config.py ``validate``).
+Sections: ``run``, ``model``, ``gpus``, ``data``, ``sampling`` (what several roles read), then one per process
+role: ``orchestrator``, ``trainer``, ``sampler``, ``verifier``, ``teacher``, ``supervisor``; a role's code reads
+its own section and the shared ones, never another role's. Fixed choices are typed (``StrEnum``: OmegaConf
+refuses any other value with the list of allowed ones); names of registered implementations (engines,
+objectives, log-prob paths, weight transports, verifiers) are checked against their registries when the config
+is validated (supervisor/config.py ``validate``): a registry is the one list of its names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from cascade_rl.data.rows import Fields
 from cascade_rl.environments.base import EnvSettings
@@ -22,6 +22,7 @@ from cascade_rl.protocol.devices import Dtype
 
 from .schema_ray import LauncherName, RayConfig
 from .schema_services import JudgeConfig, SGLangConfig, VLLMConfig
+from .schema_weights import WeightsOptions
 
 
 class OnBadRow(StrEnum):
@@ -38,6 +39,13 @@ class LrDecay(StrEnum):
     cosine = "cosine"  # cosine from lr to 0 at the last step (paper: agentic SWE RL)
 
 
+class InflightKV(StrEnum):
+    """``sampler.inflight_kv``: the running rows' K/V when weights arrive mid-generation (samplers/torch_engine.py)."""
+
+    recompute = "recompute"  # prefilled again under the new weights: each token's log-prob is exactly its version's
+    keep = "keep"  # no prefill; later tokens attend to K/V of the old weights
+
+
 class Progress(StrEnum):
     """``supervisor.progress``: the live display."""
 
@@ -45,6 +53,26 @@ class Progress(StrEnum):
     rich = "rich"
     plain = "plain"
     none = "none"
+
+
+@dataclass
+class RunConfig:
+    """What several roles read about the run as a whole: the orchestrator and the trainer both count steps and
+    groups and resume from the same checkpoint; the trainer and the samplers seed from the same number."""
+
+    algorithm: str = "grpo"
+    """An objective registered in learner/objectives.py: grpo | mopd (MOPD needs teacher log-probs in every
+    batch: the orchestrator asks the teachers for them, the trainer applies the objective)."""
+    steps: int = 20
+    """Optimizer steps in this stage; one policy version each."""
+    prompts_per_step: int = 128
+    """Groups per batch (paper: 128)."""
+    group_size: int = 16
+    """Rollouts per prompt, G (paper: 16)."""
+    seed: int = 0
+    """Torch seed of the trainer, and of every sampler (mixed with its worker id) and engine server."""
+    resume_from: str = ""
+    """A checkpoint directory to resume from ("latest": the newest under run_dir/checkpoints)."""
 
 
 @dataclass
@@ -103,15 +131,6 @@ class SamplingConfig:
 
 @dataclass
 class TrainerConfig:
-    algorithm: str = "grpo"
-    """An objective registered in learner/objectives.py: grpo | mopd (MOPD needs teacher log-probs in every
-    batch)."""
-    steps: int = 20
-    """Optimizer steps in this stage; one policy version each."""
-    prompts_per_step: int = 128
-    """Groups per batch (paper: 128)."""
-    group_size: int = 16
-    """Rollouts per prompt, G (paper: 16)."""
     lr: float = 3e-6
     """AdamW learning rate (paper: 3e-6)."""
     warmup_steps: int = 0
@@ -131,8 +150,6 @@ class TrainerConfig:
     """Groups per forward/backward pass (0: the whole batch at once)."""
     save_every: int = 0
     """Write an HF checkpoint every k steps (0: only the final one)."""
-    seed: int = 0
-    """Torch seed of the trainer."""
     threads: int = 0
     """torch.set_num_threads (0: torch's default)."""
     kl_coef: float = 0.0
@@ -154,8 +171,9 @@ class TrainerConfig:
     routing_replay: bool = False
     """MoE (R3): the trainer's routers take the experts the sampler's engine chose for each token (the rollouts
     carry them), computing their weights from its own router logits, so the router still learns. Needs an
-    engine that returns routes (torch). Off: the routes still come back when the engine gives them, for the
-    ``routing/disagree_frac`` metric."""
+    engine that returns routes (torch). The trainer's setting: composing the config turns sampler.return_routes
+    on with it (supervisor/config.py), so the samplers read only their own section. Off: the routes still come
+    back when the engine gives them, for the ``routing/disagree_frac`` metric."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the LM-head log-prob pass (memory ~ chunk x vocab x 4 bytes, never the batch's)."""
     logprob_impl: str = "torch"
@@ -170,8 +188,6 @@ class TrainerConfig:
     values (modeling/packing.py SharedPrefix); the same numbers, ~40 % less work at the demo's shape."""
     world_size: int = 1
     """Trainer ranks (torchrun; FSDP2 over gloo on CPU, NCCL on GPU)."""
-    resume_from: str = ""
-    """A checkpoint directory to resume from ("latest": the newest under run_dir/checkpoints)."""
 
 
 @dataclass
@@ -247,14 +263,14 @@ class SamplerConfig:
     """Async runs (orchestrator.max_staleness >= 1): a sampler takes new weights between two decode steps instead
     of between batches, without dropping the rows it is generating (PipelineRL's in-flight updates); every token
     records the version that sampled it (torch engine)."""
-    inflight_kv: str = "recompute"
+    inflight_kv: InflightKV = InflightKV.recompute
     """With inflight_updates, the running rows' K/V when new weights arrive: recompute (prefilled again under the
     new weights: each token's log-prob is exactly its version's) | keep (no prefill; later tokens attend to K/V of
     the old weights)."""
     return_routes: bool = False
     """MoE: each rollout carries the experts the engine chose for each token at each MoE layer (torch engine;
-    vLLM's enable_return_routed_experts), for the trainer's ``routing/disagree_frac``; on whenever
-    trainer.routing_replay is."""
+    vLLM's enable_return_routed_experts), for the trainer's ``routing/disagree_frac``; composing the config turns
+    it on whenever trainer.routing_replay is."""
     cuda_graphs: bool = True
     """torch engine on CUDA: each decode step replays a CUDA graph captured per (batch bucket, attended-length
     bucket) instead of launching ~20 kernels a layer (samplers/cuda_graphs.py); a capture that fails logs one
@@ -413,19 +429,18 @@ class LaunchConfig:
     run_dir: str = ""
     """Where logs, checkpoints, metrics and summary go (default runs/<timestamp>)."""
     resume: bool = False
-    """Continue this run_dir from its newest checkpoint (the same as trainer.resume_from=latest)."""
+    """Continue this run_dir from its newest checkpoint (the same as run.resume_from=latest)."""
     run_id: str = ""
     """Filled by the supervisor: a short unique id (names the shm weights folder and socket dir)."""
     inline: bool = False
     """Filled by the supervisor for ``cascade-rl launch --inline``: every role runs as a thread of one process
     (inproc:// sockets, verifiers score in their thread), so a debugger or py-spy sees the whole system."""
     weights_transport: str = "shm"
-    """A transport registered in learner/weights.py: shm (a file under /dev/shm: one machine) | stream (the file in chunks over ZeroMQ: no shared file system) |
+    """A transport registered in weights/registry.py: shm (a file under /dev/shm: one machine) | stream (the file in chunks over ZeroMQ: no shared file system) |
     cuda_ipc (samplers read the trainer's GPU buffers in place: trainer and samplers on one GPU, engine torch or vllm)."""
-    weights_options: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the transport. All: keep (versions kept, 2; cuda_ipc: GPU buffers). stream: endpoint (ROUTER bind,
-    "tcp://0.0.0.0:0" = a free port), host (the name samplers connect to; default ``host`` of this config,
-    else the bound address or this machine's hostname), chunk_mb (frame size, 16)."""
+    weights_options: WeightsOptions = field(default_factory=WeightsOptions)
+    """The options of each transport, a section per transport (supervisor/schema_weights.py), e.g.
+    ``weights_options.stream.chunk_mb=8``: the trainer passes the chosen transport's section to it."""
     endpoints: EndpointsConfig = field(default_factory=EndpointsConfig)
     """The run's sockets, filled by the supervisor."""
     launcher: LauncherName = LauncherName.local
@@ -447,6 +462,8 @@ class LaunchConfig:
     auth_keys: str = ""
     """Filled by the supervisor when ``auth``: the run's key file (run_dir/auth.keys, made anew at each launch,
     mode 0600). config.yaml holds this path, never a key (protocol/auth.py)."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """What several roles read: the objective, steps, batch shape, seed, the checkpoint to resume from."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy's model and how every role runs it."""
     gpus: GpusConfig = field(default_factory=GpusConfig)

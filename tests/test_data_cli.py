@@ -83,9 +83,9 @@ def test_skipped_bad_rows_are_counted_per_reason(bad_file, tiny_model, tmp_path,
 
 
 @pytest.mark.parametrize("args, message", [
-    (["trainer.stepz=3"], "trainer.stepz: no such setting (did you mean trainer.steps?)"),
-    (["+trainer.stepz=3"], "trainer.stepz: no such setting (did you mean trainer.steps?)"),
-    (["trainer.steps=many"], "trainer.steps: Value 'many' of type 'str' could not be converted to Integer"),
+    (["run.stepz=3"], "run.stepz: no such setting (did you mean run.steps?)"),
+    (["+run.stepz=3"], "run.stepz: no such setting (did you mean run.steps?)"),
+    (["run.steps=many"], "run.steps: Value 'many' of type 'str' could not be converted to Integer"),
     (["model.path=/no/such/model"], "model.path=/no/such/model is not a directory"),
     (["sampler.count=0"], "sampler.count and verifier.count must be >= 1"),
     (["data.files=prompts.jsonl"], "data.files: Invalid value assigned"),

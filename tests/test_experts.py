@@ -106,7 +106,8 @@ def test_trainer_trains_the_moe_to_the_same_losses_with_each_impl(micro_moe, tmp
         cfg = trainer_cfg(micro_moe, tmp_path / impl, impl)
         policy, _, opt, _, _ = build(cfg, parallel.Ranks(), DEVICE)
         assert next(policy.parameters()).device.type == DEVICE
-        losses[impl] = [train_step(policy, opt, make_batch(groups=1, resp=4, seed=s).to(DEVICE), cfg.trainer, s)["loss"]
+        losses[impl] = [train_step(policy, opt, make_batch(groups=1, resp=4, seed=s).to(DEVICE), cfg.trainer, s,
+                                   run=cfg.run)["loss"]
                         for s in range(3)]
     assert len(calls) == 3 * 2  # 3 steps x 2 MoE layers through the Triton kernels
     assert losses["hf"][0] != losses["hf"][2]  # the weights moved between steps
@@ -124,7 +125,7 @@ def test_the_tiny_demo_moe_trains_the_same_with_triton_experts(tiny_model, tmp_p
         cfg = trainer_cfg(tiny_model, tmp_path / impl, impl)
         policy, _, opt, _, _ = build(cfg, parallel.Ranks(), DEVICE)
         batch = make_batch(groups=1, g=2, prompt=3, resp=3, seed=0).to(DEVICE)
-        metrics = train_step(policy, opt, batch, cfg.trainer, 0)
+        metrics = train_step(policy, opt, batch, cfg.trainer, 0, run=cfg.run)
         results[impl] = [metrics["loss"], metrics["grad_norm"]]
     assert results["torch"][1] > 0  # rewards [1, 0]: a real gradient to compare
     assert results["triton"] == pytest.approx(results["torch"], rel=1e-4, abs=1e-6)

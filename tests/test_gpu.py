@@ -57,9 +57,9 @@ def check_mopd_launch(tiny_model: str, teacher_model: str, math_data: list[str],
     """A 2-step MOPD launch with ``placement`` overrides; every role must run on ``device`` in ``dtype``."""
     run_dir = tmp_path / "run"
     steps, prompts, group = 2, 8, 4
-    cmd = [*CLI, "launch", "tiny", "stage=mopd", "trainer.algorithm=mopd", f"run_dir={run_dir}",
+    cmd = [*CLI, "launch", "tiny", "stage=mopd", "run.algorithm=mopd", f"run_dir={run_dir}",
            f"model.path={tiny_model}", f"+teacher.checkpoints.math={teacher_model}", *math_data, "data.eval_per_domain=8",
-           f"trainer.steps={steps}", f"trainer.prompts_per_step={prompts}", f"trainer.group_size={group}",
+           f"run.steps={steps}", f"run.prompts_per_step={prompts}", f"run.group_size={group}",
            "sampling.max_tokens=32", "supervisor.progress=plain", *placement]  # fmt: skip
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

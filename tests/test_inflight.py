@@ -101,7 +101,7 @@ def test_an_async_launch_with_inflight_updates_records_each_rollouts_version_spa
     run_dir = tmp_path / "run"
     r = cli("launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
             "orchestrator.max_staleness=1", "trainer.correction=icepop", "sampler.inflight_updates=true",
-            "trainer.steps=6", "trainer.prompts_per_step=2", "trainer.group_size=2", "sampling.max_tokens=400",
+            "run.steps=6", "run.prompts_per_step=2", "run.group_size=2", "sampling.max_tokens=400",
             "orchestrator.eval_n=0", "orchestrator.eval_greedy=false", "supervisor.progress=none",
             "sampler.threads=1", "trainer.threads=1", timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

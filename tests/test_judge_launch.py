@@ -222,7 +222,7 @@ def test_launch_serves_the_judge_and_outlives_its_death(tiny_model, judged_data,
     run_dir, env = tmp_path / "run", dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     steps = 3
     # retries=0: a request to the dead judge fails at once, so its group fails with the reason
-    proc = _launch(run_dir, env, *_common(tiny_model, judged_data, judge_model), f"trainer.steps={steps}",
+    proc = _launch(run_dir, env, *_common(tiny_model, judged_data, judge_model), f"run.steps={steps}",
                    "verifier.judge.retries=0", "supervisor.restart_backoff_s=0.2")
     t_end = time.monotonic() + 240
     while (table := _table(run_dir, env)).get("orchestrator", {}).get("version", 0) < 1:

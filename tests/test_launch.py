@@ -118,13 +118,13 @@ def test_launch_tiny_end_to_end(tiny_model, math_data, tmp_path):
 
 
 def test_launch_dry_run_prints_resolved_config(tiny_model, math_data):
-    r = cli("launch", "tiny", f"model.path={tiny_model}", *math_data, "trainer.steps=5", "--dry-run", timeout=60)
+    r = cli("launch", "tiny", f"model.path={tiny_model}", *math_data, "run.steps=5", "--dry-run", timeout=60)
     assert r.returncode == 0, r.stderr
     assert "steps: 5" in r.stdout and "prompts_per_step: 8" in r.stdout
 
 
 def test_launch_rejects_bad_config_with_a_clear_message(tmp_path):
-    r = cli("launch", "tiny", f"model.path={tmp_path / 'missing'}", "trainer.group_size=1", timeout=60)
+    r = cli("launch", "tiny", f"model.path={tmp_path / 'missing'}", "run.group_size=1", timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "group_size must be >= 2" in r.stderr and "is not a directory" in r.stderr
     assert "data.files is empty" in r.stderr  # every problem at once, not the first only
@@ -135,7 +135,7 @@ def test_stopping_the_supervisor_stops_every_worker(tiny_model, math_data, tmp_p
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
-                             "trainer.steps=1000", "supervisor.progress=none"], env=env,
+                             "run.steps=1000", "supervisor.progress=none"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pids, deadline = [], time.monotonic() + 60
     while time.monotonic() < deadline and not pids:
@@ -156,11 +156,11 @@ def test_stopping_the_supervisor_stops_every_worker(tiny_model, math_data, tmp_p
 @pytest.mark.slow
 def test_two_rank_trainer_then_resume_from_its_checkpoint(tiny_model, math_data, tmp_path):
     """trainer.world_size=2: the supervisor starts the trainer under torchrun (FSDP2, gloo); a second launch
-    with trainer.resume_from=latest continues at the checkpoint's step with the saved data cursor."""
+    with run.resume_from=latest continues at the checkpoint's step with the saved data cursor."""
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     common = [f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data, "supervisor.progress=plain"]
-    r = cli("launch", "tiny", *common, "trainer.world_size=2", "trainer.steps=2", env=env, timeout=240)
+    r = cli("launch", "tiny", *common, "trainer.world_size=2", "run.steps=2", env=env, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "trainer rank 0 of 2" in log and "trainer rank 1 of 2" in log  # two ranks under torchrun
@@ -169,7 +169,7 @@ def test_two_rank_trainer_then_resume_from_its_checkpoint(tiny_model, math_data,
     state = json.loads((run_dir / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["extra"]["orchestrator"]["examples_drawn"] >= 2 * 8
 
-    r = cli("launch", "tiny", *common, "trainer.steps=4", "trainer.resume_from=latest", env=env, timeout=240)
+    r = cli("launch", "tiny", *common, "run.steps=4", "run.resume_from=latest", env=env, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     second = json.loads((run_dir / "summary.json").read_text())
     assert second["resumed_from_step"] == 2 and second["policy_version"] == 4
@@ -187,7 +187,7 @@ def test_swapping_a_verifier_during_a_run_loses_and_doubles_no_score(tiny_model,
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     steps = 8
     proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
-                             f"trainer.steps={steps}", "supervisor.progress=none"], env=env,
+                             f"run.steps={steps}", "supervisor.progress=none"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:  # wait until training has begun (some scores are in)
@@ -224,7 +224,7 @@ def test_scaling_samplers_up_and_down_during_a_run(tiny_model, math_data, tmp_pa
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     steps = 30
     proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
-                             f"trainer.steps={steps}", "supervisor.progress=none"], env=env,
+                             f"run.steps={steps}", "supervisor.progress=none"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def table() -> dict:
@@ -284,7 +284,7 @@ def test_faults_killed_workers_are_restarted_and_a_killed_trainer_resumes(tiny_m
         raise AssertionError(f"version {v} never reached")
 
     steps = 10
-    proc = subprocess.Popen([*CLI, "launch", "tiny", *common, f"trainer.steps={steps}", "stage=mopd",
+    proc = subprocess.Popen([*CLI, "launch", "tiny", *common, f"run.steps={steps}", "stage=mopd",
                              f"+teacher.checkpoints.math={tiny_model}", "orchestrator.teacher_timeout_s=10"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_version(2)
@@ -311,13 +311,13 @@ def test_faults_killed_workers_are_restarted_and_a_killed_trainer_resumes(tiny_m
 
     # the trainer: killed mid-run, the run stops and says how to go on
     shutil.rmtree(run_dir)
-    proc = subprocess.Popen([*CLI, "launch", "tiny", *common, "trainer.steps=12"], env=env,
+    proc = subprocess.Popen([*CLI, "launch", "tiny", *common, "run.steps=12"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t = wait_version(5)
     os.kill(t["trainer-0"]["pid"], signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "resume=true" in out, out[-3000:]
-    r = cli("launch", "tiny", *common, "trainer.steps=12", "resume=true", env=env, timeout=240)
+    r = cli("launch", "tiny", *common, "run.steps=12", "resume=true", env=env, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from_step"] >= 4 and summary["policy_version"] == 12 and summary["books"]["lost"] == 0
@@ -339,7 +339,7 @@ def test_async_mode_samples_up_to_k_batches_while_the_trainer_steps(k, tiny_mode
                   "orchestrator.max_staleness=1", timeout=60)
         assert bad.returncode != 0 and "trainer.correction" in bad.stderr
     r = cli("launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
-            f"orchestrator.max_staleness={k}", "trainer.correction=icepop", "trainer.steps=6",
+            f"orchestrator.max_staleness={k}", "trainer.correction=icepop", "run.steps=6",
             "supervisor.progress=none", "sampler.delay_s=0.5", timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

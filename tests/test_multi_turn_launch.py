@@ -25,7 +25,7 @@ def test_tools_launch_with_an_environment_worker_killed_mid_trajectory(tools_mod
         [*CLI, "launch", "tools", f"run_dir={run_dir}", f"model.path={tools_model}",
          f"data.files=[{tools_data['rl']['tool_arithmetic']}]",
          f"data.eval_files=[{tools_data['heldout']['tool_arithmetic']},{tools_data['heldout']['tool_arithmetic_direct']}]",
-         f"trainer.steps={steps}", "trainer.prompts_per_step=8", "trainer.group_size=4", "orchestrator.eval_n=1",
+         f"run.steps={steps}", "run.prompts_per_step=8", "run.group_size=4", "orchestrator.eval_n=1",
          "supervisor.progress=none", "supervisor.restart_backoff_s=0.2", "orchestrator.env_timeout_s=20"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

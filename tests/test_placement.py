@@ -101,7 +101,7 @@ def test_cuda_ipc_wants_trainer_and_samplers_on_one_gpu():
     (["weights_transport=cuda_ipc"], 0, "needs the trainer on one GPU (trainer.world_size=1 and gpus.trainer=[G]), "
                                        "got world_size=1, gpus.trainer=[]: set gpus.trainer=[0], or use weights_transport=shm"),
     # two ranks (FSDP2): the gathered weights are on rank 0 only, and samplers could be on neither GPU
-    (["weights_transport=cuda_ipc", "trainer.world_size=2", "trainer.prompts_per_step=2", "gpus.trainer=[0,1]",
+    (["weights_transport=cuda_ipc", "trainer.world_size=2", "run.prompts_per_step=2", "gpus.trainer=[0,1]",
       "gpus.samplers=[0]", "gpus.memory={trainer: 0.5, sampler: 0.4}"], 2, "train on one GPU, or use weights_transport=shm"),
     # a sampler on another GPU cannot open the trainer's handle
     (["weights_transport=cuda_ipc", "gpus.trainer=[0]", "gpus.samplers=[1]"], 2,

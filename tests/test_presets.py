@@ -115,7 +115,7 @@ def test_a_stage_preset_launches_with_prompts_of_its_domains(stage, layout, tiny
                  f"run_dir={tmp_path / 'run'}"]
     if JUDGED_DOMAINS & set(domains):
         overrides.append("verifier.judge.model=judge")
-    if compose(None, overrides, check=False).trainer.algorithm == "mopd":
+    if compose(None, overrides, check=False).run.algorithm == "mopd":
         overrides += [f"+teacher.checkpoints.{d}={tiny_model}" for d in domains]
     report, cfg = dry_run(None, overrides)
     assert sorted(report.domains["train"]) == domains

@@ -61,7 +61,7 @@ def test_a_tiny_run_places_samplers_and_verifiers_on_the_worker_node(cluster, ti
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     steps = 5  # each generate call 1 s longer: the run outlasts a scale-up
-    proc = launch(run_dir, [f"model.path={tiny_model}", *math_data, f"trainer.steps={steps}", "sampler.delay_s=1",
+    proc = launch(run_dir, [f"model.path={tiny_model}", *math_data, f"run.steps={steps}", "sampler.delay_s=1",
                             *ray_overrides(cluster)], env)
     rows = wait_for(lambda: (r := status(run_dir, env)) and all(
         r.get(w, {}).get("state", "starting") != "starting" for w in ("sampler-0", "verifier-0")) and r,
@@ -105,7 +105,7 @@ def test_losing_the_worker_node_places_its_workers_on_the_head(cluster, tiny_mod
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     steps = 4
     # each generate call of the sampler lasts 3 s more: it holds a batch's groups when its node dies
-    proc = launch(run_dir, [f"model.path={tiny_model}", *math_data, f"trainer.steps={steps}", "sampler.delay_s=3",
+    proc = launch(run_dir, [f"model.path={tiny_model}", *math_data, f"run.steps={steps}", "sampler.delay_s=3",
                             *ray_overrides(cluster)], env)
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.is_file() and any('"version"' in line for line in metrics.read_text().splitlines())
@@ -130,7 +130,7 @@ def test_losing_the_worker_node_places_its_workers_on_the_head(cluster, tiny_mod
 def test_losing_the_trainers_node_stops_the_run_with_how_to_resume(cluster, tiny_model, math_data, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
-    proc = launch(run_dir, [f"model.path={tiny_model}", *math_data, "trainer.steps=50", "trainer.save_every=1",
+    proc = launch(run_dir, [f"model.path={tiny_model}", *math_data, "run.steps=50", "trainer.save_every=1",
                             *ray_overrides(cluster), "ray.trainer.labels=[{pool: rollout}]"], env)
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.is_file() and any('"version"' in line for line in metrics.read_text().splitlines()),

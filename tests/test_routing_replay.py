@@ -193,13 +193,13 @@ def test_train_step_reports_route_disagreement(tiny_model):
         model = AutoModelForCausalLM.from_pretrained(tiny_model)
         b = Batch(**{**batch.__dict__, "routes": given})
         metrics = train_step(Policy(model, routing_replay=replay), torch.optim.SGD(model.parameters(), lr=0.0), b,
-                             cfg, 0)
+                             cfg, 0, run=cfg)
         assert low <= metrics["routing/disagree_frac"] <= high, metrics["routing/disagree_frac"]
         # every (token, layer) route of the batch, a group's shared prompt once (the trainer runs it once)
         assert 0 < metrics["routing/routes"] <= int((given[..., 0] >= 0).sum())
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     b = Batch(**{**batch.__dict__, "routes": None})
-    metrics = train_step(Policy(model), torch.optim.SGD(model.parameters(), lr=0.0), b, cfg, 0)
+    metrics = train_step(Policy(model), torch.optim.SGD(model.parameters(), lr=0.0), b, cfg, 0, run=cfg)
     assert "routing/disagree_frac" not in metrics
 
 

@@ -13,13 +13,12 @@ from cascade_rl.supervisor import schema
 from cascade_rl.supervisor.config import compose
 from cascade_rl.supervisor.config_errors import ConfigError
 
-SCHEMA = Path(schema.__file__)
+SCHEMAS = sorted(Path(schema.__file__).parent.glob("schema*.py"))  # the schema and its sections' modules
 
 
 def test_every_field_of_every_section_has_a_docstring_under_it():
-    tree = ast.parse(SCHEMA.read_text())
     undocumented = []
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+    for cls in (n for path in SCHEMAS for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)):
         for i, node in enumerate(cls.body):
             if isinstance(node, ast.AnnAssign):
                 after = cls.body[i + 1] if i + 1 < len(cls.body) else None
@@ -41,6 +40,7 @@ def test_one_section_per_process_role():
     ("model.moe_impl=cuda", r"model.moe_impl: Invalid value 'cuda', expected one of \[hf, grouped, torch, triton\]"),
     ("supervisor.progress=loud", "supervisor.progress: Invalid value 'loud'"),
     ("data.on_bad_row=ignore", r"data.on_bad_row: Invalid value 'ignore', expected one of \[error, skip\]"),
+    ("sampler.inflight_kv=drop", r"sampler.inflight_kv: Invalid value 'drop', expected one of \[recompute, keep\]"),
 ])
 def test_typed_choices_are_refused_with_the_allowed_ones(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -48,7 +48,7 @@ def test_typed_choices_are_refused_with_the_allowed_ones(override, message):
 
 
 @pytest.mark.parametrize("key, value, allowed", [
-    ("trainer.algorithm", "ppo", "grpo, mopd"),
+    ("run.algorithm", "ppo", "grpo, mopd"),
     ("trainer.logprob_impl", "cuda", "torch, triton"),
     ("weights_transport", "nfs", "cuda_ipc, shm, stream"),
     ("sampler.engine", "trt", "sglang, torch, vllm"),
@@ -59,11 +59,37 @@ def test_implementation_names_are_checked_against_their_registries(key, value, a
 
 
 @pytest.mark.parametrize("override, message", [
-    ("workers.sampler_engine=vllm", "workers.sampler_engine: renamed to sampler.engine"),
-    ("workers.samplers=2", "workers.samplers: renamed to sampler.count"),
-    ("+teachers.math=/ckpt", "teachers.math: renamed to teacher.checkpoints.math"),
-    ("workers.judge.model=j", "workers.judge.model: renamed to verifier.judge.model"),
+    ("workers.sampler_engine=vllm", "workers.sampler_engine moved to sampler.engine"),
+    ("workers.samplers=2", "workers.samplers moved to sampler.count"),
+    ("+teachers.math=/ckpt", "teachers.math moved to teacher.checkpoints.math"),
+    ("workers.judge.model=j", "workers.judge.model moved to verifier.judge.model"),
+    ("trainer.steps=20", "trainer.steps moved to run.steps"),
+    ("+trainer.seed=3", "trainer.seed moved to run.seed"),
+    ("trainer.resume_from=latest", "trainer.resume_from moved to run.resume_from"),
+    ("+weights_options.chunk_mb=8", "weights_options.chunk_mb moved to weights_options.stream.chunk_mb"),
 ])
 def test_keys_of_an_earlier_version_name_their_new_place(override, message):
     with pytest.raises(ConfigError, match=message):
         compose("tiny", [override], check=False)
+
+
+def test_a_moved_key_in_a_yaml_file_names_its_new_place(tmp_path):
+    preset = tmp_path / "old.yaml"
+    preset.write_text("trainer:\n  group_size: 8\n")
+    with pytest.raises(ConfigError, match=r"trainer.group_size: no such setting \(moved to run.group_size\)"):
+        compose(str(preset), [], check=False)
+
+
+def test_routing_replay_turns_on_the_samplers_routes():
+    assert not compose("tiny", [], check=False).sampler.return_routes
+    assert compose("tiny", ["trainer.routing_replay=true"], check=False).sampler.return_routes
+
+
+@pytest.mark.parametrize("override, message", [
+    ("weights_options.shm.keep=0", "weights_options.shm.keep must be >= 1, got 0"),
+    ("weights_options.stream.chunk_mb=0", "weights_options.stream.chunk_mb must be >= 1, got 0"),
+    ("weights_options.stream.chunk_mb=big", "weights_options.stream.chunk_mb: Value 'big'"),
+])
+def test_transport_options_are_typed_and_checked_where_declared(override, message, tiny_model):
+    with pytest.raises(ConfigError, match=message):
+        compose("tiny", [override, f"model.path={tiny_model}", "data.files=[x.jsonl]"])

@@ -43,7 +43,7 @@ STEPS, PROMPTS, GROUP = 2, 4, 4
 
 # What keeps every launch fast: 2 steps of 4 prompts x 4 rollouts, 4 held-out questions per domain sampled once,
 # 48-token responses (the tiny model's context is 512 tokens).
-FAST = {"trainer.steps": STEPS, "trainer.prompts_per_step": PROMPTS, "trainer.group_size": GROUP,
+FAST = {"run.steps": STEPS, "run.prompts_per_step": PROMPTS, "run.group_size": GROUP,
         "orchestrator.eval_n": 1, "data.eval_per_domain": 4, "sampling.max_tokens": 48}
 
 # The judge of RLHF (pairwise GenRM, the miniature's compact template) and long-context RL, served by the supervisor
@@ -77,9 +77,9 @@ CASES = {
                   overrides={"orchestrator.max_refill_rounds": 100},
                   expect={"orchestrator.dynamic_filtering": True, "orchestrator.overlong_penalty": True}),
     "multi_domain": Case(("arithmetic", "arithmetic_mcqa", "arithmetic_json"),
-                         expect={"orchestrator.overlong_penalty": True, "trainer.algorithm": "grpo"}),
+                         expect={"orchestrator.overlong_penalty": True, "run.algorithm": "grpo"}),
     "mopd": Case(("arithmetic", "arithmetic_mcqa", "arithmetic_json", "arithmetic_if"), teachers=True,
-                 expect={"trainer.algorithm": "mopd", "trainer.warmup_steps": 30, "trainer.warmup_start_lr": 2e-7,
+                 expect={"run.algorithm": "mopd", "trainer.warmup_steps": 30, "trainer.warmup_start_lr": 2e-7,
                          "trainer.eps_low": 0.5, "trainer.eps_high": 2.0}),
     "rlhf": Case(("chat",), judged=True, overrides=JUDGE,
                  expect={"trainer.kl_coef": 0.03, "orchestrator.overlong_penalty": False}),

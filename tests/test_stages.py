@@ -6,21 +6,21 @@ import pytest
 
 from cascade_rl.supervisor.config import compose
 
-PAPER_DEFAULTS = {"trainer.prompts_per_step": 128, "trainer.group_size": 16, "trainer.lr": 3e-6,
+PAPER_DEFAULTS = {"run.prompts_per_step": 128, "run.group_size": 16, "trainer.lr": 3e-6,
                   "sampling.temperature": 1.0, "sampling.top_p": 1.0, "trainer.kl_coef": 0.0,
                   "trainer.entropy_coef": 0.0, "orchestrator.max_staleness": 0}
 
 STAGES = {
-    "if_rl": {"trainer.steps": 180, "sampling.max_tokens": 49152, "orchestrator.dynamic_filtering": True},
-    "multi_domain": {"trainer.steps": 70, "sampling.max_tokens": 49152},
-    "mopd": {"trainer.algorithm": "mopd", "trainer.group_size": 4, "trainer.lr": 2e-6, "trainer.warmup_steps": 30,
+    "if_rl": {"run.steps": 180, "sampling.max_tokens": 49152, "orchestrator.dynamic_filtering": True},
+    "multi_domain": {"run.steps": 70, "sampling.max_tokens": 49152},
+    "mopd": {"run.algorithm": "mopd", "run.group_size": 4, "trainer.lr": 2e-6, "trainer.warmup_steps": 30,
              "trainer.warmup_start_lr": 2e-7, "trainer.eps_low": 0.5, "trainer.eps_high": 2.0},
     "rlhf": {"trainer.kl_coef": 0.03, "sampling.max_tokens": 16384, "orchestrator.overlong_penalty": False,
-             "trainer.steps": 30},
-    "long_context": {"trainer.steps": 30, "data.max_prompt_tokens": 32768},
-    "code_rl": {"sampling.top_p": 0.95, "sampling.max_tokens": 118000, "trainer.steps": 22},
-    "swe_agentless": {"sampling.max_tokens": 98304, "orchestrator.mask_threshold": 0.5, "trainer.steps": 45},
-    "swe_agentic": {"trainer.prompts_per_step": 16, "trainer.group_size": 64, "sampling.temperature": 0.8,
+             "run.steps": 30},
+    "long_context": {"run.steps": 30, "data.max_prompt_tokens": 32768},
+    "code_rl": {"sampling.top_p": 0.95, "sampling.max_tokens": 118000, "run.steps": 22},
+    "swe_agentless": {"sampling.max_tokens": 98304, "orchestrator.mask_threshold": 0.5, "run.steps": 45},
+    "swe_agentic": {"run.prompts_per_step": 16, "run.group_size": 64, "sampling.temperature": 0.8,
                     "orchestrator.max_turns": 200, "orchestrator.max_total_tokens": 262144,
                     "trainer.warmup_steps": 10, "trainer.lr_decay": "cosine"},
 }
@@ -43,7 +43,7 @@ def test_stage_preset_has_the_papers_numbers(stage, tiny_model):
 def test_a_run_preset_overrides_the_stage_where_it_sets_scale(tiny_model):
     cfg = compose("tiny", ["stage=rlhf", f"model.path={tiny_model}"], check=False)
     assert cfg.trainer.kl_coef == 0.03  # from the stage
-    assert cfg.trainer.prompts_per_step == 8 and cfg.sampling.max_tokens == 24  # from the run preset
+    assert cfg.run.prompts_per_step == 8 and cfg.sampling.max_tokens == 24  # from the run preset
 
 
 def test_validation_names_missing_verifiers_and_teachers(tiny_model, math_data, prepared, tmp_path):
@@ -51,7 +51,7 @@ def test_validation_names_missing_verifiers_and_teachers(tiny_model, math_data, 
 
     with pytest.raises(ConfigError, match=r"no verifier for \['weather'\]"):
         compose("tiny", ["stage=mopd", f"model.path={tiny_model}", *math_data, "verifier.domains=[math,weather]"])
-    with pytest.raises(ConfigError, match="teacher.checkpoints are used by trainer.algorithm=mopd only"):
+    with pytest.raises(ConfigError, match="teacher.checkpoints are used by run.algorithm=mopd only"):
         compose("tiny", [f"model.path={tiny_model}", *math_data, f"+teacher.checkpoints.math={tiny_model}"])
     # the rules that need the data's domains: checked when the data is prepared, before any process starts
     mopd = compose("tiny", ["stage=mopd", f"model.path={tiny_model}", *math_data, f"run_dir={tmp_path / 'a'}"])

@@ -31,10 +31,15 @@ def make_batch(groups: int = 2, g: int = 4, prompt: int = 5, resp: int = 6, seed
 
 
 def cfg(**kw):
-    base = dict(algorithm="grpo", lr=1e-3, warmup_steps=0, warmup_start_lr=0.0, max_grad_norm=1.0,
+    """A ``trainer`` section."""
+    base = dict(lr=1e-3, warmup_steps=0, warmup_start_lr=0.0, max_grad_norm=1.0,
                 micro_batch_groups=0, correction="none", geo_band=[0.99, 1.01], eps_low=0.5, eps_high=2.0, kl_coef=0.0,
-                entropy_coef=0.0, steps=100, lr_decay="none")
+                entropy_coef=0.0, lr_decay="none")
     return OmegaConf.create(base | kw)
+
+
+RUN = OmegaConf.create(dict(algorithm="grpo", steps=100))  # the ``run`` section train_step reads
+MOPD_RUN = OmegaConf.create(dict(algorithm="mopd", steps=100))
 
 
 def seq_logprob(model, batch: Batch) -> torch.Tensor:
@@ -48,7 +53,7 @@ def test_step_raises_rewarded_and_lowers_unrewarded_sequences(tiny_dense_model):
     batch = make_batch()
     before = seq_logprob(model, batch)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    metrics = train_step(Policy(model), opt, batch, cfg(lr=0.5), step=0)
+    metrics = train_step(Policy(model), opt, batch, cfg(lr=0.5), step=0, run=RUN)
     delta = seq_logprob(model, batch) - before
     rewarded = batch.rewards == 1
     assert metrics["grad_norm"] > 0 and metrics["zero_adv_groups"] == 0
@@ -61,7 +66,7 @@ def test_equal_rewards_give_no_update(tiny_dense_model):
     batch = make_batch()
     batch.rewards[:] = 1.0
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    metrics = train_step(Policy(model), opt, batch, cfg(), step=0)
+    metrics = train_step(Policy(model), opt, batch, cfg(), step=0, run=RUN)
     assert metrics["grad_norm"] == 0.0 and metrics["zero_adv_groups"] == 2
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -81,7 +86,7 @@ def test_micro_batches_of_whole_groups_give_the_same_gradient(tiny_dense_model, 
             return orig_step(*a)
 
         opt.step = step
-        train_step(Policy(model), opt, batch, cfg(max_grad_norm=1e9, micro_batch_groups=m), step=0)
+        train_step(Policy(model), opt, batch, cfg(max_grad_norm=1e9, micro_batch_groups=m), step=0, run=RUN)
         grads.append(captured)
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-4)
@@ -89,18 +94,18 @@ def test_micro_batches_of_whole_groups_give_the_same_gradient(tiny_dense_model, 
 
 def test_linear_warmup_schedule():
     c = cfg(lr=2e-6, warmup_steps=30, warmup_start_lr=2e-7)  # the paper's MOPD schedule
-    assert lr_at(0, c) == pytest.approx(2e-7)
-    assert lr_at(15, c) == pytest.approx(1.1e-6)
-    assert lr_at(30, c) == pytest.approx(2e-6) and lr_at(100, c) == pytest.approx(2e-6)
+    assert lr_at(0, c, 100) == pytest.approx(2e-7)
+    assert lr_at(15, c, 100) == pytest.approx(1.1e-6)
+    assert lr_at(30, c, 100) == pytest.approx(2e-6) and lr_at(100, c, 100) == pytest.approx(2e-6)
 
 
 def test_cosine_decay_after_warmup():
-    c = cfg(lr=3e-6, warmup_steps=10, warmup_start_lr=0.0, lr_decay="cosine", steps=30)  # paper: agentic SWE RL
-    assert lr_at(5, c) == pytest.approx(1.5e-6)  # the warm-up is linear as before
-    assert lr_at(10, c) == pytest.approx(3e-6)  # decay starts at the full rate
-    assert lr_at(20, c) == pytest.approx(1.5e-6)  # half way through the 20 steps left: cos(pi/2) -> half
-    assert lr_at(29, c) == pytest.approx(3e-6 * 0.5 * (1 + math.cos(math.pi * 19 / 20)))
-    assert lr_at(29, c) < lr_at(28, c) < lr_at(20, c)
+    c = cfg(lr=3e-6, warmup_steps=10, warmup_start_lr=0.0, lr_decay="cosine")  # paper: agentic SWE RL, 30 steps
+    assert lr_at(5, c, 30) == pytest.approx(1.5e-6)  # the warm-up is linear as before
+    assert lr_at(10, c, 30) == pytest.approx(3e-6)  # decay starts at the full rate
+    assert lr_at(20, c, 30) == pytest.approx(1.5e-6)  # half way through the 20 steps left: cos(pi/2) -> half
+    assert lr_at(29, c, 30) == pytest.approx(3e-6 * 0.5 * (1 + math.cos(math.pi * 19 / 20)))
+    assert lr_at(29, c, 30) < lr_at(28, c, 30) < lr_at(20, c, 30)
 
 
 # --- MOPD, KL to a reference, masked groups, importance weights ---------------------------------------
@@ -121,7 +126,7 @@ def test_mopd_step_moves_the_student_toward_the_teacher(tiny_dense_model, tmp_pa
     batch.teacher_logprobs = policy_logprobs(teacher, batch)
     batch.inf_logprobs = policy_logprobs(student, batch)  # sampled by the student: ratio 1, nothing truncated
     opt = torch.optim.SGD(student.parameters(), lr=0.5)
-    before = train_step(Policy(student), opt, batch, cfg(algorithm="mopd", correction="icepop"), step=0)
+    before = train_step(Policy(student), opt, batch, cfg(correction="icepop"), step=0, run=MOPD_RUN)
     assert before["correction/masked_frac"] == 0.0 and before["mopd/reverse_kl"] != 0.0
     after = policy_logprobs(student, batch)
     m = batch.response_mask
@@ -134,7 +139,8 @@ def test_mopd_with_the_teacher_equal_to_the_student_is_no_update(tiny_dense_mode
     batch = make_batch()
     batch.teacher_logprobs = batch.inf_logprobs = policy_logprobs(model, batch)
     before = copy.deepcopy(model.state_dict())
-    metrics = train_step(Policy(model), torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg(algorithm="mopd", correction="icepop"), 0)
+    metrics = train_step(Policy(model), torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg(correction="icepop"), 0,
+                         run=MOPD_RUN)
     assert metrics["grad_norm"] == 0.0 and abs(metrics["mopd/reverse_kl"]) < 1e-6
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -142,7 +148,8 @@ def test_mopd_with_the_teacher_equal_to_the_student_is_no_update(tiny_dense_mode
 def test_mopd_without_teacher_logprobs_is_a_clear_error(tiny_dense_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_dense_model)
     with pytest.raises(ValueError, match="teacher_logprobs"):
-        train_step(Policy(model), torch.optim.SGD(model.parameters(), lr=0.1), make_batch(), cfg(algorithm="mopd", correction="icepop"), 0)
+        train_step(Policy(model), torch.optim.SGD(model.parameters(), lr=0.1), make_batch(), cfg(correction="icepop"), 0,
+                   run=MOPD_RUN)
 
 
 def test_kl_penalty_reports_k3_to_the_reference_and_pulls_toward_it(tiny_dense_model):
@@ -160,7 +167,7 @@ def test_kl_penalty_reports_k3_to_the_reference_and_pulls_toward_it(tiny_dense_m
     k3 = torch.expm1(d) - d
     expected = torch.stack([k3[r][batch.response_mask[r]].mean() for r in (slice(0, 4), slice(4, 8))]).mean()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    metrics = train_step(Policy(model), opt, batch, cfg(kl_coef=0.03), 0, reference=reference)
+    metrics = train_step(Policy(model), opt, batch, cfg(kl_coef=0.03), 0, reference=reference, run=RUN)
     assert metrics["kl_ref"] == pytest.approx(expected.item(), rel=1e-4)
     assert metrics["grad_norm"] > 0
     d2 = ref_lp - policy_logprobs(model, batch)
@@ -179,7 +186,7 @@ def step_grads(model_path: str, batch: Batch, **kw) -> dict[str, torch.Tensor]:
         return orig(*a)
 
     opt.step = step
-    train_step(Policy(model), opt, batch, cfg(max_grad_norm=1e9, **kw), 0)
+    train_step(Policy(model), opt, batch, cfg(max_grad_norm=1e9, **kw), 0, run=RUN)
     return captured
 
 
@@ -204,7 +211,7 @@ def test_importance_weights_truncate_tokens_outside_the_band(tiny_dense_model):
     inf[0, batch.response_mask[0]] -= 5.0  # row 0's sampler log-probs far below the trainer's: ratio e^5
     batch.inf_logprobs = inf
     metrics = train_step(Policy(model), torch.optim.SGD(model.parameters(), lr=0.0), batch,
-                         cfg(correction="icepop", geo_band=[0.99, 1.01]), 0)
+                         cfg(correction="icepop", geo_band=[0.99, 1.01]), 0, run=RUN)
     assert metrics["correction/masked_frac"] == pytest.approx(batch.response_mask[0].sum().item()
                                                                 / batch.response_mask.sum().item())
 
@@ -224,16 +231,16 @@ def test_resume_reproduces_the_next_step_exactly(tiny_model, tmp_path):
     policy, _, opt, tok, state = build(cfg, parallel.Ranks())
     assert state["step"] == 0
     for step in (0, 1):
-        train_step(policy, opt, batches[step], cfg.trainer, step)
+        train_step(policy, opt, batches[step], cfg.trainer, step, run=cfg.run)
     ckpt = save_state(policy, opt, tok, tmp_path, 2, {"policy_version": 2, "orchestrator": {"examples_drawn": 16}},
                       parallel.Ranks())
-    train_step(policy, opt, batches[2], cfg.trainer, 2)
+    train_step(policy, opt, batches[2], cfg.trainer, 2, run=cfg.run)
     expected = {k: v.clone() for k, v in policy.model.state_dict().items()}
 
-    resumed, _, opt2, _, state = build(compose("tiny", overrides + ["trainer.resume_from=latest"], check=False), parallel.Ranks())
+    resumed, _, opt2, _, state = build(compose("tiny", overrides + ["run.resume_from=latest"], check=False), parallel.Ranks())
     assert state["step"] == 2 and state["extra"]["orchestrator"]["examples_drawn"] == 16
     assert ckpt.endswith("step_000002")
-    train_step(resumed, opt2, batches[2], cfg.trainer, state["step"])
+    train_step(resumed, opt2, batches[2], cfg.trainer, state["step"], run=cfg.run)
     got = resumed.model.state_dict()
     for k, v in expected.items():
         assert torch.equal(got[k], v), k  # exact: same weights, optimizer moments, step and lr
@@ -266,7 +273,8 @@ def test_bf16_micro_batch_grads_accumulate_in_fp32_for_the_step(tiny_dense_model
         seen["bf16_grads"] = [p.grad for p in params]
 
     opt.step = step
-    metrics = train_step(Policy(model), opt, make_batch(groups=4), cfg(micro_batch_groups=1, max_grad_norm=1e9), 0)
+    metrics = train_step(Policy(model), opt, make_batch(groups=4), cfg(micro_batch_groups=1, max_grad_norm=1e9), 0,
+                         run=RUN)
     assert len(calls) == 4 * len(params)  # four micro-batches, one backward each
     assert all(g is None for g in seen["bf16_grads"])
     assert [g.dtype for g in seen["grads"]] == [torch.float32] * len(params)

@@ -60,7 +60,8 @@ def main() -> None:
     for step in range(2):
         if step == 1:  # a checkpoint before the last step: resumed below, it must take the same step
             ckpt = save_state(policy, optimizer, None, Path(out + ".run"), step, {}, ranks)
-        metrics.append(parallel.reduce_metrics(train_step(policy, optimizer, my_rows(step, ranks), cfg, step), ranks))
+        metrics.append(parallel.reduce_metrics(train_step(policy, optimizer, my_rows(step, ranks), cfg, step, run=cfg),
+                                               ranks))
     state = parallel.full_state_dict(policy, ranks)
     held = parallel.full_state_dict(policy, ranks, master=True)
     report = {"metrics": metrics, "published": published(policy, ranks, model_dir, dtype)}
@@ -69,7 +70,7 @@ def main() -> None:
     resumed = parallel.parallelize(Policy(model, temperature=1.0, chunk_tokens=7, pack=True), ranks)
     opt2 = MasterAdamW(resumed.parameters(), lr=cfg.lr, weight_decay=0.0)
     load_state(Path(ckpt), resumed, opt2, ranks)
-    train_step(resumed, opt2, my_rows(1, ranks), cfg, 1)
+    train_step(resumed, opt2, my_rows(1, ranks), cfg, 1, run=cfg)
     again = parallel.full_state_dict(resumed, ranks, master=True)
     if ranks.main:
         report["resume_max_diff"] = max((held[k].float() - again[k].float()).abs().max().item() for k in held)

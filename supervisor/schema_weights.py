@@ -1,0 +1,73 @@
+"""The ``weights_options`` section of the launch schema: the options of each weight transport, one dataclass per
+transport, checked where declared (``__post_init__``: supervisor/config.py ``validate`` builds each section once).
+The trainer hands the chosen transport's section to its constructor as keyword arguments:
+
+    cascade-rl launch tiny weights_transport=stream weights_options.stream.chunk_mb=8 host=10.0.0.1
+
+``TRANSPORTS[weights_transport](run_id=..., **weights_options[weights_transport])`` (the transport registry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _check_keep(transport: str, keep: int) -> None:
+    if keep < 1:
+        raise ValueError(f"weights_options.{transport}.keep must be >= 1, got {keep}")
+
+
+@dataclass
+class ShmOptions:
+    """``shm``: each version a safetensors file under /dev/shm (one machine)."""
+
+    keep: int = 2
+    """Versions kept as files (at most this many in /dev/shm, the one being written included; 2 is the least that
+    lets a sampler finish reading one version while the next is written)."""
+
+    def __post_init__(self) -> None:
+        _check_keep("shm", self.keep)
+
+
+@dataclass
+class StreamOptions:
+    """``stream``: the file in chunks over ZeroMQ (hosts without a shared file system)."""
+
+    keep: int = 2
+    """Versions kept in memory to serve (host memory ~ (keep + 1) x the model's bytes)."""
+    endpoint: str = "tcp://0.0.0.0:0"
+    """Where the trainer's ROUTER binds (port 0: a free one)."""
+    host: str = ""
+    """The name samplers connect to. Empty: this node's address in a Ray run, else the run's ``host``, else the
+    bound address or this machine's hostname."""
+    chunk_mb: int = 16
+    """MiB in one reply frame."""
+
+    def __post_init__(self) -> None:
+        _check_keep("stream", self.keep)
+        if self.chunk_mb < 1:
+            raise ValueError(f"weights_options.stream.chunk_mb must be >= 1, got {self.chunk_mb}")
+
+
+@dataclass
+class CudaIpcOptions:
+    """``cuda_ipc``: samplers read the trainer's GPU buffers in place (trainer and samplers on one GPU)."""
+
+    keep: int = 2
+    """GPU byte buffers (version v goes to buffer v % keep; 2 = double buffering: a sampler still copying one
+    version never sees the next written over it)."""
+
+    def __post_init__(self) -> None:
+        _check_keep("cuda_ipc", self.keep)
+
+
+@dataclass
+class WeightsOptions:
+    """One section per built-in transport; only the chosen one (``weights_transport``) is used."""
+
+    shm: ShmOptions = field(default_factory=ShmOptions)
+    """Options of weights_transport=shm."""
+    stream: StreamOptions = field(default_factory=StreamOptions)
+    """Options of weights_transport=stream."""
+    cuda_ipc: CudaIpcOptions = field(default_factory=CudaIpcOptions)
+    """Options of weights_transport=cuda_ipc."""
