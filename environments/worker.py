@@ -23,15 +23,14 @@ travels in its requests, so the orchestrator can send the step again to another 
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from cascade_rl.protocol.codec import encode
-from cascade_rl.protocol.messages import EnvReply, EnvRequest, Ready
-from cascade_rl.protocol.runtime import Pending, WorkerRuntime
+from cascade_rl.protocol.messages import EnvReply, EnvRequest
+from cascade_rl.protocol.runtime import Pending, Service, WorkerRuntime
 from cascade_rl.protocol.worker_main import worker_start
 
 from .base import Environment, EnvSettings, StepResult
@@ -83,7 +82,7 @@ def run_step(env: Environment, req: EnvRequest, worker_id: str = "", arrived: fl
     return reply
 
 
-class EnvironmentService:
+class EnvironmentService(Service):
     """The environment's ``Service`` (protocol/runtime.py): steps run in a thread pool; replies come from
     ``poll``."""
 
@@ -91,31 +90,23 @@ class EnvironmentService:
 
     def __init__(self, worker_id: str, envs: dict[str, Environment], slots: int, threads: int) -> None:
         self.worker_id, self.envs, self.slots = worker_id, envs, slots
+        self.domains = sorted(envs)  # announced in Ready: the environments served here
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"{worker_id}-step")
         self.running: dict[Future, EnvRequest] = {}
         self.counters = {"steps": 0, "tool_calls": 0, "tool_errors": 0, "timeouts": 0, "failed": 0, "env_s": 0.0}
 
-    def hello(self, draining: bool = False) -> Ready:
-        return Ready(self.worker_id, self.role, slots=0 if draining else self.slots, domains=sorted(self.envs),
-                     draining=draining)
-
     def status(self) -> dict:
         return {"state": "running", "counters": dict(self.counters, running=len(self.running))}
-
-    def accept(self, msg) -> bool:
-        return False
-
-    def take(self, pending: collections.deque[Pending]) -> list[Pending]:
-        # all of them: the pool queues what its threads cannot start yet (the orchestrator sends at most `slots`)
-        return [pending.popleft() for _ in range(len(pending))]
 
     def check(self, item: Pending) -> str:
         name = item.request.env
         if name in self.envs:
             return ""
-        return f"unknown environment {name!r}; this worker serves: {', '.join(sorted(self.envs)) or 'none'}"
+        return f"unknown environment {name!r}; this worker serves: {', '.join(self.domains) or 'none'}"
 
-    def serve(self, batch: list[Pending], reply) -> None:
+    def serve(self, batch: list[Pending], reply, collect) -> None:
+        # every pending request (the default take): the pool queues what its threads cannot start yet (the
+        # orchestrator sends at most `slots`)
         for item in batch:
             req = item.request
             self.running[self.pool.submit(run_step, self.envs[req.env], req, self.worker_id, item.arrived)] = req

@@ -2,7 +2,9 @@
 
     WorkerRuntime(service, cfg, worker_id, batch_window_s=cfg.sampler.batch_window_s).run()
 
-What each worker shares is written here once; what it computes is its ``Service``:
+What each worker shares is written here once; what it computes is its ``Service``, a subclass of the base
+below that overrides only what it does (the base: a service with no notices, no checks, no asynchronous work,
+that takes every request as soon as it arrives):
 
 * **Ready and credits.** On start the worker sends ``service.hello()`` (its ``slots``: how much
   work the orchestrator may have with it at once); the orchestrator never exceeds them.
@@ -21,10 +23,16 @@ The loop itself: collect arrived messages into ``pending`` (``service.accept`` t
 ``WeightsReady`` itself), ``service.take(pending)`` the requests to serve now (the service's safe
 point: the sampler loads new weights there), check and serve them, and ``service.poll`` the work of
 asynchronous services (the verifier's process pool).
+
+The service never holds the runtime: ``serve(batch, reply, collect)`` is handed what it may call back.
+``reply(item, msg)`` sends an answer; ``collect()`` is the loop's own collect, without waiting: what has
+arrived goes where the loop would put it (notices to ``accept``, requests to ``pending``), for a service
+that looks at its inbox in the middle of serving (the sampler, taking new weights between decode steps).
 """
 
 from __future__ import annotations
 
+import abc
 import collections
 import dataclasses
 import logging
@@ -32,7 +40,8 @@ import queue
 import signal
 import threading
 import time
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .messages import Ready
 from .sockets import WorkerLink
@@ -51,41 +60,62 @@ class Pending:
     arrived: float
 
 
-class Service(Protocol):
-    """What a worker computes; ``WorkerRuntime`` does the rest (see the module docstring)."""
+Reply = Callable[[Pending | None, Any], None]  # reply(item, msg): send msg, the answer to item (None: from poll)
 
-    role: str
 
-    def hello(self, draining: bool = False) -> Ready: ...
+class Service(abc.ABC):
+    """What a worker computes; ``WorkerRuntime`` does the rest (see the module docstring). A service says what it
+    serves (``status``, ``serve``, ``error_reply``); every other method has the default of the simplest one."""
 
+    role: str  # the worker's role in Ready and heartbeats: sampler | verifier | teacher | environment
+    worker_id: str
+    slots: int  # how much work the orchestrator may have with this worker at once
+    domains: Sequence[str] = ()  # verifiers/teachers: the domains served; environments: their names
+
+    def hello(self, draining: bool = False) -> Ready:
+        """The ``Ready`` sent on start, and on a drain (no slots: no new work)."""
+        return Ready(self.worker_id, self.role, 0 if draining else self.slots, domains=list(self.domains),
+                     draining=draining)
+
+    @abc.abstractmethod
     def status(self) -> dict[str, Any]:
         """``{"state", "version", "counters"}`` for heartbeats."""
 
     def accept(self, msg: Any) -> bool:
         """Take a notice that is not a request (True), or leave ``msg`` to be queued as one (False)."""
+        return False
 
     def take(self, pending: collections.deque[Pending]) -> list[Pending]:
-        """Remove and return the requests to serve now ([] when none can run yet)."""
+        """Remove and return the requests to serve now ([] when none can run yet); by default all of them."""
+        return [pending.popleft() for _ in range(len(pending))]
 
     def check(self, item: Pending) -> str:
         """Why ``item`` cannot be served ("" when it can)."""
+        return ""
 
-    def serve(self, batch: list[Pending], reply) -> None:
-        """Serve ``batch``, answering each with ``reply(item, msg)`` (later, from ``poll``, for async services)."""
+    @abc.abstractmethod
+    def serve(self, batch: list[Pending], reply: Reply, collect: Callable[[], int]) -> None:
+        """Serve ``batch``, answering each with ``reply(item, msg)`` (later, from ``poll``, for async services);
+        ``collect()`` takes in what arrived meanwhile, without waiting (see the module docstring)."""
 
-    def poll(self, reply) -> None:
+    def poll(self, reply: Reply) -> None:
         """Deliver finished asynchronous work with ``reply(None, msg)``; may block a few ms."""
 
     def busy(self) -> int:
-        """Requests taken but not yet answered."""
+        """Requests taken but not yet answered (asynchronous services)."""
+        return 0
 
+    @abc.abstractmethod
     def error_reply(self, request: Any, reason: str) -> list[Any]:
         """The messages that answer ``request`` with failure ``reason``."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release what the service holds (processes, threads) when the worker exits."""
 
 
 class WorkerRuntime:
+    """Runs a ``Service`` on the worker's ``WorkerLink`` until it has drained (see the module docstring)."""
+
     def __init__(self, service: Service, cfg, worker_id: str, batch_window_s: float = 0.0,
                  weights: bool = False, expect: tuple[type, ...] = ()) -> None:
         """``weights``: also subscribe to the trainer's weight notices; ``expect``: the request types."""
@@ -122,7 +152,7 @@ class WorkerRuntime:
                         and time.monotonic() - quiet_since > self.quiet_s:
                     log.info("%s drained: %s", self.worker_id, self.service.status().get("counters", {}))
                     return
-                if self._collect(block=idle) and self.draining:
+                if self._collect(IDLE_WAKE_S if idle else 0.0, self.batch_window_s) and self.draining:
                     quiet_since = time.monotonic()  # sent before our notice was read: served too
                 batch = self.service.take(self.pending)
                 if batch:
@@ -140,37 +170,22 @@ class WorkerRuntime:
             status["state"] = "draining"
         return status
 
-    def collect_now(self) -> int:
-        """Move the messages that have arrived into ``pending`` (notices to ``service.accept``) without waiting:
-        for a service that looks at its inbox in the middle of serving (a sampler taking weights in flight)."""
-        got = 0
-        while True:
-            try:
-                msg = self.link.inbox.get_nowait()
-            except queue.Empty:
-                return got
-            if msg is _WAKE:
-                self.link.inbox.put(_WAKE)  # a drain: the loop must still see it
-                return got
-            if not self.service.accept(msg):
-                self.pending.append(Pending(msg, time.monotonic()))
-                got += 1
-
-    def _collect(self, block: bool) -> int:
-        """Move arrived messages into ``pending``; after the first, wait ``batch_window_s`` for the rest of a
-        burst. Returns how many requests arrived."""
-        timeout, got = (IDLE_WAKE_S if block else 0.0), 0
+    def _collect(self, wait_s: float = 0.0, window_s: float = 0.0) -> int:
+        """Move arrived messages into ``pending`` (notices to ``service.accept``): wait up to ``wait_s`` for the
+        first, then ``window_s`` for each next one (the rest of a burst). Returns how many requests arrived.
+        With no arguments it never waits: the ``collect`` a service may call in the middle of ``serve``."""
+        timeout, got = wait_s, 0
         while True:
             try:
                 msg = self.link.inbox.get(timeout=timeout) if timeout else self.link.inbox.get_nowait()
             except queue.Empty:
                 return got
-            if msg is _WAKE:
+            if msg is _WAKE:  # a drain: the loop sees ``_drain_asked`` when it next comes round
                 return got
             if not self.service.accept(msg):
                 self.pending.append(Pending(msg, time.monotonic()))
                 got += 1
-            timeout = self.batch_window_s
+            timeout = window_s
 
     def _serve(self, batch: list[Pending]) -> None:
         good = []
@@ -184,7 +199,7 @@ class WorkerRuntime:
             return
         self._answered.clear()
         try:
-            self.service.serve(good, self._reply)
+            self.service.serve(good, self._reply, self._collect)
         except Exception as e:  # a failing batch fails its requests, not the worker
             log.exception("%s: serving %d requests failed", self.worker_id, len(good))
             for item in good:

@@ -27,7 +27,7 @@ import torch
 
 from cascade_rl.protocol import cuda_ipc
 from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, WeightsReady, WorkKey
-from cascade_rl.protocol.runtime import Pending, WorkerRuntime
+from cascade_rl.protocol.runtime import Pending, Service, WorkerRuntime
 from cascade_rl.protocol.weights import WeightsError, resolve
 from cascade_rl.protocol.worker_main import worker_start
 
@@ -78,7 +78,7 @@ def error_rollout(req: PromptRequest, worker_id: str, version: int, reason: str)
                    worker_id, 0.0, req.attempt, reason, turn=req.turn)
 
 
-class Sampler:
+class Sampler(Service):
     """The sampler's ``Service`` (protocol/runtime.py): the runtime collects requests and weight notices, this
     applies the newest notice at each safe point (``take``: between batches) and generates."""
 
@@ -96,7 +96,6 @@ class Sampler:
         self.slots, self.delay_s, self.stream_groups = s.slots, s.delay_s, s.stream_groups
         # in-flight weight updates: between decode steps the engine looks for new weights (``between``)
         self.inflight = bool(s.inflight_updates) and getattr(self.engine, "inflight_updates", False)
-        self.collect = None  # the runtime's collect_now (main): the notices that arrived while generating
         self.run_id = cfg.run_id  # names the folder that streamed weights land in
 
     # ------------------------------------------------------------------ the Service
@@ -130,7 +129,7 @@ class Sampler:
     def check(self, item: Pending) -> str:
         return self.engine.check(to_generation(item.request))
 
-    def serve(self, batch: list[Pending], reply) -> None:
+    def serve(self, batch: list[Pending], reply, collect) -> None:
         self.state = "generating"
         t0 = time.perf_counter()
         sent: set[int] = set()
@@ -155,7 +154,7 @@ class Sampler:
         requests = [to_generation(p.request) for p in batch]
         hooks = {"on_done": send} if streams else {}
         if self.inflight:
-            hooks["between"] = self._between
+            hooks["between"] = lambda: self._between(collect)
         try:
             groups = self.engine.generate(requests, **hooks)
             if self.delay_s:
@@ -167,18 +166,9 @@ class Sampler:
             self.counters["gen_s"] += time.perf_counter() - t0
             self.state = "idle"
 
-    def poll(self, reply) -> None:
-        pass  # generation is synchronous
-
-    def busy(self) -> int:
-        return 0
-
     def error_reply(self, req: PromptRequest, reason: str) -> list[Rollout]:
         self.counters["errors"] += 1
         return [error_rollout(req, self.worker_id, self.engine.version, reason)]
-
-    def close(self) -> None:
-        pass
 
     # ------------------------------------------------------------------ weights
 
@@ -187,10 +177,10 @@ class Sampler:
         is served until the next notice's weights are in."""
         return -1 if self.torn else self.engine.version
 
-    def _between(self) -> None:
-        """Between two decode steps (in-flight updates): take the notices that arrived and apply the newest."""
-        if self.collect is not None:
-            self.collect()
+    def _between(self, collect) -> None:
+        """Between two decode steps (in-flight updates): ``collect`` the notices that arrived (the runtime's,
+        without waiting: they reach ``accept``), and apply the newest."""
+        collect()
         if self.latest is not None and self.latest.version > self.engine.version:
             self._maybe_load_weights()
             self.counters["inflight_loads"] = self.counters.get("inflight_loads", 0) + 1
@@ -239,11 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.sampler.threads and not cfg.get("inline"):  # inline: one process, torch's threads are everyone's
         torch.set_num_threads(cfg.sampler.threads)
     torch.manual_seed(zlib.crc32(f"{cfg.run.seed}:{args.worker_id}".encode()))
-    sampler = Sampler(cfg, args.worker_id, known.engine_url)
-    runtime = WorkerRuntime(sampler, cfg, args.worker_id, cfg.sampler.batch_window_s, weights=True,
-                            expect=(PromptRequest, WeightsReady))
-    sampler.collect = runtime.collect_now
-    runtime.run()
+    WorkerRuntime(Sampler(cfg, args.worker_id, known.engine_url), cfg, args.worker_id, cfg.sampler.batch_window_s,
+                  weights=True, expect=(PromptRequest, WeightsReady)).run()
 
 
 if __name__ == "__main__":

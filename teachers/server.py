@@ -43,8 +43,8 @@ from torch import Tensor, nn
 from cascade_rl.modeling.models import describe, load_model
 from cascade_rl.modeling.policy import Policy
 from cascade_rl.protocol.devices import role_device
-from cascade_rl.protocol.messages import Ready, TeacherLogprobs, TeacherRequest
-from cascade_rl.protocol.runtime import Pending, WorkerRuntime
+from cascade_rl.protocol.messages import TeacherLogprobs, TeacherRequest
+from cascade_rl.protocol.runtime import Pending, Service, WorkerRuntime
 from cascade_rl.protocol.worker_main import worker_start
 
 log = logging.getLogger("teacher")
@@ -135,29 +135,22 @@ class Teacher:
 # --------------------------------------------------------------------------- the worker
 
 
-class Server:
+class Server(Service):
     """The teacher's ``Service`` (protocol/runtime.py): batches of requests up to ``max_batch_tokens``, each batch
     answered from one forward."""
 
     role = "teacher"
 
     def __init__(self, teacher: Teacher, worker_id: str, slots: int, max_batch_tokens: int) -> None:
-        self.teacher, self.worker_id = teacher, worker_id
+        self.teacher, self.worker_id, self.domains = teacher, worker_id, teacher.domains
         self.where = describe(teacher.model)  # for heartbeats: where the model runs (it never moves)
         self.slots, self.max_batch_tokens = slots, max_batch_tokens
         self.counters = {"requests": 0, "sequences": 0, "tokens": 0, "errors": 0, "expired": 0, "batches": 0,
                          "forwards": 0, "busy_s": 0.0}
         self.state = "idle"
 
-    def hello(self, draining: bool = False) -> Ready:
-        return Ready(self.worker_id, "teacher", 0 if draining else self.slots, domains=self.teacher.domains,
-                     draining=draining)
-
     def status(self) -> dict:
         return {"state": self.state, "counters": {**self.counters, "device": self.where}}
-
-    def accept(self, msg) -> bool:
-        return False
 
     def take(self, pending: collections.deque[Pending]) -> list[Pending]:
         """The oldest pending requests, up to ``max_batch_tokens`` (always at least one)."""
@@ -175,7 +168,7 @@ class Server:
             reason = f"deadline: not started within {req.deadline_s:g} s"
         return reason
 
-    def serve(self, batch: list[Pending], reply) -> None:
+    def serve(self, batch: list[Pending], reply, collect) -> None:
         good = [item.request for item in batch]
         self.state = "busy"
         t0 = time.perf_counter()
@@ -193,19 +186,10 @@ class Server:
             self.counters["requests"] += 1
             reply(item, TeacherLogprobs(item.request.key, values, True, "", self.worker_id, dt))
 
-    def poll(self, reply) -> None:
-        pass
-
-    def busy(self) -> int:
-        return 0
-
     def error_reply(self, req: TeacherRequest, reason: str) -> list[TeacherLogprobs]:
         self.counters["requests"] += 1
         self.counters["errors"] += 1
         return [TeacherLogprobs(req.key, np.zeros(0, np.float32), False, reason, self.worker_id)]
-
-    def close(self) -> None:
-        pass
 
 
 def main(argv: list[str] | None = None) -> None:

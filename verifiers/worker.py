@@ -48,8 +48,8 @@ from multiprocessing.connection import Connection, wait
 
 from omegaconf import OmegaConf
 
-from cascade_rl.protocol.messages import GroupScoreRequest, Ready, Score, ScoreRequest
-from cascade_rl.protocol.runtime import Pending, WorkerRuntime
+from cascade_rl.protocol.messages import GroupScoreRequest, Score, ScoreRequest
+from cascade_rl.protocol.runtime import Pending, Service, WorkerRuntime
 from cascade_rl.protocol.worker_main import worker_start
 
 from . import registry
@@ -268,7 +268,7 @@ class InThreadPool:
         pass
 
 
-class Verifier:
+class Verifier(Service):
     """The verifier's ``Service`` (protocol/runtime.py): requests go to the pool as it has room; scores come back
     from ``poll``."""
 
@@ -279,23 +279,14 @@ class Verifier:
         self.slots = slots or 2 * pool.room  # requests held at once: the pool's plus as many queued here
         self.counters = {"scored": 0, "failed": 0, "verify_s": 0.0}
 
-    def hello(self, draining: bool = False) -> Ready:
-        return Ready(self.worker_id, "verifier", slots=0 if draining else self.slots, domains=self.domains,
-                     draining=draining)
-
     def status(self) -> dict:
         return {"state": "running", "counters": {**self.counters, "pool_pids": list(getattr(self.pool, "pids", []))}}
-
-    def accept(self, msg) -> bool:
-        return False
 
     def take(self, pending: collections.deque[Pending]) -> list[Pending]:
         return [pending.popleft() for _ in range(min(len(pending), self.pool.room))]
 
-    def check(self, item: Pending) -> str:
-        return ""  # a verifier's failures are scores (ok=False), made in the pool
-
-    def serve(self, batch: list[Pending], reply) -> None:
+    def serve(self, batch: list[Pending], reply, collect) -> None:
+        # no ``check``: a verifier's failures are scores (ok=False), made in the pool
         for item in batch:
             self.pool.submit(item.request)
 
