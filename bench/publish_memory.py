@@ -69,8 +69,9 @@ def rank_main(model_dir: str, mode: str, dtype: str, out: str) -> None:
 
     from cascade_rl.learner import parallel
     from cascade_rl.learner.trainer import publish, strip_prefix
-    from cascade_rl.learner.weights import ShmTransport, unshared
     from cascade_rl.modeling.policy import Policy
+    from cascade_rl.weights.layout import unshared
+    from cascade_rl.weights.shm import ShmTransport
 
     ranks = parallel.init(int(os.environ["WORLD_SIZE"]))
     if mode == "full_state_dict":

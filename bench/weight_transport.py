@@ -65,9 +65,9 @@ import xxhash
 from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
 from safetensors.torch import load_file
 
-from cascade_rl.learner.weights import TRANSPORTS
-from cascade_rl.protocol import cuda_ipc
-from cascade_rl.protocol.weights import resolve, shm_dir
+from cascade_rl.weights import cuda_ipc
+from cascade_rl.weights.common import shm_dir
+from cascade_rl.weights.registry import TRANSPORTS, resolve
 
 ROOT = Path(__file__).resolve().parent
 HIDDEN, VOCAB, TARGET = 1024, 8192, 1.5

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from cascade_rl.protocol.codec import decode, encode
+from cascade_rl.weights.layout import file_order
 
 from .optim import LOW_PRECISION
-from .weight_layout import file_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def load_masters(model: nn.Module, masters: dict[str, Tensor]) -> None:
 
 
 class GatheredWeights:
-    """An FSDP2 policy's full weights as a ``TensorSource`` (learner/weights.py), in the HF model's names and
+    """An FSDP2 policy's full weights as a ``TensorSource`` (weights/layout.py), in the HF model's names and
     its dtypes: each tensor is gathered (``DTensor.full_tensor()``, a collective) when a transport reads it,
     cast, written and dropped, so a rank holds one full parameter beyond its shards, never a state dict (30B
     in bf16: 60 GB of host memory otherwise). Tied weights are read once and named in the metadata, as

@@ -31,22 +31,22 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import zmq
 from transformers import AutoTokenizer
 
 from cascade_rl.modeling.models import describe, load_model
 from cascade_rl.modeling.policy import Policy
-from cascade_rl.protocol import auth, records
+from cascade_rl.protocol import records
 from cascade_rl.protocol.devices import role_device
 from cascade_rl.protocol.messages import Ready, StepDone, TrainBatch
-from cascade_rl.protocol.sockets import WorkerLink, send
+from cascade_rl.protocol.sockets import WorkerLink
 from cascade_rl.protocol.worker_main import worker_start
+from cascade_rl.weights.notices import NoticePublisher
+from cascade_rl.weights.registry import TRANSPORTS
 
 from . import checkpoint, parallel
 from .losses import group_advantages, group_token_mean, mismatch_stats
 from .objectives import OBJECTIVES, Terms
 from .optim import MasterAdamW, clip_grad_norm_
-from .weights import TRANSPORTS
 
 log = logging.getLogger("trainer")
 
@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> None:
         records.keep_steps_before(run_dir / records.TRAINED_IDS_FILE, version)  # resumed at step s: steps s.. are redone
         trained_ids = records.Appender(run_dir / records.TRAINED_IDS_FILE)
 
-    # --- rank 0: sockets (weights PUB bound here, link to the orchestrator)
-    link = pub = transport = None
+    # --- rank 0: IO threads (weights PUB bound here, link to the orchestrator)
+    link = notices = transport = None
     status = {"state": "waiting", "version": version,
               "counters": {"steps": version, "train_s": 0.0, "device": where}}
     if ranks.main:
@@ -296,15 +296,13 @@ def main(argv: list[str] | None = None) -> None:
                 host := os.environ.get("CASCADE_RL_NODE_IP") or cfg.host):
             options["host"] = host
         transport = TRANSPORTS[cfg.weights_transport](run_id=cfg.run_id, **options)
-        pub = zmq.Context.instance().socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        auth.bind(pub, cfg.endpoints.weights)  # CURVE server on tcp (protocol/auth.py)
+        notices = NoticePublisher(cfg.endpoints.weights, args.worker_id).start()  # binds, or raises here
         link = WorkerLink(args.worker_id, "trainer", cfg.endpoints.orchestrator, cfg.endpoints.get("heartbeat"), None,
                           expect=(TrainBatch,), status=lambda: status, heartbeat_s=cfg.supervisor.heartbeat_s).start()
         link.send(Ready(args.worker_id, "trainer", slots=1, version=version))
     if version:  # resumed: samplers start from model.path, so hand them the checkpoint's weights first
         if notice := publish(transport, policy, ranks, version):
-            send(pub, notice)
+            notices.send(notice)
             link.send(notice)
 
     # --- loop: one TrainBatch = one optimizer step = one policy version
@@ -328,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
             if not ranks.main:
                 continue
             trained_ids.write({"step": msg.step, "ids": list(msg.ids)})  # before StepDone: read once the run ends
-            send(pub, notice)  # samplers apply it at their next safe point
+            notices.send(notice)  # samplers apply it at their next safe point
             link.send(notice)  # the orchestrator forwards it to samplers that join late
             status.update(state="waiting", version=version)
             status["counters"].update(steps=version, train_s=status["counters"]["train_s"] + metrics["train_s"])
@@ -342,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if link is not None:
             link.close()
+            notices.close()
             transport.close()
             trained_ids.close()
         parallel.close(ranks)

@@ -373,7 +373,7 @@ class WeightsGet:
 @message("weights_chunk")
 class WeightsChunk:
     """trainer's stream ROUTER → sampler: chunk ``chunk`` of the ``chunks`` of weights ``version``, a safetensors
-    file of ``nbytes`` bytes whose checksum is ``checksum`` (protocol/weights.py); ``data`` is the chunk's bytes,
+    file of ``nbytes`` bytes whose checksum is ``checksum`` (weights/common.py); ``data`` is the chunk's bytes,
     ``[chunk * S, min((chunk + 1) * S, nbytes))`` for the publisher's chunk size ``S``."""
 
     version: int

@@ -56,7 +56,7 @@ class Engine(Protocol):
 
     # Engines whose model lives in the sampler process (torch, vllm) also take weights as tensors, for the
     # cuda_ipc transport: ``load_tensors(tensors: dict[str, Tensor], version)``, tensors in the names of the
-    # safetensors file (tied weights once), copied before it returns (samplers/worker.py ``WEIGHT_LOADERS``).
+    # safetensors file (tied weights once), copied before it returns (weights/cuda_ipc.py ``load``).
 
 
 # name -> an Engine class with ``from_config(cfg, device, url)`` and a ``gpu_memory`` attribute:

@@ -8,7 +8,7 @@ GPUs, else cpu), loads version 0 from ``model.path`` and runs on the worker
 runtime (protocol/runtime.py: Ready, heartbeats, the batching window
 ``sampler.batch_window_s``, drain on SIGTERM): collect the requests that have
 arrived, apply the newest announced weights at this safe point (between batches;
-by the notice's format, ``WEIGHT_LOADERS``: a safetensors file by path, or
+by the notice's transport, weights/registry.py ``load``: a safetensors file by path, or
 ``cuda_ipc`` views of the trainer's GPU buffer), and generate every request whose
 ``min_version`` the engine satisfies. A request the engine cannot serve gets
 ``Rollout(finish_reason="error")`` with the reason; the worker lives on.
@@ -25,11 +25,11 @@ from collections import deque
 import numpy as np
 import torch
 
-from cascade_rl.protocol import cuda_ipc
 from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, WeightsReady, WorkKey
 from cascade_rl.protocol.runtime import Pending, Service, WorkerRuntime
-from cascade_rl.protocol.weights import WeightsError, resolve
 from cascade_rl.protocol.worker_main import worker_start
+from cascade_rl.weights.common import TornRead, WeightsError
+from cascade_rl.weights.registry import load as load_weights
 
 from .engine import GenerationRequest, build_engine
 
@@ -51,25 +51,6 @@ def to_generation(req: PromptRequest) -> GenerationRequest:
         # a row of this attempt, named as its score will be: the K/V a later turn of the row resumes from
         prefix_keys=[str(WorkKey.score(req.group_id, i, req.attempt)) for i in rows] if req.keep else [],
     )
-
-
-def load_safetensors(engine, notice: WeightsReady, run_id: str) -> None:
-    """``shm`` and ``stream``: a verified local safetensors file (protocol/weights.py), loaded by path."""
-    engine.load_weights(resolve(notice, run_id), notice.version)
-
-
-def load_cuda_ipc(engine, notice: WeightsReady, run_id: str) -> None:
-    """``cuda_ipc``: the engine copies from views of the trainer's GPU buffer; ``TornRead`` if the trainer
-    rewrote the buffer during the copy (protocol/cuda_ipc.py)."""
-    load = getattr(engine, "load_tensors", None)
-    if load is None:
-        raise WeightsError(f"the {type(engine).__name__} loads weights from files only: use weights_transport=shm")
-    with cuda_ipc.reading(notice) as tensors:
-        load(tensors, notice.version)
-
-
-# WeightsReady.format -> fn(engine, notice, run_id): how a sampler applies a notice
-WEIGHT_LOADERS = {"safetensors": load_safetensors, cuda_ipc.FORMAT: load_cuda_ipc}
 
 
 def error_rollout(req: PromptRequest, worker_id: str, version: int, reason: str) -> Rollout:
@@ -187,21 +168,18 @@ class Sampler(Service):
             self.state = "generating"
 
     def _maybe_load_weights(self) -> None:
-        """Apply the newest notice by its format (``WEIGHT_LOADERS``). A notice that cannot be honoured is
-        logged and skipped: the worker waits for the next one, on its old weights (or, after a torn
+        """Apply the newest notice by its transport (weights/registry.py ``load``). A notice that cannot be
+        honoured is logged and skipped: the worker waits for the next one, on its old weights (or, after a torn
         cuda_ipc load, on none: ``version`` is -1 until a load succeeds)."""
         if self.latest is None or self.latest.version <= self.engine.version:
             return
         self.state = "loading"
         notice, self.latest = self.latest, None
         try:
-            loader = WEIGHT_LOADERS.get(notice.format)
-            if loader is None:
-                raise WeightsError(f"weights format {notice.format!r} not supported; known: {sorted(WEIGHT_LOADERS)}")
-            loader(self.engine, notice, self.run_id)
+            load_weights(self.engine, notice, self.run_id)
             self.counters["weight_loads"] += 1
             self.torn = False
-        except cuda_ipc.TornRead as e:
+        except TornRead as e:
             self.torn = True
             self.counters["torn_loads"] = self.counters.get("torn_loads", 0) + 1
             log.warning("%s", e)

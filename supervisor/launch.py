@@ -41,7 +41,7 @@ from cascade_rl.protocol import auth
 from cascade_rl.protocol.codec import ProtocolError
 from cascade_rl.protocol.messages import Control, ControlReply, Heartbeat
 from cascade_rl.protocol.sockets import recv, send
-from cascade_rl.protocol.weights import shm_dir
+from cascade_rl.weights.common import shm_dir
 
 from . import inline as inline_mode
 from . import judge, placement, stall

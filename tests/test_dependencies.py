@@ -17,14 +17,15 @@ ALLOWED = {
     "modeling": {"protocol", "kernels"},  # what the trainer and the teachers share
     "verifiers": {"protocol"},
     "data": {"protocol", "verifiers"},  # row checks are the verifiers'
-    "samplers": {"protocol", "kernels"},
+    "weights": {"protocol"},  # weight transports: both sides, so the trainer and the samplers import it
+    "samplers": {"protocol", "kernels", "weights"},
     "teachers": {"protocol", "modeling"},  # never the trainer's package
     "environments": {"protocol", "verifiers"},  # the sandbox and the plugin loader are the verifiers'
     "supervisor": {"protocol", "data", "verifiers", "samplers", "learner", "orchestrator", "modeling", "kernels",
-                   "teachers", "environments", "configs"},
+                   "teachers", "environments", "configs", "weights"},
     # samplers: offline evaluation's engine; learner: the checkpoint's data cursor (learner/checkpoint.py)
     "orchestrator": {"protocol", "data", "verifiers", "samplers", "learner", "environments"},
-    "learner": {"protocol", "kernels", "modeling", "data"},
+    "learner": {"protocol", "kernels", "modeling", "data", "weights"},
 }
 
 

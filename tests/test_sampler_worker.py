@@ -17,12 +17,13 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cascade_rl.protocol.cuda_ipc import TornRead
 from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, SamplingParams, WeightsReady
 from cascade_rl.protocol.sockets import bind_router, recv_routed, send
-from cascade_rl.protocol.weights import WeightsError, file_checksum
-from cascade_rl.samplers.worker import WEIGHT_LOADERS, Sampler, load_cuda_ipc
+from cascade_rl.samplers.worker import Sampler
 from cascade_rl.supervisor.config import compose
+from cascade_rl.weights import cuda_ipc
+from cascade_rl.weights.common import TornRead, WeightsError, file_checksum
+from cascade_rl.weights.registry import RECEIVERS, Receiver
 
 EXPECT = (Ready, Rollout)
 
@@ -137,7 +138,7 @@ def test_weights_load_by_format_and_a_torn_load_serves_nothing_until_the_next(mo
         if len(calls) == 1:
             raise TornRead("rewritten during the copy")  # ...and the seqlock says so afterwards
 
-    monkeypatch.setitem(WEIGHT_LOADERS, "cuda_ipc", torn_then_fine)
+    monkeypatch.setitem(RECEIVERS, "cuda_ipc", Receiver(cuda_ipc.FORMAT, cuda_ipc.SCHEME, torn_then_fine))
     s = _bare_sampler(_Engine())
     s.latest = WeightsReady(3, "file:///x.json", format="cuda_ipc")
     s._maybe_load_weights()
@@ -152,4 +153,4 @@ def test_weights_load_by_format_and_a_torn_load_serves_nothing_until_the_next(mo
     assert s.version() == 4 and s.latest is None
     # cuda_ipc to an engine that loads files only: refused with what to change
     with pytest.raises(WeightsError, match="weights_transport=shm"):
-        load_cuda_ipc(object(), WeightsReady(1, "file:///x.json", format="cuda_ipc"), "t")
+        cuda_ipc.load(object(), WeightsReady(1, "file:///x.json", format="cuda_ipc"), "t")

@@ -186,7 +186,7 @@ def test_weight_reload_takes_effect(tiny_model, tmp_path):
         for p in other.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     path = tmp_path / "w.safetensors"
-    save_model(other, str(path))  # as the trainer publishes (learner/weights.py)
+    save_model(other, str(path))  # as the trainer publishes (weights/shm.py)
     engine.load_weights(str(path), version=7)
     assert engine.version == 7
     ours, theirs = engine.model.hf_state_dict(), other.state_dict()
@@ -203,7 +203,7 @@ def test_weight_reload_takes_effect(tiny_model, tmp_path):
 def test_weight_reload_from_tensors_equals_the_file_one(tiny_model, tmp_path):
     """``load_tensors`` (the cuda_ipc transport): the file's tensors (tied ones once) as tensors, copied, so the
     trainer may reuse its buffer afterwards; the parameters end up as the file would leave them."""
-    from cascade_rl.learner.weights import named_tensors
+    from cascade_rl.weights.layout import named_tensors
 
     engine = TorchEngine(tiny_model)
     other = hf_model(tiny_model)

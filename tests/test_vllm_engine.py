@@ -158,7 +158,7 @@ def test_weight_reload_takes_effect(setup, tmp_path):
 def test_weight_reload_from_tensors_takes_effect(setup, tmp_path):
     """``load_tensors`` (the cuda_ipc transport's path): the tensors the file holds (tied ones once, under
     ``lm_head.weight``), copied by the engine, so the source may change afterwards."""
-    from cascade_rl.learner.weights import named_tensors
+    from cascade_rl.weights.layout import named_tensors
 
     engine, hf, tok = setup
     reqs = [request(tok, q, n=2, max_tokens=12, temperature=0.7) for q in QUESTIONS]

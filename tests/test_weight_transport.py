@@ -27,17 +27,12 @@ import zmq
 from safetensors.torch import load_file, save_model
 from transformers import AutoModelForCausalLM
 
-from cascade_rl.learner.weights import TRANSPORTS, named_tensors
-from cascade_rl.protocol import cuda_ipc
 from cascade_rl.protocol.codec import PROTOCOL_VERSION, decode, encode
 from cascade_rl.protocol.messages import Ready, WeightsChunk, WeightsGet, WeightsReady, WeightsRefused
-from cascade_rl.protocol.weights import (
-    WeightsError,
-    file_checksum,
-    receive_dir,
-    resolve,
-    shm_dir,
-)
+from cascade_rl.weights import cuda_ipc
+from cascade_rl.weights.common import WeightsError, file_checksum, receive_dir, shm_dir
+from cascade_rl.weights.layout import named_tensors
+from cascade_rl.weights.registry import TRANSPORTS, resolve
 
 RUN = f"test-wt-{uuid.uuid4().hex[:8]}"  # receivers' run id: files land in shm_dir(RUN)/stream-<pid>
 
@@ -545,8 +540,6 @@ def ipc_sampler(conn, model_path: str) -> None:
     ("hold", notice) -> copy inside ``reading``, reply "copied", wait for "release", reply "ok" or the
     error; ("engine", notice, path) -> the torch engine loads the notice, then the file at ``path``: are its
     parameters bitwise the same both ways?"""
-    from cascade_rl.samplers.worker import load_cuda_ipc
-
     torch.set_num_threads(1)
     engine = None
     while (cmd := conn.recv()) is not None:
@@ -567,7 +560,7 @@ def ipc_sampler(conn, model_path: str) -> None:
                 from cascade_rl.samplers.torch_engine import TorchEngine
 
                 engine = engine or TorchEngine(model_path, dtype="bfloat16", device="cuda")
-                load_cuda_ipc(engine, cmd[1], "")
+                cuda_ipc.load(engine, cmd[1], "")
                 via_ipc = {n: bitwise(p) for n, p in engine.model.named_parameters()}
                 engine.load_weights(cmd[2], cmd[1].version)
                 conn.send(engine.version == cmd[1].version and via_ipc == {
@@ -644,8 +637,8 @@ def test_device_path_through_the_reused_staging_buffers_publishes_the_same_bytes
     """The pinned staging path (device tensors, here CPU ones forced through it): small chunks, two buffers reused
     while the checksum thread still hashes, and both transports publish save_model's file byte for byte; at most
     ``keep`` files are in the run's folder, the one being written included."""
-    from cascade_rl.learner import weights as weights_module
-    from cascade_rl.learner.weights import Staging
+    from cascade_rl.weights import shm as shm_module
+    from cascade_rl.weights.layout import Staging
 
     big = {"a.weight": torch.randn(1024, 300), "b.weight": torch.randn(7, 5), "c.bias": torch.randn(70000)}
     shm, stream = make("shm"), make("stream")
@@ -664,13 +657,13 @@ def test_device_path_through_the_reused_staging_buffers_publishes_the_same_bytes
             assert t.publish(model, 2).checksum == tied.checksum
         assert shm._staging._buffers and all(len(b) == 1 << 16 for b in shm._staging._buffers)
         seen = []
-        real_replace = weights_module.os.replace
+        real_replace = shm_module.os.replace
 
         def spy(src, dst):  # the moment the new file is committed: how many files the folder holds
             seen.append(len(list(shm.dir.iterdir())))
             real_replace(src, dst)
 
-        monkeypatch.setattr(weights_module.os, "replace", spy)
+        monkeypatch.setattr(shm_module.os, "replace", spy)
         for v in (3, 4, 5):
             shm.publish(big, v)
         monkeypatch.undo()

@@ -25,9 +25,10 @@ from transformers import AutoModelForCausalLM
 from cascade_rl.learner import parallel
 from cascade_rl.learner.optim import MasterAdamW
 from cascade_rl.learner.trainer import Batch, load_state, publish, save_state, strip_prefix, train_step
-from cascade_rl.learner.weights import ShmTransport, unshared
 from cascade_rl.modeling.policy import Policy
 from cascade_rl.protocol.messages import TrainBatch
+from cascade_rl.weights.layout import unshared
+from cascade_rl.weights.shm import ShmTransport
 
 
 def batch(step: int) -> Batch:

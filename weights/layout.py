@@ -1,5 +1,5 @@
 """The safetensors file a weight transport publishes, laid out without reading a tensor, and how device tensors
-reach host memory to fill it (learner/weights.py's transports use both).
+reach host memory to fill it (shm.py and stream.py write the file; cuda_ipc.py lays its GPU buffer out the same).
 
 ``layout(weights)`` gives the header and each tensor's offset in file order (``file_order``: the order every
 rank of an FSDP2 trainer reads its source in); ``Layout.tensors()`` then reads the tensors one at a time from a
@@ -20,10 +20,13 @@ import numpy as np
 import torch
 from safetensors.torch import _remove_duplicate_names  # save_model's rule for tied weights (safetensors pinned)
 
-from cascade_rl.protocol import cuda_ipc
-from cascade_rl.protocol.weights import WeightsError
+from .common import WeightsError
 
-DTYPES = {dtype: name for name, dtype in cuda_ipc.DTYPES.items()}  # torch dtype -> its safetensors name
+# safetensors dtype names (what the layout's header writes) -> torch dtypes
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+DTYPES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}  # torch dtype -> its safetensors name
 
 
 # --------------------------------------------------------------------------- serialisation

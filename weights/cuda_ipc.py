@@ -1,7 +1,7 @@
-"""Receiving side of the ``cuda_ipc`` weight transport: the trainer's GPU buffer, read in place.
+"""The ``cuda_ipc`` weight transport: the trainer's GPU buffer, read in place by the samplers. No file at all.
 
 For a trainer and its samplers on ONE GPU (docs/ARCHITECTURE.md §5, §10). The trainer
-(learner/weights.py ``CudaIpcTransport``) keeps ``keep`` (2) flat byte buffers on its GPU and
+(``CudaIpcTransport``, the publisher) keeps ``keep`` (2) flat byte buffers on its GPU and
 writes version v into buffer ``v % keep``, laid out as the data section of the safetensors file
 the other transports publish (same names, dtypes, shapes, byte offsets; tied weights once).
 Nothing leaves the GPU: a sampler maps the buffer into its own process with CUDA IPC and its
@@ -32,7 +32,8 @@ cost what this transport saves, so the weights' integrity here is the seqlock's 
 were written by one process on one device and ``synchronize``d before the sidecar existed.
 
 Each IPC handle is opened once per process (``open_buffer`` keeps the mapping); the views handed
-out are valid only until the trainer reuses the buffer, so engines copy them (``load_tensors``).
+out are valid only until the trainer reuses the buffer, so engines copy them (``load_tensors``, which ``load``,
+the sampler's side, calls inside ``reading``).
 """
 
 from __future__ import annotations
@@ -41,33 +42,29 @@ import json
 import math
 import os
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import xxhash
 
-from .messages import WeightsReady
-from .weights import WeightsError
+from cascade_rl.protocol import auth
+from cascade_rl.protocol.messages import WeightsReady
 
-FORMAT = "cuda_ipc"  # WeightsReady.format of this transport
+from .common import TornRead, WeightsError, shm_dir
+from .layout import SAFETENSORS_DTYPES, Layout, Weights, layout
+
+FORMAT, SCHEME = "cuda_ipc", "file"  # its notices: WeightsReady.format, and the URI's scheme (the sidecar's)
 PROTOCOL = 1  # the sidecar's layout; a receiver refuses another
-
-# safetensors dtype names (what the layout's header writes) -> torch dtypes
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 # the 8 values of ``UntypedStorage._share_cuda_()`` and ``_new_shared_cuda(*values)``, in order, with their
 # types, as torch/multiprocessing/reductions.py (reduce_tensor / rebuild_cuda_tensor) and
 # torch/csrc/StorageSharing.cpp use them in torch 2.11 to 2.13
 HANDLE_FIELDS = (("device", int), ("handle", bytes), ("size", int), ("offset", int), ("ref_counter", bytes),
                  ("ref_counter_offset", int), ("event_handle", bytes), ("event_sync_required", bool))
-
-
-class TornRead(WeightsError):
-    """The buffer was rewritten while it was being copied: what the engine loaded may be a mix of versions."""
 
 
 # --------------------------------------------------------------------------- files
@@ -251,7 +248,86 @@ def open_buffer(sidecar: dict) -> torch.Tensor:
     return buf
 
 
-# --------------------------------------------------------------------------- the sidecar and its views
+# --------------------------------------------------------------------------- publisher
+
+
+@dataclass
+class IpcBuffer:
+    """One of the cuda_ipc transport's GPU buffers: its bytes, its shared handle (taken once: each
+    ``_share_cuda_`` call wraps the storage in a new IPC context) and its seqlock file."""
+
+    data: torch.Tensor  # 1-D uint8 on the trainer's GPU
+    handle: dict  # ``share_storage``
+    seq: Path
+
+
+class CudaIpcTransport:
+    def __init__(self, run_id: str, keep: int = 2, share=share_storage) -> None:
+        """``keep``: buffers (version v goes to buffer v % keep; 2 = double buffering: a sampler still copying
+        v is never overwritten by v + 1); ``share``: how a buffer's storage becomes a handle (CUDA IPC; tests on
+        the CPU pass their own)."""
+        if keep < 1:
+            raise ValueError(f"cuda_ipc: keep must be >= 1, got {keep}")
+        self.dir = auth.private_dir(shm_dir(run_id))  # the run's weights: this user's only (0700)
+        self.keep, self._share = keep, share
+        self._buffers: list[IpcBuffer] = []
+        self._shape: tuple | None = None  # (bytes, tensor table) the buffers were laid out for
+        self._held: dict[int, int] = {}  # buffer -> the version its sidecar announces
+
+    def publish(self, weights: Weights, version: int) -> WeightsReady:
+        """``weights``: the policy, or its full state dict in HF names, on the GPU. Copies it into buffer
+        ``version % keep`` (device to device), waits for the copies, then writes the version's sidecar."""
+        lay = layout(weights)
+        table = {k: v for k, v in lay.entries.items() if k != "__metadata__"}
+        nbytes = lay.nbytes - len(lay.header)
+        buf = self._buffer(version % self.keep, lay, table, nbytes)
+        write_seq(buf.seq, writing(version))  # before the first byte changes: readers see "writing"
+        old = self._held.pop(version % self.keep, None)
+        if old is not None:
+            sidecar_path(self.dir, old).unlink(missing_ok=True)
+        start = len(lay.header)
+        for data, offset in lay.tensors():
+            buf.data[offset - start : offset - start + data.numel()].copy_(data)
+        if buf.data.is_cuda:
+            torch.cuda.synchronize(buf.data.device)  # the bytes are in place before anyone is told they are
+        write_seq(buf.seq, holding(version))
+        sidecar = {"protocol": PROTOCOL, "format": FORMAT, "version": version,
+                   "buffer": version % self.keep, "seq_file": buf.seq.name, "seq": holding(version),
+                   "nbytes": nbytes, "torch": torch.__version__, "handle": buf.handle, "tensors": table,
+                   "metadata": lay.entries.get("__metadata__", {})}
+        text = json.dumps(sidecar, separators=(",", ":")).encode()
+        path = sidecar_path(self.dir, version)
+        write_atomic(path, text)
+        self._held[version % self.keep] = version
+        return WeightsReady(version=version, uri=f"file://{path}", format=FORMAT, nbytes=nbytes,
+                            checksum=xxhash.xxh3_128_hexdigest(text))
+
+    def _buffer(self, index: int, lay: Layout, table: dict, nbytes: int) -> IpcBuffer:
+        """Buffer ``index``, allocating (and sharing) all of them at the first publish, and again only if the
+        weights' layout changes (the sidecars carry the new handles)."""
+        shape = (nbytes, json.dumps(table, sort_keys=True))
+        if shape != self._shape:
+            if nbytes == 0:
+                raise WeightsError("cuda_ipc: the weights are empty")
+            device = lay.device
+            for old in self._held.values():  # their buffers go: so do the notices of what those held
+                sidecar_path(self.dir, old).unlink(missing_ok=True)
+            self._held.clear()
+            self._buffers = []  # the old ones are freed once no sampler maps them (torch's IPC reference counts)
+            for k in range(self.keep):
+                data = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                seq = seq_path(self.dir, k)
+                write_seq(seq, -1)
+                self._buffers.append(IpcBuffer(data, self._share(data.untyped_storage()), seq))
+            self._shape = shape
+        return self._buffers[index]
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._buffers = []
+
+
+# --------------------------------------------------------------------------- receiver: the sidecar and its views
 
 
 def read_sidecar(notice: WeightsReady) -> tuple[dict, Path]:
@@ -290,7 +366,8 @@ def views(buffer: torch.Tensor, table: dict, nbytes: int) -> dict[str, torch.Ten
     out = {}
     for name, entry in table.items():
         try:
-            dtype, shape, (start, end) = DTYPES[entry["dtype"]], [int(n) for n in entry["shape"]], entry["data_offsets"]
+            dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], [int(n) for n in entry["shape"]]
+            start, end = entry["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
             raise WeightsError(f"cuda_ipc tensor table: bad entry {name!r}: {e!r}") from None
         size = math.prod(shape) * dtype.itemsize
@@ -329,3 +406,13 @@ def reading(notice: WeightsReady, opener: Opener | None = None) -> Iterator[dict
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the engine's copies are queued on the GPU: they must be done first
     check_holds(seq, notice.version, torn=True)
+
+
+def load(engine, notice: WeightsReady, run_id: str) -> None:
+    """A sampler applies a notice: the engine copies from views of the trainer's GPU buffer; ``TornRead`` if the
+    trainer rewrote the buffer during the copy."""
+    load_tensors = getattr(engine, "load_tensors", None)
+    if load_tensors is None:
+        raise WeightsError(f"the {type(engine).__name__} loads weights from files only: use weights_transport=shm")
+    with reading(notice) as tensors:
+        load_tensors(tensors, notice.version)
