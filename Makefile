@@ -89,8 +89,12 @@ tools: install
 	rm -rf runs/tools
 	$(CLI) launch tools run_dir=runs/tools
 
+# On every core (pytest-xdist): launches of whole runs one at a time on one worker, light tests beside them, the
+# launches handed out first (the groups and their order: tests/conftest.py). TEST_WORKERS=0: one process, as a plain
+# `pytest tests/test_x.py` runs.
+TEST_WORKERS ?= 2
 test: install
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # Every benchmark in quick mode (docs/ARCHITECTURE.md §9), one table at the end (bench/results/summary.md);
 # full figures: run a script without --quick, or bench/run_all.py without it.

@@ -1,16 +1,64 @@
-"""Shared fixtures: a real tiny model built offline once per test session."""
+"""Shared fixtures (a real tiny model, data files, a tool-SFT'd model: each built offline once per test session)
+and how the suite shares two cores.
+
+``make test`` runs it on both cores with pytest-xdist (``-n 2 --dist loadgroup``); a plain
+``pytest tests/test_x.py`` runs in one process, as before. Under xdist:
+
+* every test that launches whole runs (``@pytest.mark.slow``: several real processes with heartbeat deadlines)
+  is in one group, ``launches``, which one worker runs in order: two launches never starve each other, and
+  the light tests fill the other core;
+* every other test is grouped with its file: a module fixture is built once, and a file's own resources (a
+  sandbox uid range it scans for leftovers) are never used by two workers at once;
+* the session fixtures below are built by the first worker that asks, under a file lock, in a folder both
+  workers see; the other worker waits and reuses them (the tool SFT alone is about a minute).
+"""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 # No GPU: Triton kernels (kernels/) run in Triton's interpreter. Triton reads this when a kernel is decorated,
 # i.e. when its module is imported, so it is set here, before any test module imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+LAUNCHES = "launches"  # the xdist group of the tests marked slow
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under xdist, each test's group (see the module docstring): ``launches`` for the slow ones, else its file;
+    and the launches first, so that the longest group starts at once (with ``--no-loadscope-reorder``, xdist hands
+    the groups out in this order; by default it would start with the files that hold the most tests)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for item in items:
+        group = LAUNCHES if item.get_closest_marker("slow") else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]):
+    """``build(folder)``'s result (JSON-able), built once per test session: under xdist in a folder beside the
+    workers' own base temps (the documented xdist recipe), by whichever worker asks first while holding a file
+    lock; the others read the result it recorded. A build that failed half way is redone by the next to ask."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built-once"
+    root.mkdir(exist_ok=True)
+    record = root / f"{name}.json"
+    with FileLock(root / f"{name}.lock"):
+        if not record.exists():
+            folder = root / name
+            folder.mkdir(exist_ok=True)
+            record.write_text(json.dumps(build(folder)))
+    return json.loads(record.read_text())
 
 
 @pytest.fixture(scope="session")
@@ -18,14 +66,14 @@ def tiny_model(tmp_path_factory) -> str:
     """A randomly initialised Qwen3-MoE tiny model directory (tokenizer trained here)."""
     from cascade_rl.learner.tiny_model import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", arch="qwen3_moe"))
+    return built_once(tmp_path_factory, "tiny", lambda d: str(make_tiny_model(d / "tiny", arch="qwen3_moe")))
 
 
 @pytest.fixture(scope="session")
 def tiny_dense_model(tmp_path_factory) -> str:
     from cascade_rl.learner.tiny_model import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-dense", arch="qwen3"))
+    return built_once(tmp_path_factory, "tiny-dense", lambda d: str(make_tiny_model(d / "tiny-dense", arch="qwen3")))
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +81,8 @@ def tiny_data(tmp_path_factory):
     """The built-in miniature tasks as data files (``cascade-rl make-data cascade``): {split: {task: path}}."""
     from cascade_rl.data.builtin import write_task_files
 
-    return write_task_files("cascade", tmp_path_factory.mktemp("data"), {"heldout": 16, "rl": 300, "sft": 32})
+    return built_once(tmp_path_factory, "data",
+                      lambda d: write_task_files("cascade", d, {"heldout": 16, "rl": 300, "sft": 32}))
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +91,8 @@ def full_data(tmp_path_factory):
     domains, chat, long_context, code_fn, swe_patch, swe_agent) as data files: {split: {task: path}}."""
     from cascade_rl.data.builtin import write_task_files
 
-    return write_task_files("full", tmp_path_factory.mktemp("full-data"), {"heldout": 8, "rl": 64, "sft": 16})
+    return built_once(tmp_path_factory, "full-data",
+                      lambda d: write_task_files("full", d, {"heldout": 8, "rl": 64, "sft": 16}))
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +119,8 @@ def tools_data(tmp_path_factory):
     """The tool miniature as data files (``cascade-rl make-data tools``): {split: {task: path}}."""
     from cascade_rl.data.builtin import write_task_files
 
-    return write_task_files("tools", tmp_path_factory.mktemp("tools-data"), {"heldout": 16, "rl": 300, "sft": 400})
+    return built_once(tmp_path_factory, "tools-data",
+                      lambda d: write_task_files("tools", d, {"heldout": 16, "rl": 300, "sft": 400}))
 
 
 @pytest.fixture(scope="session")
@@ -79,8 +130,10 @@ def tools_model(tmp_path_factory, tools_data) -> str:
     from cascade_rl.learner.sft import SFTConfig, run_sft
     from cascade_rl.learner.tiny_model import make_tiny_model
 
-    root = tmp_path_factory.mktemp("tools-models")
-    base = make_tiny_model(root / "tools", task="tools")
-    files = [str(tools_data["sft"]["tool_arithmetic"]), str(tools_data["sft"]["tool_arithmetic_direct"])]
-    run_sft(SFTConfig(model=str(base), out=str(root / "tools-sft"), files=files, steps=120))
-    return str(root / "tools-sft")
+    def build(root: Path) -> str:
+        base = make_tiny_model(root / "tools", task="tools")
+        files = [str(tools_data["sft"]["tool_arithmetic"]), str(tools_data["sft"]["tool_arithmetic_direct"])]
+        run_sft(SFTConfig(model=str(base), out=str(root / "tools-sft"), files=files, steps=120))
+        return str(root / "tools-sft")
+
+    return built_once(tmp_path_factory, "tools-models", build)
