@@ -1,6 +1,6 @@
 """Every weight transport by name: its publisher (the trainer's side) and its receiver (a sampler's side).
 
-    transport = TRANSPORTS[cfg.weights_transport](run_id=..., **cfg.weights_options)   # the trainer
+    transport = TRANSPORTS[cfg.weights_transport](run_id=..., **cfg.weights_options[cfg.weights_transport])  # the trainer
     notice = transport.publish(policy, version)                                         # -> WeightsReady
     load(engine, notice, run_id)                                                        # a sampler
 
