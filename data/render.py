@@ -63,7 +63,7 @@ def parting(a: str, b: str) -> str:
 
 
 class TurnRenderer:
-    """The chat template's side of multi-turn rollouts (orchestrator/turns.py), token-exact at every boundary.
+    """The chat template's side of multi-turn rollouts (orchestrator/trajectory.py), token-exact at every boundary.
 
         turns = TurnRenderer(render)
         text = turns.assistant_text(turn_ids)                         # the assistant message of a model turn

@@ -16,7 +16,7 @@ messages: assistant turns, with tool turns between them, the last an
 assistant's (``make-data tools``). Each assistant content is the whole turn as
 the template renders it in the conversation: from the generation prompt's
 ``<think>\\n`` on. The sequence is then the token ids a rollout has
-(orchestrator/turns.py): the template's text up to each generation prompt,
+(orchestrator/trajectory.py): the template's text up to each generation prompt,
 tokenised piece by piece, and after each one the turn the model generates
 and its end-of-turn token; the loss is on those generated tokens only, never
 on a tool turn or the template's own (role headers, the generation prompt).

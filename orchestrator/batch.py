@@ -6,7 +6,7 @@ import numpy as np
 
 from cascade_rl.protocol.messages import StepDone, TrainBatch
 
-from . import turns
+from . import trajectory
 from .groups import Group, rewards
 
 
@@ -88,7 +88,8 @@ def step_metrics(step: int, version: int, groups: list[Group], overlong_penalty:
         "staleness_max": max(step - r.policy_version for r in rollouts),  # <= orchestrator.max_staleness
         "version_span_max": max(version_span(r) for r in rollouts),  # in-flight updates: > 0
         "gen_tokens_per_s": tokens / max(t_sample, 1e-9),
-        **{f"multi_turn/{k}": v for k, v in turns.summary([t for g in groups for t in g.trajectories.values()]).items()},
+        **{f"multi_turn/{k}": v
+           for k, v in trajectory.summary([t for g in groups for t in g.trajectories.values()]).items()},
         "sample_s": t_sample,
         "step_s": t_step,
         **{f"trainer/{k}": v for k, v in done.metrics.items()},

@@ -6,6 +6,7 @@
     core.dispatch()                      # queued work -> workers with free credit
     for ident, msg in core.take_outbox(): ...   # what the IO thread sends
     core.expire()                        # deadlines passed: re-dispatch, re-request
+    core.to_trainer(batch, core.settle(groups))   # complete groups' fates; the TrainBatch leaves by the outbox too
 
 Flow (docs/ARCHITECTURE.md §3, §6): a group waits in the prompt queue until a sampler has credit for its n
 sequences (and ``max_inflight_groups`` allows), each rollout that comes back is queued for a verifier of its
@@ -14,13 +15,17 @@ its domain. Every item a worker holds has a deadline; an item past it, or held b
 became unreachable, is sent again (a group with its attempt incremented, so the old attempt's late replies are
 recognised as duplicates). ``settle`` decides the fate of a completed batch round and writes it to the ledger.
 
-A multi-turn group (its rows name an environment) keeps each row as a trajectory (orchestrator/turns.py; the
-rules, orchestrator/trajectories.py, are mixed in): after each model turn an environment worker runs the turn's
-tool calls, the core appends the observation's token ids (``Turns.observation_ids``: the chat template's, never
-re-tokenised model text) and a sampler continues the row (``PromptRequest.index``), until the trajectory ends;
-then it is scored like a single-turn rollout. An environment step or a later turn past its deadline, or held by
-a worker that is gone, is sent again with the same attempt: it carries its trajectory's state, so any worker can
-serve it (docs/ARCHITECTURE.md §12).
+A multi-turn group (its rows name an environment) keeps each row as a trajectory (orchestrator/trajectory.py),
+run by the core's ``Trajectories`` (orchestrator/trajectories.py): after each model turn an environment worker
+runs the turn's tool calls, the observation's token ids are appended (``TurnTemplate.observation_ids``: the chat
+template's, never re-tokenised model text) and a sampler continues the row (a ``PromptRequest`` keyed "gen"),
+until the trajectory ends; then the core scores it like a single-turn rollout. An environment step or a later
+turn past its deadline, or held by a worker that is gone, is sent again with the same attempt: it carries its
+trajectory's state, so any worker can serve it (docs/ARCHITECTURE.md §12).
+
+Everything the core sends goes through its outbox (``take_outbox``), the trainer's batches too (``to_trainer``);
+the main loop changes its state only through its methods (``receive``, ``add_group``, ``settle``, ``forget``,
+``take_step``).
 """
 
 from __future__ import annotations
@@ -46,65 +51,40 @@ from cascade_rl.protocol.messages import (
     StepDone,
     TeacherLogprobs,
     TeacherRequest,
+    TrainBatch,
     WeightsReady,
     WorkKey,
-    rollout_id,
 )
 from cascade_rl.protocol.sockets import UNREACHABLE
 from cascade_rl.verifiers.registry import is_group_domain
 
-from . import groups as rules
-from .groups import Group
+from .groups import UNAVAILABLE, Group, filter_reason, masked, staleness
 from .ledger import Ledger
 from .pool import Worker, WorkerPool
-from .trajectories import TrajectoryRules, Turns
-from .turns import Trajectory
+from .rules import Rules
+from .trajectories import Trajectories, TurnTemplate
 
 log = logging.getLogger("orchestrator")
 
 
-@dataclasses.dataclass
-class Rules:
-    """The settings the state machine obeys (``orchestrator`` and ``trainer`` sections of the launch config)."""
-
-    max_inflight_groups: int = 256
-    sampler_timeout_s: float = 300.0
-    verifier_timeout_s: float = 60.0
-    teacher_timeout_s: float = 120.0
-    max_staleness: int = 0
-    dynamic_filtering: bool = False
-    overlong_penalty: bool = False
-    mask_threshold: float | None = None
-    mopd: bool = False
-    env_timeout_s: float = 60.0
-    max_turns: int = 4
-    max_total_tokens: int = 0  # 0: max_turns x the group's max_tokens
-    context: int = 0  # the model's context length: a trajectory (prompt included) never outgrows it; 0: no limit
-
-    @classmethod
-    def from_config(cls, cfg, context: int = 0) -> Rules:
-        o = cfg.orchestrator
-        return cls(o.max_inflight_groups, o.sampler_timeout_s, o.verifier_timeout_s, o.teacher_timeout_s,
-                   o.max_staleness, o.dynamic_filtering, o.overlong_penalty, o.mask_threshold,
-                   cfg.run.algorithm == "mopd", o.env_timeout_s, o.max_turns, o.max_total_tokens, context)
-
-
-class Core(TrajectoryRules):
-    def __init__(self, rules_: Rules, decode: Callable[[np.ndarray], str], ledger: Ledger,
-                 clock: Callable[[], float] = time.monotonic, turns_: Turns | None = None) -> None:
-        """``decode``: response token ids -> the text a verifier scores (the whole assistant turn); ``turns_``:
-        the chat template's side of multi-turn rows."""
-        self.rules, self.decode, self.ledger, self.clock, self.turns = rules_, decode, ledger, clock, turns_
+class Core:
+    def __init__(self, rules: Rules, decode: Callable[[np.ndarray], str], ledger: Ledger,
+                 clock: Callable[[], float] = time.monotonic, template: TurnTemplate | None = None,
+                 version: int = 0) -> None:
+        """``decode``: response token ids -> the text a verifier scores (the whole assistant turn); ``template``:
+        the chat template's side of multi-turn rows; ``version``: the newest trained version (a resumed run's
+        checkpoint step)."""
+        self.rules, self.decode, self.ledger, self.clock = rules, decode, ledger, clock
         self.pool = WorkerPool()
+        self.trajectories = Trajectories(rules, template, self.pool, clock)  # multi-turn rows' steps and turns
         self.groups: dict[str, Group] = {}
         self.prompt_queue: deque[str] = deque()  # group ids waiting for a sampler
         self.score_queue: deque[tuple[str, int]] = deque()  # (group id, rollout index; -1: the whole group)
         self.teacher_queue: deque[str] = deque()  # MOPD: group ids waiting for a teacher
-        self.turn_queue: deque[WorkKey] = deque()  # multi-turn work keys waiting: environment steps and next turns
         self.outbox: list[tuple[bytes, object]] = []
-        self.version = 0  # the newest trained version (StepDone)
+        self.version = version  # the newest trained version (StepDone)
         self.weights: WeightsReady | None = None  # the newest notice, for samplers that join late
-        self.steps_done: dict[int, StepDone] = {}  # until the main loop takes them
+        self.steps_done: dict[int, StepDone] = {}  # until the main loop takes them (``take_step``)
         self.last_step: StepDone | None = None
         self.malformed = 0
         self.stray_replies = 0  # replies naming no training rollout: late evaluation replies, unknown keys
@@ -131,8 +111,8 @@ class Core(TrajectoryRules):
                   step: int = -1, env: str = "") -> Group:
         """A new group, queued for a sampler (training groups enter the ledger now: their ids are dispatched);
         ``env``: its rows are multi-turn trajectories in that environment."""
-        if env and self.turns is None:
-            raise ValueError("a multi-turn group needs the core's Turns (the chat template)")
+        if env and self.trajectories.template is None:
+            raise ValueError("a multi-turn group needs the core's TurnTemplate (the chat template)")
         scope = f"s{step}" if train else "e"
         self._seq[scope] += 1
         g = Group(f"{scope}g{self._seq[scope]}" if train else f"e{self._seq[scope]}", row, prompt_ids, n, sampling,
@@ -143,6 +123,16 @@ class Core(TrajectoryRules):
             self.ledger.dispatch(g)
         return g
 
+    def forget(self, groups: list[Group]) -> None:
+        """Complete evaluation groups out of the core (they have no fate in the books); their late replies are
+        strays."""
+        for g in groups:
+            del self.groups[g.group_id]
+
+    def take_step(self, step: int) -> StepDone:
+        """The trainer's ``StepDone`` of ``step``, once it is in ``steps_done``: taken out."""
+        return self.steps_done.pop(step)
+
     # ------------------------------------------------------------------ output
 
     def take_outbox(self) -> list[tuple[bytes, object]]:
@@ -151,7 +141,8 @@ class Core(TrajectoryRules):
 
     def dispatch(self) -> None:
         self._dispatch_prompts()
-        self._dispatch_turns()
+        for ident, msg in self.trajectories.dispatch(self.groups):
+            self._send(ident, msg)
         self._dispatch_scores()
         self._dispatch_teachers()
 
@@ -175,15 +166,20 @@ class Core(TrajectoryRules):
         r = self.rules
         for g in batch:
             del self.groups[g.group_id]
-            reason = rules.filter_reason(g, r.dynamic_filtering, r.overlong_penalty)
+            reason = filter_reason(g, r.dynamic_filtering, r.overlong_penalty)
             if reason:
                 self.ledger.settle(g, "filtered", reason)
-            elif (behind := rules.staleness(g, g.step)) > r.max_staleness:
+            elif (behind := staleness(g, g.step)) > r.max_staleness:
                 self.ledger.settle(g, "stale", f"{behind} versions behind step {g.step}")
             else:
-                g.masked = rules.masked(g, r.mask_threshold, r.overlong_penalty)
+                g.masked = masked(g, r.mask_threshold, r.overlong_penalty)
                 kept.append(g)
         return kept
+
+    def to_trainer(self, batch: TrainBatch, groups: list[Group]) -> None:
+        """``batch``, built of ``groups``, to the trainer (the first that joined), through the outbox."""
+        self._send(self.pool.first("trainer"), batch)
+        self.trained(groups)
 
     def trained(self, batch: list[Group]) -> None:
         """``batch`` went to the trainer."""
@@ -212,12 +208,16 @@ class Core(TrajectoryRules):
         log.info("%s joined as %s (%d slots, version %d)", ident.decode(), msg.role, msg.slots, msg.version)
 
     def _on_rollout(self, ident: bytes, r: Rollout) -> None:
-        if r.turn > 0:
-            self._on_next_turn(ident, r)
+        key = r.key
+        if key.kind == "gen":  # a later turn of a multi-turn row, from any sampler
+            g = self._turn_reply(ident, key, "gen")
+            if g is not None:
+                self._finished(g, self.trajectories.next_turn(g, ident, r))
             return
-        g = self.groups.get(r.group_id)
-        if g is None or r.attempt != g.attempt or g.worker != ident:
-            self._dropped(rollout_id(r.group_id, r.index), r.attempt, "a rollout of an attempt already re-dispatched")
+        g = self.groups.get(key.group)
+        if g is None or key.attempt != g.attempt or g.worker != ident:
+            rid = "" if r.finish_reason == "error" else key.rollout_id  # an error answers the request, no row
+            self._dropped(rid, key.attempt, "a rollout of an attempt already re-dispatched")
             return
         w = self.pool.get(ident)
         if w is not None:
@@ -226,25 +226,35 @@ class Core(TrajectoryRules):
             g.error = f"sampler_error: {r.error or 'unknown sampler error'}"
             self.pool.release(g.worker, g.group_id)
             return
-        if not 0 <= r.index < g.n or r.index in g.rollouts or r.index in g.trajectories:
+        if not 0 <= key.index < g.n or key.index in g.rollouts or key.index in g.trajectories:
             self.malformed += 1
             return
         if g.env:  # the first turn of a multi-turn row
-            g.trajectories[r.index] = Trajectory(sampler=ident)
+            done = self.trajectories.start(g, ident, r)
             if len(g.trajectories) == g.n:
                 self.pool.release(g.worker, g.group_id)
-            self._took_turn(g, r.index, r)
+            self._finished(g, done)
             return
         self._rollout_done(g, r)
 
+    def _on_env(self, ident: bytes, reply: EnvReply) -> None:
+        g = self._turn_reply(ident, reply.key, "env")
+        if g is not None:
+            self._finished(g, self.trajectories.env_step(g, reply))
+
+    def _finished(self, g: Group, r: Rollout | None) -> None:
+        """A multi-turn row's handler is done: ``r`` is its finished trajectory, if it ended."""
+        if r is not None:
+            self._rollout_done(g, r)
+
     def _rollout_done(self, g: Group, r: Rollout) -> None:
-        g.rollouts[r.index] = r
+        g.rollouts[r.key.index] = r
         if len(g.rollouts) == g.n:
             if not g.env:
                 self.pool.release(g.worker, g.group_id)
             if g.needs_teacher:
                 self.teacher_queue.append(g.group_id)
-        self._queue_score(g, r.index)
+        self._queue_score(g, r.key.index)
 
     def _on_score(self, ident: bytes, s: Score) -> None:
         key = s.key
@@ -256,7 +266,7 @@ class Core(TrajectoryRules):
             return
         g.scores[key.index] = s
         if s.unavailable and not g.error:  # a judge down, no sandbox: not a reward of 0 (verifiers/errors.py)
-            g.error = f"{rules.UNAVAILABLE}: {s.reason}"
+            g.error = f"{UNAVAILABLE}: {s.reason}"
 
     def _on_teacher(self, ident: bytes, t: TeacherLogprobs) -> None:
         g = self._reply(ident, t.key, "teacher")
@@ -291,6 +301,18 @@ class Core(TrajectoryRules):
             return None
         return g
 
+    def _turn_reply(self, ident: bytes, key: WorkKey, kind: str) -> Group | None:
+        """A multi-turn reply (``kind`` "env" or "gen"): frees the worker's credit. Its group if the trajectory waits
+        for it, else None, counted as a duplicate (a reply to a step sent again, or to an attempt already
+        re-dispatched)."""
+        self.pool.release(ident, key)
+        g = self.groups.get(key.group)
+        if not self.trajectories.awaits(g, key, kind):
+            rid = key.rollout_id if key.kind in ("env", "gen") else ""  # a score or teacher key names no step
+            self._dropped(rid, key.attempt, f"a second reply to {kind} step {key}")
+            return None
+        return g
+
     def _dropped(self, rollout_id: str, attempt: int, reason: str) -> None:
         if not self.ledger.duplicate(rollout_id, attempt, reason):
             self.stray_replies += 1
@@ -321,8 +343,8 @@ class Core(TrajectoryRules):
             if self.rules.context and len(g.prompt_ids) + sampling.max_tokens > self.rules.context:
                 room = max(1, self.rules.context - len(g.prompt_ids))  # a long prompt: the answer fits the context
                 sampling = dataclasses.replace(sampling, max_tokens=room)
-            self._send(ident, PromptRequest(g.group_id, g.row.domain, g.prompt_ids, g.n, sampling, g.min_version,
-                                            g.attempt, keep=bool(g.env)))
+            self._send(ident, PromptRequest(g.sample_key(), g.row.domain, g.prompt_ids, g.n, sampling, g.min_version,
+                                            keep=bool(g.env)))
             inflight += 1
 
     def _queue_score(self, g: Group, index: int) -> None:
@@ -394,7 +416,7 @@ class Core(TrajectoryRules):
         if key.kind == "teacher":
             self.teacher_queue.append(g.group_id)
         elif key.kind in ("env", "gen"):
-            self.turn_queue.append(key)  # its trajectory still waits for it (else the dispatch skips it)
+            self.trajectories.requeue(key)  # its trajectory still waits for it (else the dispatch skips it)
         else:
             self._queue_score(g, key.index)
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from cascade_rl.data.render import PromptRenderer
 from cascade_rl.data.rows import Row
 from cascade_rl.protocol.messages import SamplingParams
 from cascade_rl.samplers.engine import ENGINES, register_builtin_engines
@@ -97,8 +98,8 @@ def evaluate_checkpoint(path: str, heldout: list[Row], n: int = 4, temperature: 
     from cascade_rl.environments.base import EnvSettings
     from cascade_rl.environments.registry import build_environment
 
-    from .core import Rules
     from .offline import Scorer, offline_core, run_in_process
+    from .rules import Rules
 
     unknown = sorted({row.domain for row in heldout} - set(VERIFIERS) - set(EVAL_VERIFIERS))
     if unknown:
@@ -112,10 +113,10 @@ def evaluate_checkpoint(path: str, heldout: list[Row], n: int = 4, temperature: 
     envs = [row.env or (env_defaults or {}).get(row.domain, "") for row in heldout]
     settings = EnvSettings.from_config(environment or {})
     environments = {name: build_environment(name, settings) for name in sorted(set(envs) - {""})}
-    core = offline_core(tokenizer, thinking, Rules(max_turns=max_turns, context=model_context(path)),
-                        sorted({r.domain for r in heldout}),
-                        sorted(environments))
-    groups = [core.add_group(row, np.array(core.render.ids(row.messages), np.int32), n,
+    render = PromptRenderer(tokenizer, thinking)
+    core = offline_core(render, Rules(max_turns=max_turns, context=model_context(path)),
+                        sorted({r.domain for r in heldout}), sorted(environments))
+    groups = [core.add_group(row, np.array(render.ids(row.messages), np.int32), n,
                              SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i),
                              train=False, env=env)
               for i, (row, env) in enumerate(zip(heldout, envs))]

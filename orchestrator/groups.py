@@ -3,10 +3,11 @@
 Ids (docs/ARCHITECTURE.md §6, the ledger): a training group of step s is ``s{s}g{k}`` (k counts the step's
 groups, refills included), an evaluation group ``e{k}``; rollout i of a group is ``{group}/{i}`` for the
 whole of its life, whichever attempt (re-dispatch) produced it (protocol/messages.py ``rollout_id``). The work
-handed to verifiers, teachers and environments is keyed by a ``WorkKey`` (protocol/messages.py), built here
-(``score_key``, ``teacher_key``, ``turn_key``) and echoed in the reply; its text (logs, the stall report) is
-``{group}/{i}/{attempt}`` for a score, ``{group}/teacher/{attempt}``, ``{group}/{i}:env{t}/{attempt}`` and
-``{group}/{i}:gen{t}/{attempt}`` for a multi-turn row's environment step and later turn (orchestrator/turns.py).
+handed to samplers, verifiers, teachers and environments is keyed by a ``WorkKey`` (protocol/messages.py), built
+here (``sample_key``, ``score_key``, ``teacher_key``, ``turn_key``) and echoed in the reply; its text (logs, the
+stall report) is ``{group}/{i}/{attempt}`` for a score, ``{group}/teacher/{attempt}``, ``{group}/{i}:env{t}/{attempt}``
+and ``{group}/{i}:gen{t}/{attempt}`` for a multi-turn row's environment step and later turn
+(orchestrator/trajectory.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 from cascade_rl.data.rows import Row
 from cascade_rl.protocol.messages import Rollout, SamplingParams, Score, WorkKey, rollout_id
 
-from .turns import Trajectory
+from .trajectory import Trajectory
 
 # the reason of a group failed by a verifier that could not score (verifiers/errors.py): not the prompts' fault, so
 # its replacements do not use up refill rounds (orchestrator/main.py sample_batch)
@@ -57,6 +58,10 @@ class Group:
 
     def ids(self) -> list[str]:
         return [self.rollout_id(i) for i in range(self.n)]
+
+    def sample_key(self) -> WorkKey:
+        """The first turn of every row (its rollouts answer with their row index)."""
+        return WorkKey.sample(self.group_id, self.attempt)
 
     def score_key(self, index: int) -> WorkKey:
         return WorkKey.score(self.group_id, index, self.attempt)

@@ -46,12 +46,13 @@ from cascade_rl.protocol.sockets import RouterLink
 from cascade_rl.protocol.worker_main import worker_start
 
 from . import evaluate as evaluation
-from . import turns
+from . import trajectory
 from .batch import build_batch, mismatch_summary, step_metrics
-from .core import Core, Rules
+from .core import Core
 from .groups import UNAVAILABLE, Group
 from .ledger import LEDGER_FILE, Ledger, compare_trainer
 from .report import MetricsLog, live_metrics, write_summary
+from .rules import Rules
 
 log = logging.getLogger("orchestrator")
 INBOUND = (Ready, Rollout, Score, TeacherLogprobs, StepDone, WeightsReady, EnvReply)
@@ -81,8 +82,7 @@ class Orchestrator:
         self.start_step = self._resume()
         self.core = Core(Rules.from_config(cfg, evaluation.model_context(cfg.model.path)), self._decode,
                          Ledger(self.run_dir / LEDGER_FILE, self.start_step),
-                         turns_=TurnRenderer(self.render))
-        self.core.version = self.start_step
+                         template=TurnRenderer(self.render), version=self.start_step)
         self.metrics = MetricsLog(self.run_dir, cfg.orchestrator.tensorboard)
         self.status = {"state": "starting", "step": self.start_step, "steps": cfg.run.steps, "progress": 0}
         self._snapshot: dict = {"state": "starting"}
@@ -92,7 +92,7 @@ class Orchestrator:
         self.per_question: dict[str, np.ndarray] = {}  # the latest evaluation, per held-out question
         self.mismatch: list[dict[str, float]] = []  # per step: engine vs trainer log-probs
         self.trainer_window, self.trainer_busy_s = [0.0, 0.0], 0.0  # first batch sent, last StepDone
-        self.multi_turn = turns.Totals()  # multi-turn: the trained trajectories' counts (summary.json multi_turn)
+        self.multi_turn = trajectory.Totals()  # multi-turn: the trained trajectories' counts (summary.json multi_turn)
 
     # ------------------------------------------------------------------ the stage, top to bottom
 
@@ -199,8 +199,8 @@ class Orchestrator:
         o = self.cfg.orchestrator
         batch = build_batch(step, groups, self.cfg.run.group_size, self.tokenizer.pad_token_id or 0,
                             self.core.rules.mopd, o.overlong_penalty, {"examples_drawn": self.prompts.drawn})
-        self.link.send((self.core.pool.first("trainer"), batch))
-        self.core.trained(groups)
+        self.core.to_trainer(batch, groups)
+        self._flush()
         self.multi_turn.add(t for g in groups for t in g.trajectories.values())
         self.trainer_window[0] = self.trainer_window[0] or time.perf_counter()
 
@@ -208,7 +208,7 @@ class Orchestrator:
         """Take the trainer's StepDone of ``step``; log its metrics (and evaluate when due)."""
         self.status["state"] = "training"
         self.pump(lambda: step in self.core.steps_done, f"the trainer's StepDone of step {step}")
-        done = self.core.steps_done.pop(step)
+        done = self.core.take_step(step)
         self.trainer_window[1] = time.perf_counter()
         self.trainer_busy_s += float(done.metrics.get("train_s", 0.0))
         self.mismatch.append({k.removeprefix("mismatch/"): v for k, v in done.metrics.items()
@@ -236,8 +236,7 @@ class Orchestrator:
                   lambda: f"evaluation: {sum(g.complete for g in everything)} of {len(everything)} groups")
         result = {}
         for name, gs in groups.items():
-            for g in gs:
-                del self.core.groups[g.group_id]
+            self.core.forget(gs)
             rewards = [[g.scores[i].reward if i in g.scores else 0.0 for i in range(g.n)] for g in gs]
             self.per_question[name], domains = evaluation.accuracy([g.row.domain for g in gs], rewards)
             result[name] = float(np.mean(self.per_question[name]))
@@ -252,8 +251,7 @@ class Orchestrator:
         self.waiting_for = waiting_for
         while not until():
             self.core.dispatch()
-            for item in self.core.take_outbox():
-                self.link.send(item)
+            self._flush()
             self._beat()
             try:
                 item = self.link.inbox.get(timeout=0.1)
@@ -266,6 +264,11 @@ class Orchestrator:
             if give_up and time.monotonic() > give_up:
                 raise TimeoutError(f"orchestrator: still waiting for {self._waiting()}")
         self.status["progress"] += 1  # what the supervisor's stall watch looks for
+
+    def _flush(self) -> None:
+        """What the core has to send, to the IO thread."""
+        for item in self.core.take_outbox():
+            self.link.send(item)
 
     def _waiting(self) -> str:
         return self.waiting_for() if callable(self.waiting_for) else self.waiting_for

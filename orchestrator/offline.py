@@ -1,6 +1,6 @@
 """The orchestrator's rules run in one process with the real parts answering in place of the sockets.
 
-    core = offline_core(tokenizer, thinking=True)
+    core = offline_core(PromptRenderer(tokenizer, thinking=True))
     groups = [core.add_group(row, ids, n, sampling, train=False, env=row.env) for ...]
     run_in_process(core, engine, environments={"python": build_environment("python")})
 
@@ -39,14 +39,13 @@ from .ledger import Ledger
 SAMPLER, VERIFIER, ENVIRONMENT = b"sampler-0", b"verifier-0", b"environment-0"
 
 
-def offline_core(tokenizer, thinking: bool = True, rules: Rules | None = None, domains: list[str] = (),
+def offline_core(render: PromptRenderer, rules: Rules | None = None, domains: list[str] = (),
                  environments: list[str] = ()) -> Core:
-    """A core with one in-process sampler, verifier (of ``domains``) and environment worker (of ``environments``)
-    joined, and no ledger file."""
-    render = PromptRenderer(tokenizer, thinking)
+    """A core for prompts rendered by ``render``, with one in-process sampler, verifier (of ``domains``) and
+    environment worker (of ``environments``) joined, and no ledger file."""
+    tokenizer = render.tokenizer
     core = Core(rules or Rules(), decode=lambda ids: render.prefix + tokenizer.decode(ids, skip_special_tokens=True),
-                ledger=Ledger(None), turns_=TurnRenderer(render))
-    core.render = render
+                ledger=Ledger(None), template=TurnRenderer(render))
     for ident, role, served in ((SAMPLER, "sampler", []), (VERIFIER, "verifier", list(domains)),
                                 (ENVIRONMENT, "environment", list(environments))):
         core.receive(ident, Ready(ident.decode(), role, 1 << 20, 0, served))
@@ -115,9 +114,8 @@ def _serve(core: Core, engine, environments: Mapping[str, object], scorer: Score
         groups = engine.generate([to_generation(r) for r in prompts]) if prompts else []
         for req, samples in zip(prompts, groups):
             for k, s in enumerate(samples):
-                core.receive(SAMPLER, Rollout(req.group_id, req.index if req.index >= 0 else k, req.domain,
-                                              req.prompt_ids, s.response_ids, s.logprobs, s.finish_reason,
-                                              engine.version, SAMPLER.decode(), 0.0, req.attempt, turn=req.turn))
+                core.receive(SAMPLER, Rollout(req.key.answer(k), req.domain, req.prompt_ids, s.response_ids,
+                                              s.logprobs, s.finish_reason, engine.version, SAMPLER.decode()))
         for score in scorer.score([m for _, m in out if isinstance(m, ScoreRequest)]):
             core.receive(VERIFIER, score)
         steps = [m for _, m in out if isinstance(m, EnvRequest)]  # tool calls run in sandboxes: side by side too

@@ -1,25 +1,37 @@
-"""The orchestrator's rules for multi-turn rows, part of the state machine of orchestrator/core.py (``Core``
-mixes them in): a row's model turn in, its environment step out; the step's reply in, its next turn out, until
-the trajectory ends and is scored like a single-turn rollout (docs/ARCHITECTURE.md §12). No sockets, no tokenizer:
-the chat template's side is the ``Turns`` the core is given.
+"""The multi-turn side of the orchestrator's state machine: a component the ``Core`` (orchestrator/core.py) owns.
+
+    trajectories = Trajectories(rules, template, pool, clock)
+    done = trajectories.start(g, ident, rollout)      # a row's first turn: its trajectory begins
+    for ident, msg in trajectories.dispatch(groups): ...   # environment steps and next turns, to free workers
+    done = trajectories.env_step(g, reply)            # a step's reply in: the next turn queued, or the end
+    done = trajectories.next_turn(g, ident, rollout)  # a later model turn in: the next step queued, or the end
+
+A row's model turn in, its environment step out; the step's reply in, its next turn out, until the trajectory
+(orchestrator/trajectory.py) ends and comes back as one finished ``Rollout`` (``done``), which the core scores
+like a single-turn rollout (docs/ARCHITECTURE.md §12). Its state is the queue of work waiting for a worker; the
+trajectories themselves live in their ``Group``. It shares the core's ``WorkerPool`` (credit, deadlines) and
+clock; no sockets, no tokenizer: the chat template's side is the ``TurnTemplate`` it is given.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
 
 from cascade_rl.protocol.messages import EnvReply, EnvRequest, PromptRequest, Rollout, WorkKey
 
-from . import turns
 from .groups import Group
-from .turns import Phase, Trajectory
+from .pool import WorkerPool
+from .rules import Rules
+from .trajectory import Phase, Trajectory, budget, next_phase
 
 
-class Turns(Protocol):
-    """What the core needs of the tokenizer for multi-turn rows (data/render.py ``TurnRenderer``)."""
+class TurnTemplate(Protocol):
+    """What multi-turn rows need of the tokenizer (data/render.py ``TurnRenderer``)."""
 
     def assistant_text(self, turn_ids: np.ndarray) -> str:
         """A model turn as the assistant message of the conversation (what the template re-renders)."""
@@ -29,107 +41,115 @@ class Turns(Protocol):
         when the template does not extend the trajectory."""
 
 
-class TrajectoryRules:
-    """Handlers and dispatch of multi-turn work; the state (groups, pool, queues, rules) is the ``Core``'s."""
+class Trajectories:
+    """Handlers and dispatch of multi-turn work. Each handler returns the row's finished rollout when its
+    trajectory ends (else None); a failure is written to the group's ``error``."""
 
-    def _took_turn(self, g: Group, i: int, r: Rollout) -> None:
-        """Model turn of row i in: the environment acts on it next, or the trajectory is done."""
-        t = g.trajectories[i]
-        t.add_turn(r, self.turns.assistant_text(r.response_ids))
-        t.phase = turns.next_phase(t, self.rules.max_turns, self._budget(g))
-        if t.phase == Phase.env:
-            self.turn_queue.append(g.turn_key(i, "env", t.turn))
-        else:
-            self._rollout_done(g, t.rollout(g.prompt_ids))
+    def __init__(self, rules: Rules, template: TurnTemplate | None, pool: WorkerPool,
+                 clock: Callable[[], float]) -> None:
+        self.rules, self.template, self.pool, self.clock = rules, template, pool, clock
+        self.queue: deque[WorkKey] = deque()  # environment steps and next turns waiting for a worker
 
-    def _budget(self, g: Group) -> int:
-        """Tokens after the prompt a trajectory of ``g`` may have: ``orchestrator.max_total_tokens`` (or a full turn
-        each), and never past the model's context (``Rules.context``)."""
-        limit = turns.budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
-        return min(limit, self.rules.context - len(g.prompt_ids)) if self.rules.context else limit
+    def start(self, g: Group, ident: bytes, r: Rollout) -> Rollout | None:
+        """Row ``r.key.index``'s first turn, sampled by ``ident`` (its next turn goes there first)."""
+        g.trajectories[r.key.index] = Trajectory(sampler=ident)
+        return self._took_turn(g, r.key.index, r)
 
-    def _on_next_turn(self, ident: bytes, r: Rollout) -> None:
-        """A later turn of a multi-turn row (``PromptRequest.index``), sent by any sampler."""
-        key = WorkKey.step(r.group_id, r.index, "gen", r.turn, r.attempt)  # what its PromptRequest was assigned as
-        g, t = self._turn_reply(ident, key, "gen")
-        if g is None:
-            return
+    def next_turn(self, g: Group, ident: bytes, r: Rollout) -> Rollout | None:
+        """A later turn of a multi-turn row (a ``PromptRequest`` of kind "gen"), sent by any sampler; ``g`` and
+        the key ``awaits`` it."""
         if r.finish_reason == "error":
             g.error = f"sampler_error: {r.error or 'unknown sampler error'}"
-            return
-        t.sampler = ident
-        self._took_turn(g, r.index, r)
+            return None
+        g.trajectories[r.key.index].sampler = ident
+        return self._took_turn(g, r.key.index, r)
 
-    def _on_env(self, ident: bytes, reply: EnvReply) -> None:
-        g, t = self._turn_reply(ident, reply.key, "env")
-        if g is None:
-            return
+    def env_step(self, g: Group, reply: EnvReply) -> Rollout | None:
+        """An environment's reply to row ``reply.key.index``'s step; ``g`` and the key ``awaits`` it."""
         i = reply.key.index
+        t = g.trajectories[i]
         if not reply.ok:
             t.phase = Phase.done
             g.error = f"env_error: {reply.error}"
-            return
+            return None
         if reply.done:
             t.count(reply)
             t.state = dict(reply.state)  # what the episode left, for its verifier (metadata["env_state"])
             t.phase = Phase.done
-            self._rollout_done(g, t.rollout(g.prompt_ids))
-            return
+            return t.rollout(g.prompt_ids)
         messages = [*g.row.messages, *t.messages, *reply.tool_messages]
         try:
-            ids = self.turns.observation_ids(np.concatenate([g.prompt_ids, t.ids()]), messages)
+            ids = self.template.observation_ids(np.concatenate([g.prompt_ids, t.ids()]), messages)
         except ValueError as e:
             t.phase = Phase.done
             g.error = f"template_error: {e}"
-            return
+            return None
         t.add_observation(ids, reply)
-        if t.tokens() >= self._budget(g):  # no room for another turn: the trajectory ends on the observation
+        if t.tokens() >= self.budget(g):  # no room for another turn: the trajectory ends on the observation
             t.phase = Phase.done
-            self._rollout_done(g, t.rollout(g.prompt_ids))
-        else:
-            t.phase = Phase.gen
-            self.turn_queue.append(g.turn_key(i, "gen", t.turn))
+            return t.rollout(g.prompt_ids)
+        t.phase = Phase.gen
+        self.queue.append(g.turn_key(i, "gen", t.turn))
+        return None
 
-    def _turn_reply(self, ident: bytes, key: WorkKey, kind: str) -> tuple[Group | None, Trajectory | None]:
-        """The group and trajectory a multi-turn reply answers, if it is the one they wait for; else counted as
-        a duplicate (a reply to a step sent again, or to an attempt already re-dispatched)."""
-        self.pool.release(ident, key)
-        g = self.groups.get(key.group)
+    def awaits(self, g: Group | None, key: WorkKey, kind: str) -> bool:
+        """Whether ``key`` answers the ``kind`` step ("env" or "gen") that its trajectory in ``g`` waits for: not a
+        reply to a step sent again, nor to an attempt already re-dispatched, nor to a failed group."""
         t = g.trajectories.get(key.index) if g is not None else None
-        if t is None or key.kind != kind or key.attempt != g.attempt or t.turn != key.turn or t.phase != kind \
-                or g.error:
-            rid = key.rollout_id if key.kind in ("env", "gen") else ""  # a score or teacher key names no step
-            self._dropped(rid, key.attempt, f"a second reply to {kind} step {key}")
-            return None, None
-        return g, t
+        return not (t is None or key.kind != kind or key.attempt != g.attempt or t.turn != key.turn
+                    or t.phase != kind or g.error)
 
-    def _dispatch_turns(self) -> None:
-        """Multi-turn work: environment steps to an environment worker serving the row's environment, next turns
-        to any sampler (the whole trajectory as the prompt; the engine reuses its cached prefix)."""
-        while self.turn_queue:
-            key = self.turn_queue[0]
+    def requeue(self, key: WorkKey) -> None:
+        """A step or next turn that will not come back (deadline, worker gone): asked again with the same key (it
+        carries its trajectory's state: any worker can serve it); skipped at dispatch if no longer awaited."""
+        self.queue.append(key)
+
+    def budget(self, g: Group) -> int:
+        """Tokens after the prompt a trajectory of ``g`` may have: ``orchestrator.max_total_tokens`` (or a full turn
+        each), and never past the model's context (``Rules.context``)."""
+        limit = budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
+        return min(limit, self.rules.context - len(g.prompt_ids)) if self.rules.context else limit
+
+    def dispatch(self, groups: Mapping[str, Group]) -> list[tuple[bytes, EnvRequest | PromptRequest]]:
+        """Queued work to free workers, assigned in the pool: environment steps to an environment worker serving
+        the row's environment, next turns to any sampler (the whole trajectory as the prompt; the engine reuses its
+        cached prefix, so the row's last sampler first). The messages to send, in order."""
+        out: list[tuple[bytes, EnvRequest | PromptRequest]] = []
+        while self.queue:
+            key = self.queue[0]
             i, kind, turn = key.index, key.kind, key.turn
-            g = self.groups.get(key.group)
+            g = groups.get(key.group)
             t = g.trajectories.get(i) if g is not None and g.attempt == key.attempt and not g.error else None
             if t is None or t.turn != turn or t.phase != kind:
-                self.turn_queue.popleft()
+                self.queue.popleft()
                 continue
             role, need = ("environment", 1) if kind == "env" else ("sampler", 1)
             picked = self.pool.pick(role, need, g.env if kind == "env" else None,
                                     prefer=t.sampler if kind == "gen" else None)  # its KV prefix lives there
             if picked is None:
-                return
+                break
             ident, _ = picked
-            self.turn_queue.popleft()
+            self.queue.popleft()
             if kind == "env":
                 timeout_s = self.rules.env_timeout_s
                 msg = EnvRequest(key, g.env, g.row.domain, [*g.row.messages, *t.messages], t.state, g.row.metadata,
                                  timeout_s)
             else:
                 timeout_s = self.rules.sampler_timeout_s
-                limit = self._budget(g)
-                sampling = dataclasses.replace(g.sampling, max_tokens=min(g.sampling.max_tokens, limit - t.tokens()))
-                msg = PromptRequest(g.group_id, g.row.domain, np.concatenate([g.prompt_ids, t.ids()]), 1, sampling,
-                                    g.min_version, g.attempt, index=i, turn=turn, keep=True)
+                room = self.budget(g) - t.tokens()
+                sampling = dataclasses.replace(g.sampling, max_tokens=min(g.sampling.max_tokens, room))
+                msg = PromptRequest(key, g.row.domain, np.concatenate([g.prompt_ids, t.ids()]), 1, sampling,
+                                    g.min_version, keep=True)
             self.pool.assign(ident, key, need, self.clock(), timeout_s)
-            self._send(ident, msg)
+            out.append((ident, msg))
+        return out
+
+    def _took_turn(self, g: Group, i: int, r: Rollout) -> Rollout | None:
+        """Model turn of row i in: the environment acts on it next, or the trajectory is done."""
+        t = g.trajectories[i]
+        t.add_turn(r, self.template.assistant_text(r.response_ids))
+        t.phase = next_phase(t, self.rules.max_turns, self.budget(g))
+        if t.phase == Phase.env:
+            self.queue.append(g.turn_key(i, "env", t.turn))
+            return None
+        return t.rollout(g.prompt_ids)

@@ -9,6 +9,7 @@ context length) belong to the receiver.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import field
 from typing import Any
@@ -43,15 +44,23 @@ class WorkKey:
     (docs/ARCHITECTURE.md §3): what it is of which group, and the group's attempt (a reply to an older attempt is
     a duplicate). Built here, by kind; carried as a map, never as text to parse. ``str(key)`` is its name in
     logs and the stall report: ``{group}/{index}/{attempt}`` (score), ``{group}/teacher/{attempt}``,
-    ``{group}/{index}:env{turn}/{attempt}`` and ``{group}/{index}:gen{turn}/{attempt}`` (multi-turn, §12)."""
+    ``{group}/{index}:sample/{attempt}`` (a first turn), ``{group}/{index}:env{turn}/{attempt}`` and
+    ``{group}/{index}:gen{turn}/{attempt}`` (multi-turn, §12)."""
 
     group: str  # the group id (orchestrator/groups.py: s3g5, e2)
     kind: str  # one of KINDS
-    index: int = 0  # the row of the group (teacher: 0, the request is the whole group's)
+    index: int = 0  # the row of the group (teacher, and a group's sample request: 0, the request is the group's)
     turn: int = 0  # env: the step after model turn ``turn``; gen: the sampler's turn ``turn`` + 1; else 0
     attempt: int = 0  # the group's re-dispatches when it was handed out
 
-    KINDS = ("score", "teacher", "env", "gen")  # a class constant, not a field
+    KINDS = ("sample", "score", "teacher", "env", "gen")  # a class constant, not a field
+    SAMPLING = ("sample", "gen")  # the kinds of a PromptRequest and its Rollouts
+
+    @classmethod
+    def sample(cls, group: str, attempt: int) -> WorkKey:
+        """The first turn of every row of a group (a ``PromptRequest`` of n); its rollouts answer with their row
+        (``answer``)."""
+        return cls(group, "sample", 0, 0, attempt)
 
     @classmethod
     def score(cls, group: str, index: int, attempt: int) -> WorkKey:
@@ -68,6 +77,11 @@ class WorkKey:
         """A multi-turn row's environment step (``kind`` "env") or next turn ("gen") after model turn ``turn``."""
         return cls(group, kind, index, turn, attempt)
 
+    def answer(self, k: int) -> WorkKey:
+        """The key of the ``k``-th rollout answering a ``PromptRequest`` of this key: a group's first turn answers
+        with row ``k``, a multi-turn row's next turn (n is 1) with its own row."""
+        return dataclasses.replace(self, index=k) if self.kind == "sample" else self
+
     @property
     def rollout_id(self) -> str:
         """The ledger's id of the rollout this work is for (a teacher's: the group's first)."""
@@ -78,6 +92,8 @@ class WorkKey:
             return f"{self.group}/teacher/{self.attempt}"
         if self.kind == "score":
             return f"{self.group}/{self.index}/{self.attempt}"
+        if self.kind == "sample":
+            return f"{self.group}/{self.index}:sample/{self.attempt}"
         return f"{self.group}/{self.index}:{self.kind}{self.turn}/{self.attempt}"
 
     def validate(self) -> str:
@@ -87,7 +103,7 @@ class WorkKey:
             return f"kind {self.kind!r} is none of {self.KINDS}"
         if min(self.index, self.turn, self.attempt) < 0:
             return f"negative index, turn or attempt in {self}"
-        if self.kind in ("score", "teacher") and self.turn:
+        if self.kind in ("sample", "score", "teacher") and self.turn:
             return f"a {self.kind} key has no turn ({self.turn})"
         if self.kind == "teacher" and self.index:
             return f"a teacher key has no row index ({self.index})"
@@ -113,28 +129,26 @@ class Ready:
 class PromptRequest:
     """orchestrator → sampler: sample ``n`` responses to one prompt."""
 
-    group_id: str
+    key: WorkKey  # kind "sample": a group's first turn, n rows; kind "gen": continue row ``key.index`` of the group
+    # (a multi-turn trajectory): n is 1, prompt_ids is the whole trajectory so far (docs/ARCHITECTURE.md §12)
     domain: str
     prompt_ids: np.ndarray = array("int32")
     n: int = 1
     sampling: SamplingParams = field(default_factory=SamplingParams)
     min_version: int = 0
-    attempt: int = 0
-    index: int = -1  # >= 0: continue row ``index`` of the group (a multi-turn trajectory): n is 1, the rollout
-    # that answers carries this index; prompt_ids is the whole trajectory so far (docs/ARCHITECTURE.md §12)
-    turn: int = 0  # which turn of that row this continues (a reply to an older turn is a duplicate)
     keep: bool = False  # multi-turn: the engine may keep each row's K/V for its next turn (prefix reuse)
 
     def validate(self) -> str:
-        return "a continuation (index >= 0) samples n=1" if self.index >= 0 and self.n != 1 else ""
+        if self.key.kind not in WorkKey.SAMPLING:
+            return f"a {self.key.kind} key asks for no sampling"
+        return "a continuation (kind gen) samples n=1" if self.key.kind == "gen" and self.n != 1 else ""
 
 
 @message("rollout")
 class Rollout:
     """sampler → orchestrator: one sampled response, tagged with inference log-probs."""
 
-    group_id: str
-    index: int
+    key: WorkKey  # its request's ``key.answer(k)``: the group, the row, the attempt and (multi-turn) the turn
     domain: str
     prompt_ids: np.ndarray = array("int32")
     response_ids: np.ndarray = array("int32")
@@ -143,9 +157,7 @@ class Rollout:
     policy_version: int = 0
     sampler_id: str = ""
     t_gen: float = 0.0
-    attempt: int = 0
     error: str = ""
-    turn: int = 0  # the request's ``turn`` (multi-turn continuations)
     loss_mask: np.ndarray | None = array("bool", default=None)  # [R] True for model tokens; None: all are.
     # A multi-turn trajectory's observation tokens are False: no loss, no gradient, no mismatch metric
     routes: np.ndarray | None = array("int16", 3, default=None)  # [P + R - 1, MoE layers, top_k]: the experts the
@@ -154,6 +166,8 @@ class Rollout:
     # token (in-flight updates: a row can span versions); None: all are ``policy_version``
 
     def validate(self) -> str:
+        if self.key.kind not in WorkKey.SAMPLING:
+            return f"a {self.key.kind} key answers no sampling"
         if self.finish_reason not in ("stop", "length", "error"):
             return f"finish_reason {self.finish_reason!r}"
         if self.finish_reason != "error" and len(self.response_ids) != len(self.inf_logprobs):

@@ -38,9 +38,9 @@ log = logging.getLogger("sampler")
 
 def to_generation(req: PromptRequest) -> GenerationRequest:
     s = req.sampling
-    rows = [req.index] if req.index >= 0 else range(req.n)
+    rows = [req.key.answer(k) for k in range(req.n)]  # a continuation's one row keeps its index
     return GenerationRequest(
-        key=req.group_id,
+        key=req.key.group,
         prompt_ids=np.asarray(req.prompt_ids, dtype=np.int32),
         n=req.n,
         temperature=s.temperature,
@@ -49,14 +49,13 @@ def to_generation(req: PromptRequest) -> GenerationRequest:
         stop=list(s.stop),
         seed=s.seed,
         # a row of this attempt, named as its score will be: the K/V a later turn of the row resumes from
-        prefix_keys=[str(WorkKey.score(req.group_id, i, req.attempt)) for i in rows] if req.keep else [],
+        prefix_keys=[str(WorkKey.score(r.group, r.index, r.attempt)) for r in rows] if req.keep else [],
     )
 
 
 def error_rollout(req: PromptRequest, worker_id: str, version: int, reason: str) -> Rollout:
     empty_i, empty_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
-    return Rollout(req.group_id, req.index, req.domain, req.prompt_ids, empty_i, empty_f, "error", version,
-                   worker_id, 0.0, req.attempt, reason, turn=req.turn)
+    return Rollout(req.key, req.domain, req.prompt_ids, empty_i, empty_f, "error", version, worker_id, 0.0, reason)
 
 
 class Sampler(Service):
@@ -120,12 +119,10 @@ class Sampler(Service):
             that stream groups), so scoring overlaps the rest of the batch; else after it."""
             req, t_gen = batch[i].request, time.perf_counter() - t0
             for k, s in enumerate(samples):  # a multi-turn row's next turn keeps the row's index
-                index = req.index if req.index >= 0 else k
                 spans = s.versions is not None and len(s.versions) > 0
                 version = int(s.versions.min()) if spans else self.engine.version  # its oldest token's
-                reply(batch[i], Rollout(req.group_id, index, req.domain, req.prompt_ids, s.response_ids, s.logprobs,
-                                        s.finish_reason, version, self.worker_id, t_gen, req.attempt,
-                                        turn=req.turn, routes=s.routes,
+                reply(batch[i], Rollout(req.key.answer(k), req.domain, req.prompt_ids, s.response_ids, s.logprobs,
+                                        s.finish_reason, version, self.worker_id, t_gen, routes=s.routes,
                                         token_versions=s.versions if spans and self.inflight else None))
                 self.counters["rollouts"] += 1
                 self.counters["tokens"] += len(s.response_ids)

@@ -169,10 +169,15 @@ _MSGPACK_INT = st.integers(-(2**63), 2**64 - 1)
 _LEAVES = st.one_of(st.none(), st.booleans(), _MSGPACK_INT, st.floats(), st.text(max_size=8), st.binary(max_size=8))
 _COUNT = st.integers(0, 2**64 - 1)
 _GROUP = st.text(min_size=1, max_size=6)
+_SAMPLING_KEYS = st.one_of(  # a PromptRequest's and its Rollouts' (a first turn's row, a multi-turn row's turn)
+    st.builds(lambda group, attempt, index: WorkKey.sample(group, attempt).answer(index), _GROUP, _COUNT, _COUNT),
+    st.builds(WorkKey.step, _GROUP, _COUNT, st.just("gen"), _COUNT, _COUNT),
+)
 _WORK_KEYS = st.one_of(  # every kind of key the orchestrator builds (WorkKey.validate refuses the rest)
     st.builds(WorkKey.score, _GROUP, _COUNT, _COUNT),
     st.builds(WorkKey.teacher, _GROUP, _COUNT),
-    st.builds(WorkKey.step, _GROUP, _COUNT, st.sampled_from(["env", "gen"]), _COUNT, _COUNT),
+    st.builds(WorkKey.step, _GROUP, _COUNT, st.just("env"), _COUNT, _COUNT),
+    _SAMPLING_KEYS,
 )
 _ANY = st.recursive(
     _LEAVES, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=5
@@ -209,6 +214,7 @@ def _fix_ready(draw, kw: dict) -> None:
 
 
 def _fix_rollout(draw, kw: dict) -> None:  # arrays share one length, so response ids and log-probs match
+    kw["key"] = draw(_SAMPLING_KEYS)
     kw["finish_reason"] = draw(st.sampled_from(["stop", "length", "error"]))
     if kw.get("routes") is not None:  # the experts of every token the engine ran: prompt + response - 1
         ran = len(kw["prompt_ids"]) + len(kw["response_ids"]) - 1
@@ -224,7 +230,8 @@ def _fix_deadline(draw, kw: dict) -> None:
 
 
 def _fix_prompt_request(draw, kw: dict) -> None:  # a multi-turn row's next turn samples one sequence
-    if kw.get("index", -1) >= 0:
+    kw["key"] = draw(_SAMPLING_KEYS)
+    if kw["key"].kind == "gen":
         kw["n"] = 1
 
 
@@ -764,7 +771,7 @@ def test_decode_accepts_only_what_encode_can_send_on(kind):
 def _malformed_burst(rng: random.Random, expect: tuple[type, ...], n: int) -> list[list[bytes]]:
     """``n`` multiparts each of which decode(frames, expect) rejects, of many kinds."""
     valid = [
-        _frames(PromptRequest(group_id="g", domain="math", prompt_ids=np.arange(5, dtype=np.int32))),
+        _frames(PromptRequest(key=WorkKey.sample("g", 0), domain="math", prompt_ids=np.arange(5, dtype=np.int32))),
         _frames(Score(key=WorkKey.score("k", 0, 0), reward=1.0, ok=True)),  # a valid message of a type the socket does not take
         _frames(Ready(worker_id="w", role="sampler", slots=2)),
         _frames(WeightsReady(version=3, uri="file:///w")),
@@ -835,13 +842,13 @@ def test_worker_link_counts_malformed_bursts_and_keeps_serving():
             router.send_multipart([ident, *frames])
         for frames in sub_burst:
             xpub.send_multipart(frames)
-        request = PromptRequest(group_id="after", domain="math", prompt_ids=np.arange(3, dtype=np.int32))
+        request = PromptRequest(key=WorkKey.sample("after", 0), domain="math", prompt_ids=np.arange(3, dtype=np.int32))
         send(router, request, identity=ident)
         send(xpub, WeightsReady(version=9, uri="file:///w9"))
 
         received = [link.inbox.get(timeout=10), link.inbox.get(timeout=10)]
         by_type = {type(m): m for m in received}
-        assert by_type[PromptRequest].group_id == "after" and by_type[PromptRequest].prompt_ids.tolist() == [0, 1, 2]
+        assert by_type[PromptRequest].key.group == "after" and by_type[PromptRequest].prompt_ids.tolist() == [0, 1, 2]
         assert by_type[WeightsReady].version == 9
         assert link.inbox.empty()
         assert link.malformed == len(dealer_burst) + len(sub_burst)

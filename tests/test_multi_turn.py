@@ -1,6 +1,7 @@
 """Multi-turn rollouts, token-exact: the chat template's side (data/render.py ``TurnRenderer``), the orchestrator's
-rules for trajectories (orchestrator/core.py, turns.py) driven by messages and a fake clock, and the batch the
-trainer gets (observation tokens carry no loss). Real engines and a real launch: tests/test_multi_turn_launch.py."""
+rules for trajectories (orchestrator/core.py and its trajectories.py) driven by messages and a fake clock, and the
+batch the trainer gets (observation tokens carry no loss). Real engines and a real launch:
+tests/test_multi_turn_launch.py. The ``Trajectories`` component alone: tests/test_trajectories.py."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from transformers import AutoTokenizer
 
 from cascade_rl.data.render import PromptRenderer, TurnRenderer
 from cascade_rl.data.rows import Row
-from cascade_rl.orchestrator import turns as turn_rules
+from cascade_rl.orchestrator import trajectory
 from cascade_rl.orchestrator.batch import build_batch
-from cascade_rl.orchestrator.core import Core, Rules
+from cascade_rl.orchestrator.core import Core
 from cascade_rl.orchestrator.ledger import Ledger
+from cascade_rl.orchestrator.rules import Rules
 from cascade_rl.protocol import records
 from cascade_rl.protocol.messages import (
     EnvReply,
@@ -102,7 +104,7 @@ def test_a_template_that_rewrites_history_is_refused_with_where(tokenizer, turns
 
 def make(clock, turns, tmp_path, **options) -> Core:
     return Core(Rules(**options), decode=lambda ids: "", ledger=Ledger(tmp_path / "ledger.jsonl"), clock=clock,
-                turns_=turns)
+                template=turns)
 
 
 def join(core: Core, ident: bytes, role: str, domains=("tool_use",), slots: int = 64) -> None:
@@ -120,8 +122,8 @@ def sent(core: Core, kind: type) -> list[tuple[bytes, object]]:
 
 
 def turn_rollout(req: PromptRequest, index: int, ids: np.ndarray, finish: str = "stop", sampler: str = "s0") -> Rollout:
-    return Rollout(req.group_id, index, req.domain, req.prompt_ids, ids, np.full(len(ids), -0.25, np.float32), finish,
-                   0, sampler, 0.0, req.attempt, turn=req.turn)
+    return Rollout(req.key.answer(index), req.domain, req.prompt_ids, ids, np.full(len(ids), -0.25, np.float32),
+                   finish, 0, sampler)
 
 
 @pytest.fixture
@@ -152,7 +154,7 @@ def test_a_trajectory_through_sampler_environment_and_verifier(world, tokenizer,
                               tool_calls=1))
     core.receive(E0, EnvReply(WorkKey.step(g.group_id, 1, "env", 1, 0), True))
     (s2, cont), = sent(core, PromptRequest)  # row 0's second turn: the whole trajectory is its prompt
-    assert cont.index == 0 and cont.turn == 1 and cont.n == 1
+    assert cont.key == WorkKey.step(g.group_id, 0, "gen", 1, 0) and cont.n == 1 and cont.keep
     used = len(cont.prompt_ids) - len(prompt)  # the turn samples at most what the budget leaves
     assert cont.sampling.max_tokens == min(64, 3 * 64 - used)
     core.receive(s2, turn_rollout(cont, 0, answer))
@@ -177,7 +179,7 @@ def test_a_trajectory_through_sampler_environment_and_verifier(world, tokenizer,
     row0 = batch.response_mask[0]
     assert row0.sum() == len(call) + len(answer) and not row0[len(prompt) + len(call): len(cont.prompt_ids)].any()
     assert batch.input_ids[0, : len(cont.prompt_ids)].tolist() == cont.prompt_ids.tolist()
-    summary = turn_rules.summary(list(g.trajectories.values()))
+    summary = trajectory.summary(list(g.trajectories.values()))
     assert summary["turns_mean"] == 1.5 and summary["tool_calls_mean"] == 0.5
     assert summary["observation_token_frac"] == pytest.approx(obs / (len(call) + obs + 2 * len(answer)))
 
@@ -280,7 +282,7 @@ def test_hanging_crashing_and_fork_bombing_tools_fail_closed_and_the_trajectory_
     assert "timed out" in observations[0] and "killed by signal 9" in observations[1], observations
     assert "Resource temporarily unavailable" in observations[2] or "timed out" in observations[2], observations
     for s2, cont in sent(core, PromptRequest):  # the model recovers: its next turn answers
-        core.receive(s2, turn_rollout(cont, cont.index, model_turn(tokenizer, "</think>\n\n\\boxed{3901}")))
+        core.receive(s2, turn_rollout(cont, cont.key.index, model_turn(tokenizer, "</think>\n\n\\boxed{3901}")))
     for v, r in sent(core, ScoreRequest):
         core.receive(v, Score(r.key, 1.0, True))
     assert g.complete and not g.error

@@ -18,14 +18,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cascade_rl.data.render import PromptRenderer, TurnRenderer
 from cascade_rl.data.rows import parse_row
 from cascade_rl.environments.registry import build_environment
 from cascade_rl.learner.objectives import OBJECTIVES, Terms
 from cascade_rl.learner.trainer import Batch
 from cascade_rl.modeling.policy import Policy
 from cascade_rl.orchestrator.batch import build_batch
-from cascade_rl.orchestrator.core import Rules
 from cascade_rl.orchestrator.offline import offline_core, run_in_process
+from cascade_rl.orchestrator.rules import Rules
 from cascade_rl.protocol.messages import SamplingParams
 from cascade_rl.samplers.engine import ENGINES, register_builtin_engines
 from cascade_rl.verifiers.sandbox import isolation_available
@@ -57,8 +58,9 @@ def episodes(engine, tools_model, tools_data, tmp_path_factory):
     """GROUPS held-out tool questions x N trajectories each, greedy (the SFT'd model's tokens re-encode as sampled)
     and sampled, through the engine, the python environment and the verifier."""
     tok = AutoTokenizer.from_pretrained(tools_model)
-    core = offline_core(tok, True, Rules(max_turns=3), ["tool_use"], ["python"])
-    turns = core.turns
+    render = PromptRenderer(tok, thinking=True)
+    core = offline_core(render, Rules(max_turns=3), ["tool_use"], ["python"])
+    turns = TurnRenderer(render)
     rows = [parse_row(json.loads(line)) for line in open(tools_data["heldout"]["tool_arithmetic"])][:GROUPS]
     groups = [core.add_group(row, np.array(turns.render.ids(row.messages), np.int32), N,
                              SamplingParams(temperature=t, max_tokens=48), train=True, step=0, env=row.env)

@@ -4,6 +4,7 @@ exercised by tests/test_launch.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -12,11 +13,12 @@ import numpy as np
 import pytest
 
 from cascade_rl.data.rows import Row
-from cascade_rl.orchestrator import groups as rules
+from cascade_rl.orchestrator import groups
 from cascade_rl.orchestrator.batch import build_batch
-from cascade_rl.orchestrator.core import Core, Rules
+from cascade_rl.orchestrator.core import Core
 from cascade_rl.orchestrator.ledger import Ledger
 from cascade_rl.orchestrator.report import MetricsLog
+from cascade_rl.orchestrator.rules import Rules
 from cascade_rl.protocol import records
 from cascade_rl.protocol.messages import (
     GroupScoreRequest,
@@ -69,9 +71,11 @@ def sent(core: Core, kind: type | None = None) -> list[tuple[bytes, object]]:
 
 def rollout(req: PromptRequest, index: int, n_tokens: int = 3, version: int = 0, finish: str = "stop",
             attempt: int | None = None) -> Rollout:
-    return Rollout(req.group_id, index, req.domain, req.prompt_ids, np.arange(5, 5 + n_tokens, dtype=np.int32),
-                   np.full(n_tokens, -0.5, np.float32), finish, version, "sampler-0", 0.0,
-                   req.attempt if attempt is None else attempt)
+    key = req.key.answer(index)
+    if attempt is not None:
+        key = dataclasses.replace(key, attempt=attempt)
+    return Rollout(key, req.domain, req.prompt_ids, np.arange(5, 5 + n_tokens, dtype=np.int32),
+                   np.full(n_tokens, -0.5, np.float32), finish, version, "sampler-0", 0.0)
 
 
 def sample_and_score(core: Core, rewards: list[float], finish: list[str] | None = None, step: int = 0):
@@ -99,18 +103,18 @@ def test_overlong_penalty_dynamic_filtering_and_masking(clock):
     join(core, S0, "sampler")
     join(core, V0, "verifier")
     g = sample_and_score(core, [1.0, 1.0, 0.0, 1.0], ["stop", "length", "stop", "length"])
-    assert rules.rewards(g, overlong_penalty=False).tolist() == [1.0, 1.0, 0.0, 1.0]
-    assert rules.rewards(g, overlong_penalty=True).tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert groups.rewards(g, overlong_penalty=False).tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert groups.rewards(g, overlong_penalty=True).tolist() == [1.0, 0.0, 0.0, 0.0]
     uniform = sample_and_score(core, [1.0] * 4)
-    assert rules.filter_reason(uniform, dynamic_filtering=True, overlong_penalty=False) == "uniform_rewards"
-    assert rules.filter_reason(uniform, dynamic_filtering=False, overlong_penalty=False) == ""
+    assert groups.filter_reason(uniform, dynamic_filtering=True, overlong_penalty=False) == "uniform_rewards"
+    assert groups.filter_reason(uniform, dynamic_filtering=False, overlong_penalty=False) == ""
     # equal only after the overlong penalty: filtered too (what is trained on is what counts)
     cut = sample_and_score(core, [0.0, 1.0, 0.0, 0.0], ["stop", "length", "stop", "stop"])
-    assert rules.filter_reason(cut, dynamic_filtering=True, overlong_penalty=True) == "uniform_rewards"
-    assert rules.filter_reason(cut, dynamic_filtering=True, overlong_penalty=False) == ""
+    assert groups.filter_reason(cut, dynamic_filtering=True, overlong_penalty=True) == "uniform_rewards"
+    assert groups.filter_reason(cut, dynamic_filtering=True, overlong_penalty=False) == ""
     low = sample_and_score(core, [0.4, 0.9], ["stop", "length"])  # nothing above 0.5 once the cut one scores 0
-    assert rules.masked(low, 0.5, overlong_penalty=True) and not rules.masked(low, 0.5, overlong_penalty=False)
-    assert not rules.masked(low, None, overlong_penalty=True)
+    assert groups.masked(low, 0.5, overlong_penalty=True) and not groups.masked(low, 0.5, overlong_penalty=False)
+    assert not groups.masked(low, None, overlong_penalty=True)
 
 
 def test_settle_writes_each_fate_with_its_reason_and_the_batch_carries_ids_masks_and_cursor(clock, tmp_path):
@@ -279,7 +283,7 @@ def test_a_sampler_past_its_deadline_loses_the_group_and_its_late_rollouts_are_d
     core.expire()
     assert g.attempt == 1 and not g.rollouts
     (second, req1), = sent(core, PromptRequest)
-    assert req1.attempt == 1 and req1.group_id == g.group_id
+    assert req1.key == WorkKey.sample(g.group_id, 1) and str(req1.key) == f"{g.group_id}/0:sample/1"
     core.receive(first, rollout(req0, 1))  # the first sampler's late reply: dropped, in the ledger
     for i in range(2):
         core.receive(second, rollout(req1, i))
@@ -304,7 +308,7 @@ def test_a_restarted_or_unreachable_worker_has_its_work_sent_again(clock):
     sent(core, PromptRequest)
     join(core, S0, "sampler")  # sampler-0 restarted (Ready again under its id): the group goes out again
     (again, req1), = sent(core, PromptRequest)
-    assert again == S0 and req1.attempt == 1
+    assert again == S0 and req1.key.attempt == 1
     core.receive(S0, rollout(req1, 0))
     (v, s), = sent(core, ScoreRequest)
     core.receive(v, UNREACHABLE)  # that verifier is gone: its score request goes to the other one
@@ -394,7 +398,7 @@ def test_a_teacher_error_or_a_wrong_length_filters_the_group_with_its_reason(clo
         (_, treq), = sent(core, TeacherRequest)
         reply.key = treq.key
         core.receive(T0, reply)
-        assert g.complete and rules.filter_reason(g, False, False) == reason
+        assert g.complete and groups.filter_reason(g, False, False) == reason
 
 
 def test_a_sampler_error_fails_its_group_with_the_reason(clock):
@@ -402,8 +406,8 @@ def test_a_sampler_error_fails_its_group_with_the_reason(clock):
     join(core, S0, "sampler")
     g = core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=0)
     (ident, req), = sent(core, PromptRequest)
-    core.receive(ident, Rollout(req.group_id, -1, "math", PROMPT, np.zeros(0, np.int32), np.zeros(0, np.float32),
-                                "error", 0, "sampler-0", 0.0, 0, "prompt longer than the context"))
+    core.receive(ident, Rollout(req.key, "math", PROMPT, np.zeros(0, np.int32), np.zeros(0, np.float32), "error", 0,
+                                "sampler-0", 0.0, "prompt longer than the context"))
     assert g.complete and g.error == "sampler_error: prompt longer than the context" and not core.pool.get(S0).held
 
 
@@ -416,7 +420,7 @@ def test_books_count_ids_and_a_resumed_ledger_keeps_the_steps_before_it(clock, t
     g = core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=3)  # in flight
     books = core.books()
     assert (books["dispatched"], books["trained"], books["in_flight"], books["lost"]) == (8, 6, 2, 0)
-    del core.groups[g.group_id]  # dropped without a fate: lost, by id
+    core.forget([g])  # dropped without a fate: lost, by id
     assert core.books()["lost"] == 2 and core.books()["lost_ids"] == [f"{g.group_id}/0", f"{g.group_id}/1"]
     core.ledger.close()
     Ledger(tmp_path / "ledger.jsonl", resume_step=2).close()  # resumed from the checkpoint of step 2
@@ -456,3 +460,28 @@ def test_routes_and_token_versions_travel_through_the_core_into_the_batch_and_th
     lines = {r["id"]: r for r in ledger_lines(tmp_path) if r["fate"] == "trained"}
     assert "version_max" not in lines[f"{g.group_id}/0"] and lines[f"{g.group_id}/1"]["version_max"] == 1
     assert core.ledger.version_span() == {"trained": 2, "spanning": 1, "max": 1, "mean": 0.5}
+
+
+def test_the_main_loop_drives_the_core_through_its_methods_and_every_message_leaves_by_the_outbox(clock):
+    """What orchestrator/main.py needs: a resumed version, the trainer's batch sent through the outbox (its groups
+    settle as trained), a StepDone taken once, evaluation groups forgotten."""
+    core = Core(Rules(), decode=lambda ids: "", ledger=Ledger(None), clock=clock, version=5)
+    join(core, b"trainer-0", "trainer")
+    join(core, S0, "sampler")
+    join(core, V0, "verifier")
+    e = core.add_group(ROW, PROMPT, 1, SamplingParams(), train=False)  # an evaluation group
+    (ident, req), = sent(core, PromptRequest)
+    assert req.min_version == 5 and req.key.kind == "sample"  # new groups sample on the resumed version or newer
+    core.receive(ident, rollout(req, 0, version=5))
+    (v, s), = sent(core, ScoreRequest)
+    core.receive(v, Score(s.key, 1.0, True))
+    g = sample_and_score(core, [0.0, 1.0], step=5)
+    kept = core.settle([g])
+    batch = build_batch(5, kept, 2, 0, False, False, {})
+    core.to_trainer(batch, kept)
+    assert core.take_outbox() == [(b"trainer-0", batch)] and core.books()["trained"] == 2
+    core.receive(b"trainer-0", StepDone(5, 6))
+    assert core.version == 6 and core.take_step(5).version == 6 and not core.steps_done
+    assert e.complete and e.group_id in core.groups
+    core.forget([e])
+    assert not core.groups and core.books()["lost"] == 0

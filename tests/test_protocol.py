@@ -67,8 +67,7 @@ def _train_batch(n: int = 4, length: int = 6, group_size: int = 2, teacher: bool
 
 def _rollout(n_prompt: int = 9, n_resp: int = 5, **kw: Any) -> Rollout:
     fields: dict[str, Any] = dict(
-        group_id="g-000042",
-        index=3,
+        key=WorkKey.sample("g-000042", 1).answer(3),
         domain="math",
         prompt_ids=np.arange(100, 100 + n_prompt, dtype=np.int32),
         response_ids=np.arange(7, 7 + n_resp, dtype=np.int32) * 11,
@@ -77,7 +76,6 @@ def _rollout(n_prompt: int = 9, n_resp: int = 5, **kw: Any) -> Rollout:
         policy_version=12,
         sampler_id="sampler-1",
         t_gen=0.731,
-        attempt=1,
         error="",
     )
     fields.update(kw)
@@ -105,23 +103,23 @@ def sample_messages() -> list[Any]:
         Ready(worker_id="sampler-0", role="sampler", slots=8, version=3, domains=[]),
         Ready(worker_id="verifier-2", role="verifier", slots=0, domains=["math", "code", "ifeval"]),
         PromptRequest(
-            group_id="g-1",
+            key=WorkKey.sample("g-1", 2),
             domain="math",
             prompt_ids=np.array([151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30], dtype=np.int32),
             n=8,
             sampling=SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512, stop=["</answer>", "\n\n"], seed=1234),
             min_version=5,
-            attempt=2,
         ),
-        PromptRequest(group_id="g-empty", domain="code", prompt_ids=np.array([], dtype=np.int32)),  # defaults, 0-length
+        PromptRequest(key=WorkKey.sample("g-empty", 0), domain="code", prompt_ids=np.array([], np.int32)),  # 0-length
         _rollout(),
         _rollout(n_resp=0, finish_reason="error", error="CUDA OOM"),  # 0-length arrays
         _rollout(n_resp=3, finish_reason="error", inf_logprobs=np.zeros(0, dtype=np.float32), error="killed"),
         _rollout(inf_logprobs=np.array([-np.inf, -0.0, np.nan, 1e-30, -1e30], dtype=np.float32)),  # special floats
-        _rollout(turn=2, loss_mask=np.array([True, True, False, False, True])),  # a multi-turn trajectory
+        _rollout(key=WorkKey.step("g-1", 3, "gen", 2, 0),
+                 loss_mask=np.array([True, True, False, False, True])),  # a multi-turn trajectory
         _rollout(routes=np.arange(13 * 48 * 8, dtype=np.int16).reshape(13, 48, 8) % 128),  # R3: 48 layers, top-8
-        PromptRequest(group_id="g-1", domain="tool_use", prompt_ids=np.arange(12, dtype=np.int32), n=1, attempt=1,
-                      index=3, turn=2),  # a multi-turn row's next turn
+        PromptRequest(key=WorkKey.step("g-1", 3, "gen", 2, 1), domain="tool_use",
+                      prompt_ids=np.arange(12, dtype=np.int32), n=1, keep=True),  # a multi-turn row's next turn
         EnvRequest(key=WorkKey.step("g-1", 3, "env", 1, 0), env="python", domain="tool_use",
                    messages=[{"role": "user", "content": "2*3?"},
                              {"role": "assistant", "content": '<tool_call>{"name": "python"}</tool_call>'}],
@@ -321,7 +319,7 @@ def test_int_and_float_field_conversions():
     req = decode(
         encode(
             PromptRequest(
-                group_id="g",
+                key=WorkKey.sample("g", 0),
                 domain="d",
                 prompt_ids=np.array([1], np.int32),
                 sampling=SamplingParams(temperature=1, top_p=1, seed=None),
@@ -351,7 +349,7 @@ def test_missing_optional_fields_take_defaults_and_unknown_keys_are_ignored():
             {
                 "t": "prompt_request",
                 "v": PROTOCOL_VERSION,
-                "group_id": "g",
+                "key": {"group": "g", "kind": "sample"},
                 "domain": "d",
                 "prompt_ids": {"__nd__": 1, "dtype": "int32", "shape": [2]},
                 "sampling": {"temperature": 0.5},
@@ -465,7 +463,8 @@ def test_reject_header_too_large():
 
 def test_reject_version_and_type():
     score = Score(key=K, reward=1.0, ok=True)
-    _reject(_edit(score, lambda h: h.update(v=PROTOCOL_VERSION + 1)), "protocol version 2")
+    _reject(_edit(score, lambda h: h.update(v=PROTOCOL_VERSION + 1)), f"protocol version {PROTOCOL_VERSION + 1}")
+    _reject(_edit(score, lambda h: h.update(v=1)), "protocol version 1, this peer speaks 2")  # the old shapes
     _reject(_edit(score, lambda h: h.update(v="1")), "protocol version '1'")
     _reject(_edit(score, lambda h: h.pop("v")), "protocol version None")
     _reject(_edit(score, lambda h: h.update(t="scores")), "unknown message type 'scores'")
@@ -479,23 +478,25 @@ def test_reject_version_and_type():
 
 def test_reject_missing_required_fields():
     _reject(_edit(Score(key=K, reward=1.0, ok=True), lambda h: h.pop("key")), "score.key: required field missing")
-    _reject(_edit(_rollout(), lambda h: h.pop("index")), "rollout.index: required field missing")
+    _reject(_edit(_rollout(), lambda h: h.pop("key")), "rollout.key: required field missing")
+    _reject(_edit(_rollout(), lambda h: h["key"].pop("group")), "rollout.key.group: required field missing")
     tb = _train_batch()
     frames = _edit(tb, lambda h: h.pop("input_ids"))
     _reject(frames, "train_batch.input_ids: required field missing")
     frames = _edit(
-        PromptRequest(group_id="g", domain="d", prompt_ids=np.array([1], np.int32)), lambda h: h["sampling"].clear()
+        PromptRequest(key=WorkKey.sample("g", 0), domain="d", prompt_ids=np.array([1], np.int32)),
+        lambda h: h["sampling"].clear(),
     )  # nested struct: all fields have defaults
     assert decode(frames).sampling == SamplingParams()
 
 
 WRONG_SCALARS = [
     # (message, field path, bad value, expected reason fragment)
-    (_rollout(), ("index",), "3", "rollout.index: expected int, got str"),
-    (_rollout(), ("index",), True, "rollout.index: expected int, got bool"),
-    (_rollout(), ("index",), 3.0, "rollout.index: expected int, got float"),
+    (_rollout(), ("key", "index"), "3", "rollout.key.index: expected int, got str"),
+    (_rollout(), ("key", "index"), True, "rollout.key.index: expected int, got bool"),
+    (_rollout(), ("key", "index"), 3.0, "rollout.key.index: expected int, got float"),
     (_rollout(), ("policy_version",), None, "expected int, got NoneType"),
-    (_rollout(), ("group_id",), 7, "rollout.group_id: expected str, got int"),
+    (_rollout(), ("key", "group"), 7, "rollout.key.group: expected str, got int"),
     (_rollout(), ("finish_reason",), b"stop", "expected str, got bytes"),
     (Score(key=K, reward=1.0, ok=True), ("key",), 1.5, "score.key: expected map for WorkKey, got float"),
     (Score(key=K, reward=1.0, ok=True), ("key",), "k/0/0", "score.key: expected map for WorkKey, got str"),
@@ -512,25 +513,25 @@ WRONG_SCALARS = [
     (Heartbeat(role="r", worker_id="w", pid=1, state="s"), ("pid",), "1", "heartbeat.pid: expected int"),
     (Control(op="status"), ("args",), None, "control.args: expected map"),
     (
-        PromptRequest(group_id="g", domain="d", prompt_ids=np.array([1], np.int32)),
+        PromptRequest(key=WorkKey.sample("g", 0), domain="d", prompt_ids=np.array([1], np.int32)),
         ("sampling",),
         [],
         "prompt_request.sampling: expected map for SamplingParams",
     ),
     (
-        PromptRequest(group_id="g", domain="d", prompt_ids=np.array([1], np.int32)),
+        PromptRequest(key=WorkKey.sample("g", 0), domain="d", prompt_ids=np.array([1], np.int32)),
         ("sampling", "max_tokens"),
         "64",
         "prompt_request.sampling.max_tokens: expected int, got str",
     ),
     (
-        PromptRequest(group_id="g", domain="d", prompt_ids=np.array([1], np.int32)),
+        PromptRequest(key=WorkKey.sample("g", 0), domain="d", prompt_ids=np.array([1], np.int32)),
         ("sampling", "seed"),
         1.5,
         "prompt_request.sampling.seed: 1.5 matches none of",
     ),
     (
-        PromptRequest(group_id="g", domain="d", prompt_ids=np.array([1], np.int32)),
+        PromptRequest(key=WorkKey.sample("g", 0), domain="d", prompt_ids=np.array([1], np.int32)),
         ("sampling", "stop"),
         [None],
         "prompt_request.sampling.stop[0]: expected str",
@@ -649,10 +650,17 @@ def test_huge_shape_does_not_overflow_byte_count():
     _reject(frames, "bytes for shape")
 
 
+ONE = np.array([1], np.int32)  # a one-token prompt
+
+
 VALIDATION_FAILURES = [
     (_rollout(n_resp=3, inf_logprobs=np.zeros(2, np.float32)), "rollout: 3 response ids but 2 log-probs"),
     (_rollout(n_resp=0, inf_logprobs=np.zeros(1, np.float32), finish_reason="stop"), "0 response ids but 1 log-probs"),
     (_rollout(finish_reason="eos"), "rollout: finish_reason 'eos'"),
+    (_rollout(key=WorkKey.score("g", 3, 0)), "rollout: a score key answers no sampling"),
+    (PromptRequest(WorkKey.teacher("g", 0), "d", ONE), "prompt_request: a teacher key asks for no sampling"),
+    (PromptRequest(WorkKey.step("g", 1, "gen", 1, 0), "d", ONE, n=2), "a continuation (kind gen) samples n=1"),
+    (PromptRequest(WorkKey("g", "sample", 0, 2, 0), "d", ONE), "prompt_request.key: a sample key has no turn"),
     (_train_batch(n=6, group_size=4), "train_batch: 6 rows is not a whole number of groups of 4"),
     (_train_batch(n=4, group_size=0), "rows is not a whole number of groups of 0"),
     (_train_batch(n=4, group_size=-2), "groups of -2"),
@@ -840,15 +848,16 @@ def test_random_mutations_raise_only_protocol_error():
 
 def test_work_key_round_trips_and_names_itself_as_before():
     keys = [WorkKey.score("s3g5", 2, 0), WorkKey.teacher("s3g5", 1), WorkKey.step("e4", 0, "env", 1, 2),
-            WorkKey.step("e4", 3, "gen", 2, 0)]
+            WorkKey.step("e4", 3, "gen", 2, 0), WorkKey.sample("s3g5", 1).answer(2)]
     for key in keys:  # every kind, in every message that carries one; a frozen value, usable as a dict key
         assert decode(encode(Score(key, 1.0, True))).key == key
         assert {key: 1}[decode(encode(EnvReply(key, True))).key] == 1
     group = decode(encode(GroupScoreRequest(keys[:1] * 2, "genrm", "p", ["a", "b"])))
     assert group.keys == keys[:1] * 2 and all(type(k) is WorkKey for k in group.keys)
     # the text of logs and the stall report is the old string key's, and the ledger's rollout id too
-    assert [str(k) for k in keys] == ["s3g5/2/0", "s3g5/teacher/1", "e4/0:env1/2", "e4/3:gen2/0"]
-    assert [k.rollout_id for k in keys] == ["s3g5/2", "s3g5/0", "e4/0", "e4/3"]
+    assert [str(k) for k in keys] == ["s3g5/2/0", "s3g5/teacher/1", "e4/0:env1/2", "e4/3:gen2/0", "s3g5/2:sample/1"]
+    assert [k.rollout_id for k in keys] == ["s3g5/2", "s3g5/0", "e4/0", "e4/3", "s3g5/2"]
+    assert keys[3].answer(0) == keys[3] and WorkKey.sample("g", 0).answer(5) == WorkKey("g", "sample", 5)
     with pytest.raises(dataclasses.FrozenInstanceError):
         keys[0].attempt = 1
 

@@ -23,7 +23,7 @@ from cascade_rl.modeling.policy import Policy
 from cascade_rl.modeling.routing import moe_routers
 from cascade_rl.orchestrator.batch import batch_routes
 from cascade_rl.protocol.codec import decode, encode
-from cascade_rl.protocol.messages import Rollout
+from cascade_rl.protocol.messages import Rollout, WorkKey
 from cascade_rl.samplers.engine import GenerationRequest
 from cascade_rl.samplers.kv_cache import KVCache
 from cascade_rl.samplers.torch_engine import TorchEngine
@@ -47,7 +47,8 @@ def to_batch(prompts, groups) -> tuple[Batch, torch.Tensor]:
         ids[i, : len(p)] = torch.from_numpy(p.astype(np.int64))
         ids[i, len(p): len(p) + len(s.response_ids)] = torch.from_numpy(s.response_ids.astype(np.int64))
         mask[i, len(p): len(p) + len(s.response_ids)] = True
-    rollouts = [Rollout("g", 0, "math", p, s.response_ids, s.logprobs, routes=s.routes) for p, s in rows]
+    key = WorkKey.sample("g", 0)
+    rollouts = [Rollout(key, "math", p, s.response_ids, s.logprobs, routes=s.routes) for p, s in rows]
     routes = torch.from_numpy(batch_routes(rollouts, width))
     lengths = torch.tensor([len(p) + len(s.response_ids) for p, s in rows])
     inf = torch.zeros(len(rows), width)
@@ -209,13 +210,13 @@ def test_train_step_reports_route_disagreement(tiny_model):
 def test_routes_travel_with_the_rollout_into_the_train_batch(tiny_model):
     prompts, groups = sample(tiny_model, groups=1, n=2)
     s = groups[0][0]
-    r = Rollout("g", 0, "math", prompts[0], s.response_ids, s.logprobs, routes=s.routes)
+    r = Rollout(WorkKey.sample("g", 0), "math", prompts[0], s.response_ids, s.logprobs, routes=s.routes)
     back = decode(encode(r))
     np.testing.assert_array_equal(back.routes, s.routes)
-    short = Rollout("g", 0, "math", prompts[0], s.response_ids, s.logprobs, routes=s.routes[:-1])
+    short = Rollout(WorkKey.sample("g", 0), "math", prompts[0], s.response_ids, s.logprobs, routes=s.routes[:-1])
     assert "routes for" in short.validate()
     width = len(prompts[0]) + len(s.response_ids) + 3
-    other = Rollout("g", 1, "math", prompts[0], s.response_ids, s.logprobs)  # came without routes
+    other = Rollout(WorkKey.sample("g", 0).answer(1), "math", prompts[0], s.response_ids, s.logprobs)  # no routes
     out = batch_routes([r, other], width)
     assert out.shape == (2, width, 4, 2) and out.dtype == np.int16
     np.testing.assert_array_equal(out[0, : len(s.routes)], s.routes)

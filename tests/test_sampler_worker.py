@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, SamplingParams, WeightsReady
+from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, SamplingParams, WeightsReady, WorkKey
 from cascade_rl.protocol.sockets import bind_router, recv_routed, send
 from cascade_rl.samplers.worker import Sampler
 from cascade_rl.supervisor.config import compose
@@ -54,7 +54,7 @@ def request(tok, group_id: str, prompt_ids=None, n=2, min_version=0) -> PromptRe
         text = tok.apply_chat_template([{"role": "user", "content": "Calculate 1 + 2 + 3."}], tokenize=False,
                                        add_generation_prompt=True)
         prompt_ids = np.array(tok(text, add_special_tokens=False)["input_ids"], np.int32)
-    return PromptRequest(group_id, "math", prompt_ids, n, SamplingParams(max_tokens=8), min_version)
+    return PromptRequest(WorkKey.sample(group_id, 0), "math", prompt_ids, n, SamplingParams(max_tokens=8), min_version)
 
 
 def collect(router, n: int) -> list[Rollout]:
@@ -73,14 +73,14 @@ def test_worker_survives_bad_input_and_applies_weights(worker, tiny_model, tmp_p
     # bad requests: an error rollout with the reason, for each
     send(router, request(tok, "empty", prompt_ids=np.zeros(0, np.int32)), identity=ident)
     err = receive(router)[1]
-    assert err.group_id == "empty" and err.finish_reason == "error" and "empty prompt" in err.error
+    assert err.key == WorkKey.sample("empty", 0) and err.finish_reason == "error" and "empty prompt" in err.error
     send(router, request(tok, "oov", prompt_ids=np.array([1, 10**6], np.int32)), identity=ident)
     assert "out of range" in receive(router)[1].error
 
     # a good request still works: n rollouts with log-probs, version 0
     send(router, request(tok, "good", n=3), identity=ident)
     rollouts = collect(router, 3)
-    assert sorted(r.index for r in rollouts) == [0, 1, 2]
+    assert sorted(r.key.index for r in rollouts) == [0, 1, 2] and {r.key.kind for r in rollouts} == {"sample"}
     assert all(r.finish_reason in ("stop", "length") and r.policy_version == 0 for r in rollouts)
     assert all(len(r.response_ids) == len(r.inf_logprobs) > 0 for r in rollouts)
 
@@ -96,7 +96,7 @@ def test_worker_survives_bad_input_and_applies_weights(worker, tiny_model, tmp_p
     send(router, WeightsReady(1, f"file://{path}", nbytes=path.stat().st_size, checksum=file_checksum(path)),
          identity=ident)
     rollouts = collect(router, 2)
-    assert all(r.group_id == "v1" and r.policy_version == 1 for r in rollouts)
+    assert all(r.key.group == "v1" and r.policy_version == 1 for r in rollouts)
 
     # a notice whose file fails its checksum is refused; the worker stays on version 1
     send(router, WeightsReady(2, f"file://{path}", nbytes=path.stat().st_size, checksum="0" * 32), identity=ident)

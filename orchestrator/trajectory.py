@@ -9,7 +9,7 @@ MOPD's teacher log-probs and the mismatch metrics see those, never the observati
 
 Keys of the work a trajectory hands out (``WorkKey.step``, protocol/messages.py): kind "env" (the environment
 step after model turn t, ``{group}/{i}:env{t}/{attempt}`` as text) and "gen" (the sampler's turn t + 1,
-``{group}/{i}:gen{t}/{attempt}``).
+``{group}/{i}:gen{t}/{attempt}``). The component that hands them out is orchestrator/trajectories.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from cascade_rl.protocol.messages import EnvReply, Rollout
+from cascade_rl.protocol.messages import EnvReply, Rollout, WorkKey
 
 
 class Phase(StrEnum):
@@ -48,7 +48,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     timeouts: int = 0
-    first: Rollout | None = None  # the first turn's rollout (sampler, prompt)
+    first: Rollout | None = None  # the first turn's rollout (its key, domain, sampler)
     sampler: bytes | None = None  # the sampler of its last turn: its next turn goes there first (prefix reuse)
 
     def tokens(self) -> int:
@@ -103,9 +103,9 @@ class Trajectory:
         mask = np.concatenate([np.full(len(s), m, bool) for s, m in zip(self.segments, self.model)])
         ran = len(prompt_ids) + self.tokens() - 1
         routes = self.routes if self.routes is not None and len(self.routes) == ran else None  # else not this text's
-        return Rollout(r.group_id, r.index, r.domain, prompt_ids, self.ids(),
-                       np.concatenate(self.logprobs).astype(np.float32), self.finish_reason, min(self.versions),
-                       r.sampler_id, r.t_gen, r.attempt, turn=self.turn, loss_mask=mask, routes=routes,
+        key = WorkKey.step(r.key.group, r.key.index, "gen", self.turn, r.key.attempt)  # turn: its model turns
+        return Rollout(key, r.domain, prompt_ids, self.ids(), np.concatenate(self.logprobs).astype(np.float32),
+                       self.finish_reason, min(self.versions), r.sampler_id, r.t_gen, loss_mask=mask, routes=routes,
                        token_versions=np.concatenate(self.token_versions) if self.spans_versions else None)
 
 
