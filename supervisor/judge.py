@@ -10,7 +10,7 @@
 ``verifier.judge.serve`` chooses the server (``SERVERS``, by name): ``torch`` our own OpenAI-compatible server
 on the torch engine (samplers/chat_server.py), ``vllm`` vLLM's OpenAI server; ``none`` serves nothing (the judge
 is at ``verifier.judge.base_url``). Both listen on 127.0.0.1:``port`` (0: a free one) under the name ``model``
-(default "judge"). What the supervisor does with it (supervisor/launch.py): ``assign_port`` before it writes
+(default "judge"). What a launch does with it (supervisor/plan.py, supervisor/launch.py): ``assign_port`` before it writes
 config.yaml (so every verifier reads the served ``base_url``), the server as the process ``judge`` (a
 ``SERVER_ROLES`` member of supervisor/procs.py: no heartbeats, watched by its exit, restarted on the same port),
 started before the verifiers and awaited with ``wait_healthy``; ``problems`` refuses a config it cannot serve

@@ -2,24 +2,23 @@
 
     cascade-rl launch tiny run_dir=/tmp/r sampler.count=2
 
-``launch`` resolves the config, prepares the data (supervisor/run_data.py: every row
-validated before any process starts), gives the run its endpoints (``ipc://`` under
-a short temp dir, mode 0700, or ``tcp://`` on ``host``) and its CURVE keys (protocol/auth.py: every
-tcp socket of the run admits only holders of ``<run_dir>/auth.keys``, mode 0600), writes
-``<run_dir>/config.yaml`` (the key file's path, no key) and starts, each as its
-own OS process: the orchestrator, the trainer, the samplers, the
-verifiers and, for MOPD, one teacher server per distinct teacher checkpoint
-(``teacher.checkpoints``: domain -> checkpoint); with ``sampler.engine=sglang``, one
-SGLang server per sampler too (supervisor/procs.py); with ``verifier.judge.serve``, the judge
-model's server, healthy before the verifiers start (supervisor/judge.py). With ``--inline`` each role is a
-thread of this process instead (supervisor/inline.py). Each process sees exactly the GPUs the config's
-``gpus`` section gives its role (supervisor/placement.py; ``CUDA_VISIBLE_DEVICES``,
-empty for CPU processes); a layout the machine cannot hold is refused before any
-process starts. It then serves heartbeats (PULL) and ``cascade-rl ctl`` requests
-(REP) until the orchestrator exits: 0 ends the run, anything else fails it.
-A crashed worker other than the orchestrator is restarted with exponential
-backoff up to ``supervisor.max_restarts`` times; a run whose orchestrator stops
-completing its waits gets ``<run_dir>/stall.txt`` (supervisor/stall.py).
+``launch`` first prepares the run's plan (supervisor/plan.py, where every refusal happens before any process or
+socket): the resolved config, the data (supervisor/run_data.py: every row validated), the GPU layout
+(supervisor/placement.py), the endpoints (``ipc://`` under a short temp dir, mode 0700, or ``tcp://`` on ``host``),
+the CURVE keys (protocol/auth.py: every tcp socket of the run admits only holders of ``<run_dir>/auth.keys``,
+mode 0600) and the processes to start. The supervisor writes ``<run_dir>/config.yaml`` (the key file's path, no
+key) and starts, each as its own OS process: the orchestrator, the trainer, the samplers, the verifiers and,
+for MOPD, one teacher server per distinct teacher checkpoint (``teacher.checkpoints``: domain -> checkpoint);
+with ``sampler.engine=sglang``, one SGLang server per sampler too (supervisor/procs.py); with
+``verifier.judge.serve``, the judge model's server, healthy before the verifiers start (supervisor/judge.py).
+With ``--inline`` each role is a thread of this process instead (supervisor/inline.py). Each process sees
+exactly the GPUs the config's ``gpus`` section gives its role (``CUDA_VISIBLE_DEVICES``, empty for CPU
+processes). It then serves heartbeats (PULL) and ``cascade-rl ctl`` requests (REP) and watches every process as
+its role's entry of ``procs.ROLES`` says, until the orchestrator exits: 0 ends the run, anything else fails it;
+a crashed trainer stops it with the command that resumes it. Any other crashed process is restarted with
+exponential backoff up to ``supervisor.max_restarts`` times; ``ctl scale`` and ``ctl swap`` start workers the
+same way as the launch does (``add``), and drain the ones they retire. A run whose orchestrator stops completing
+its waits gets ``<run_dir>/stall.txt`` (supervisor/stall.py).
 """
 
 from __future__ import annotations
@@ -29,13 +28,10 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
-import uuid
-from pathlib import Path
 
 import zmq
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from cascade_rl.protocol import auth
 from cascade_rl.protocol.codec import ProtocolError
@@ -45,21 +41,24 @@ from cascade_rl.weights.common import shm_dir
 
 from . import inline as inline_mode
 from . import judge, placement, stall
-from .config_errors import ConfigError
 from .display import Display
 from .inline import ThreadProc
-from .launchers import LaunchError, Start, make_launcher
+from .launchers import LaunchError, Start
+from .plan import check_scale, check_swap, prepare
 from .procs import (
-    MODULES,
-    SERVER_ROLES,
+    ROLES,
+    WORKER_ENV,
     Proc,
     free_ports,
+    next_ids,
     sampler_procs,
     state_dir,
-    teacher_groups,
+    worker_argv,
+    worker_command,
 )
-from .run_data import prepare_run_data
 from .stall import StallWatch
+
+__all__ = ["Supervisor", "free_ports", "sampler_procs", "state_dir"]  # cli.py and tests import these from here
 
 
 def _interrupt(*_) -> None:
@@ -68,60 +67,15 @@ def _interrupt(*_) -> None:
 
 class Supervisor:
     def __init__(self, cfg: DictConfig, inline: bool = False) -> None:
-        """``inline``: every role a thread of this process (supervisor/inline.py), for debuggers and py-spy."""
-        self.run_dir = Path(cfg.run_dir).resolve()
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        cfg.run_dir = str(self.run_dir)
-        if inline and (refused := inline_mode.problems(cfg)):
-            raise ConfigError("; ".join(refused))
-        self.inline = cfg.inline = inline
+        """Prepare the launch (supervisor/plan.py: every refusal happens there, before any process or socket), then
+        write config.yaml and bind the heartbeat and control sockets. ``inline``: every role a thread of this
+        process (supervisor/inline.py), for debuggers and py-spy."""
+        self.plan = plan = prepare(cfg, inline)
+        self.cfg, self.run_dir, self.inline, self.data = plan.cfg, plan.run_dir, inline, plan.data
+        self.launcher, self.sock_dir, self.config_path = plan.launcher, plan.sock_dir, plan.config_path
         if inline:
             inline_mode.configure_logging(self.run_dir)
-        # before any socket or process: bad rows (BadData) or a config the data contradicts (ConfigError)
-        # refuse the launch here, and the orchestrator opens what this wrote to run_dir/data
-        self.data = prepare_run_data(cfg)
-        if problems := placement.check(cfg, len(teacher_groups(cfg.teacher.checkpoints)), placement.visible_gpus()):
-            raise ConfigError("GPU layout:\n  " + "\n  ".join(problems))
-        if cfg.sampler.engine == "sglang" and not cfg.sampler.sglang.url:
-            from cascade_rl.samplers.sglang_engine import sglang_unavailable
-
-            if reason := sglang_unavailable():
-                raise ConfigError(f"sampler.engine=sglang: {reason}")
-            if not cfg.gpus.samplers:
-                raise ConfigError("sampler.engine=sglang: the SGLang servers need GPUs: set gpus.samplers")
-        if (cfg.host or cfg.launcher == "ray") and cfg.get("auth", True) and not auth.curve_available():
-            raise ConfigError(f"host={cfg.host or '(launcher=ray)'}: this libzmq ({zmq.zmq_version()}) has no CURVE security, so its tcp "
-                              f"endpoints would admit anyone who reaches them: install a pyzmq wheel (it bundles "
-                              f"libsodium), or set auth=false on a trusted network")
-        run_id = uuid.uuid4().hex[:10]
-        # ipc paths must stay under ~100 bytes, so they live in a short temp dir, not in run_dir; this user's only
-        self.sock_dir = Path(tempfile.gettempdir()) / f"crl-{run_id}"
-        self.sock_dir.mkdir(mode=0o700, parents=True)
-        os.chmod(self.sock_dir, 0o700)  # whatever the umask
-        cfg.run_id = run_id
-        # the run's CURVE keys (protocol/auth.py): every tcp socket of the run, this process's first; the file
-        # is 0600 and config.yaml holds its path only. Without CURVE in libzmq (and no host) there are no tcp
-        # endpoints but the stream transport's, which then stays plain, as with auth=false.
-        cfg.auth_keys = ""
-        if cfg.get("auth", True) and auth.curve_available() and not inline:
-            cfg.auth_keys = str(auth.RunKeys.generate().write(self.run_dir / auth.KEY_FILE))
-        auth.install_from_config(cfg)
-        # who starts the processes (supervisor/launchers/): ray joins its cluster here, and gives the run its host
-        self.launcher = make_launcher(cfg)
-        try:
-            self.launcher.connect()
-            cfg.host = self.launcher.host()
-            self._endpoints(cfg, run_id, inline)
-        except BaseException:  # a placement that failed: what was placed is given back
-            self.launcher.close()
-            shutil.rmtree(self.sock_dir, ignore_errors=True)
-            raise
-        cfg.model.path = str(Path(cfg.model.path).resolve())
-        if judge.needed(cfg):  # the verifiers read the served judge's URL from config.yaml
-            judge.assign_port(cfg.verifier.judge)
-        self.cfg = cfg
-        self.config_path = self.run_dir / "config.yaml"
-        self.config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        self.config_path.write_text(plan.config_yaml)
         self.ctx = zmq.Context.instance()
         self.beats = self.ctx.socket(zmq.PULL)
         auth.bind(self.beats, cfg.endpoints.heartbeat)
@@ -139,67 +93,35 @@ class Supervisor:
         state_dir().mkdir(parents=True, exist_ok=True)
         (state_dir() / "latest_run").write_text(str(self.run_dir))
 
-    def _endpoints(self, cfg: DictConfig, run_id: str, inline: bool) -> None:
-        """The run's four sockets: inproc with --inline, tcp on ``host`` (a Ray run: the orchestrator's and the
-        trainer's on the nodes they were placed on), else ipc under the run's socket folder."""
-        names = ("orchestrator", "weights", "heartbeat", "control")
-        if inline:  # one process, one ZeroMQ context: in memory
-            endpoints = {name: f"inproc://{run_id}/{name}" for name in names}
-        elif cfg.host:  # tcp: reachable from other hosts / network namespaces
-            endpoints = {name: f"tcp://{cfg.host}:{port}" for name, port in zip(names, free_ports(len(names)))}
-        else:
-            endpoints = {name: f"ipc://{self.sock_dir}/{name}" for name in names}
-        if cfg.launcher == "ray":  # the two that bind elsewhere: placed now, on their nodes' addresses
-            for name, worker_id, role, ranks in (("orchestrator", "orchestrator", "orchestrator", 1),
-                                                 ("weights", "trainer-0", "trainer", cfg.trainer.world_size)):
-                ip, port = self.launcher.address_of(worker_id, role, ranks)
-                endpoints[name] = f"tcp://{ip}:{port}"
-        cfg.endpoints.update(endpoints)
-
     # ------------------------------------------------------------------ processes
 
     def spawn(self, proc: Proc) -> None:
         if self.inline and not proc.cmd:  # a server (the judge's) is a process of its own with --inline too
-            proc.handle = ThreadProc(MODULES[proc.role], ["--config", str(self.config_path), "--worker-id",
-                                                          proc.worker_id, *proc.args], proc.worker_id)
-            proc.state, proc.last_beat = "starting", time.monotonic()
-            return
-        # PYTHONSAFEPATH (python -P): never put the cwd on sys.path, in this process's children and
-        # theirs (torchrun's ranks): a checkout's top-level verifiers/ or kernels/ folders would shadow
-        # the PyPI packages of those names
-        env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONSAFEPATH": "1"}
-        if self.cfg.launcher == "local":  # Ray gives each process its GPUs itself
-            env.update(placement.cuda_env(proc.gpus))
-        cmd = proc.cmd or ["python", "-P", "-m", MODULES[proc.role], "--config", str(self.config_path),
-                           "--worker-id", proc.worker_id, *proc.args]
-        proc.handle = self.launcher.spawn(Start(
-            proc.worker_id, proc.role, cmd, env, str(self.run_dir / "logs" / f"{proc.worker_id}.log"),
-            ranks=self.cfg.trainer.world_size if proc.role == "trainer" else 1,
-            prefix=list(self.cfg.sampler.launcher) if proc.role == "sampler" else []))  # a netns, another host
+            proc.handle = ThreadProc(ROLES[proc.role].module, worker_argv(proc, self.config_path), proc.worker_id)
+        else:
+            env = dict(WORKER_ENV)
+            if self.cfg.launcher == "local":  # Ray gives each process its GPUs itself
+                env.update(placement.cuda_env(proc.gpus))
+            log = str(self.run_dir / "logs" / f"{proc.worker_id}.log")
+            proc.handle = self.launcher.spawn(Start(proc.worker_id, proc.role, worker_command(proc, self.config_path),
+                                                    env, log, ranks=proc.ranks, prefix=proc.prefix))
         proc.state, proc.last_beat = "starting", time.monotonic()
 
     def start(self) -> None:
-        """Start every role's processes; a served judge first, healthy before the verifiers (it loads while the
-        trainer, samplers, environments and teachers do). Raises ``JudgeStartError`` when it never answers."""
-        served = self.add(judge.judge_proc(self.cfg)) if judge.needed(self.cfg) else None
-        self.add(Proc("orchestrator", "orchestrator"))
-        self.add(Proc("trainer", "trainer-0", gpus=placement.gpus_of(self.cfg, "trainer")))
-        for i in range(self.cfg.sampler.count):
-            self.add_sampler(f"sampler-{i}", i)
-        for i in range(self.cfg.environment.count if self.cfg.environment.serve else 0):
-            self.add(Proc("environment", f"environment-{i}"))
-        for i, (path, domains) in enumerate(teacher_groups(self.cfg.teacher.checkpoints).items()):
-            self.add(Proc("teacher", f"teacher-{i}", args=["--model", path, "--domains", ",".join(domains)],
-                          gpus=placement.gpus_of(self.cfg, "teacher", i)))
-        if served is not None:
+        """Start the plan's processes (supervisor/plan.py ``start_order``); a served judge first, healthy before
+        the verifiers. Raises ``JudgeStartError`` when it never answers."""
+        for proc in self.plan.procs:
+            self.add(proc)
+        if (served := self.plan.judge) is not None:
             judge.wait_healthy(self.cfg.verifier.judge.base_url, self.cfg.verifier.judge.startup_s,
                                lambda: served.handle.poll(), self.run_dir / "logs" / "judge.log",
                                tick=lambda: self.serve(timeout_ms=200))
             served.state = "serving"
-        for i in range(self.cfg.verifier.count):
-            self.add(Proc("verifier", f"verifier-{i}"))
+        for proc in self.plan.after_judge:
+            self.add(proc)
 
     def add(self, proc: Proc) -> Proc:
+        """Start ``proc`` as a worker of the run (every start but a restart comes here)."""
         self.procs[proc.worker_id] = proc
         try:
             self.spawn(proc)
@@ -208,9 +130,9 @@ class Supervisor:
             raise
         return proc
 
-    def add_sampler(self, worker_id: str, slot: int) -> None:
-        for proc in sampler_procs(self.cfg, worker_id, slot):
-            self.add(proc)
+    def new_ids(self, role: str, n: int) -> list[str]:
+        """``n`` ids for new workers of ``role``, after every id the run has had (retired workers' too)."""
+        return next_ids(role, [*self.procs, *(r["id"] for r in self.retired)], n)
 
     def free_sampler_slot(self) -> int:
         """The first entry of gpus.samplers no sampler holds (a draining one holds its own until it exits);
@@ -225,59 +147,68 @@ class Supervisor:
         return free[0]
 
     def watch(self) -> str:
-        """Check every process once; returns 'running', 'done' or a failure reason."""
-        now = time.monotonic()
-        sup = self.cfg.supervisor
+        """Check every process once, each as its role's entry of ``ROLES`` says; returns 'running', 'done' or a
+        failure reason."""
+        now, sup = time.monotonic(), self.cfg.supervisor
         self._retire()
         for p in self.procs.values():
             if p.draining:
                 continue
             if p.handle is None:
-                if now >= p.restart_at:
-                    try:
-                        self.spawn(p)
-                    except LaunchError as e:  # no room on the cluster now (launcher=ray): retried with the backoff
-                        if p.restarts >= sup.max_restarts:
-                            return f"{p.worker_id} could not be placed again: {e}"
-                        p.state, p.restart_at = "unplaced", now + sup.restart_backoff_s * 2**p.restarts
-                        p.restarts += 1
+                if now >= p.restart_at and (failed := self._respawn(p, now)):
+                    return failed
                 continue
-            rc = p.handle.poll()
-            if p.role == "judge" and rc is None and p.state == "starting":  # restarted: serving once healthy
-                p.state = "serving" if judge.healthy(self.cfg.verifier.judge.base_url, 0.2) else p.state
-            if p.role == "orchestrator" and rc is not None:
-                return "done" if rc == 0 else f"orchestrator exited with code {rc} (see logs/orchestrator.log)"
-            if p.role == "trainer" and rc is not None:  # a fresh trainer would restart at version 0: resume instead
-                return (f"trainer exited with code {rc} (see logs/trainer-0.log); continue from the last checkpoint "
-                        f"with: cascade-rl launch ... run_dir={self.run_dir} resume=true")
-            silent = p.role not in SERVER_ROLES and now - p.last_beat > sup.heartbeat_timeout_s
+            role, rc = ROLES[p.role], p.handle.poll()
+            if role.ready and rc is None and p.state == "starting" and role.ready(self.cfg):
+                p.state = "serving"  # a restarted server: serving once it answers
+            if role.ends_run and rc is not None:
+                return role.ends_run(rc, self.run_dir)
+            silent = not role.server and now - p.last_beat > sup.heartbeat_timeout_s
             if rc is None and not silent:
                 continue
-            if rc is None or p.role in SERVER_ROLES:  # hung; or a server whose children outlive it (vLLM's engine)
+            if rc is None or role.server:  # hung; or a server whose children outlive it (vLLM's engine)
                 p.handle.kill()
             if p.serves in self.procs and self.procs[p.serves].handle is not None:
                 self.procs[p.serves].handle.kill()  # a fresh server has the base weights: so must its sampler
             if p.restarts >= sup.max_restarts or (self.inline and not p.cmd):  # inline: the traceback is the answer
                 return f"{p.worker_id} failed {p.restarts + 1} times (see logs/{p.worker_id}.log)"
-            p.state = ("lost" if getattr(p.handle, "lost", "") else f"exited({rc})") if rc is not None else "hung"
+            state = ("lost" if getattr(p.handle, "lost", "") else f"exited({rc})") if rc is not None else "hung"
             p.handle = None
-            p.restart_at = now + sup.restart_backoff_s * 2**p.restarts
-            p.restarts += 1
+            self._back_off(p, now, state)
         if sup.timeout_s and now - self.started > sup.timeout_s:
             return f"run exceeded supervisor.timeout_s={sup.timeout_s}"
         if self.stop_requested:
             return "stopped by ctl stop"
         return "running"
 
+    def _respawn(self, p: Proc, now: float) -> str:
+        """Start ``p`` again (its backoff is over): "" once started or retried later; why the run fails when it
+        still has no place after ``supervisor.max_restarts`` tries."""
+        try:
+            self.spawn(p)
+        except LaunchError as e:  # no room on the cluster now (launcher=ray): retried with the backoff
+            if p.restarts >= self.cfg.supervisor.max_restarts:
+                return f"{p.worker_id} could not be placed again: {e}"
+            self._back_off(p, now, "unplaced")
+        return ""
+
+    def _back_off(self, p: Proc, now: float, state: str) -> None:
+        """``p`` is not running (``state`` says why): its next start after an exponentially growing wait."""
+        p.state, p.restart_at = state, now + self.cfg.supervisor.restart_backoff_s * 2**p.restarts
+        p.restarts += 1
+
+    def _drain(self, p: Proc) -> None:
+        """SIGTERM ``p``: it finishes what it holds, tells the orchestrator it takes no more, exits 0; never restarted."""
+        if p.handle is not None and p.handle.poll() is None:
+            p.handle.terminate()
+        p.draining, p.state = True, "draining"
+
     def _retire(self) -> None:
-        """Swaps in progress: once a retiring worker's replacements all run, SIGTERM it (it drains: finishes
-        what it holds, tells the orchestrator it takes no more, exits 0); once it has exited, drop it."""
+        """Swaps in progress: once a retiring worker's replacements all run, drain it; once it has exited, drop it."""
         for p in list(self.procs.values()):
             if p.replaced_by and not p.draining and all(
                     self.procs[r].state == "running" for r in p.replaced_by if r in self.procs):
-                if p.handle is not None and p.handle.poll() is None:
-                    p.handle.terminate()
-                p.draining, p.state = True, "draining"
+                self._drain(p)
             if p.draining and (p.handle is None or p.handle.poll() is not None):
                 self.retired.append({**p.row(), "state": f"retired({p.handle.returncode if p.handle else None})"})
                 del self.procs[p.worker_id]
@@ -287,49 +218,30 @@ class Supervisor:
                     del self.procs[server.worker_id]
 
     def scale(self, role: str, count: int) -> dict:
-        """Run ``count`` workers of ``role`` (samplers): start new ones (they get the current weights from the
-        orchestrator before any work), or drain the newest ones (they finish what they hold, then exit)."""
-        if role not in ("sampler", "verifier") or count < 1:
-            raise ValueError(f"scale wants samplers=N or verifiers=N with N >= 1, got {role}s={count}")
+        """Run ``count`` workers of ``role`` (samplers, verifiers): start new ones (they get the current weights from
+        the orchestrator before any work), or drain the newest ones (they finish what they hold, then exit)."""
+        check_scale(role, count)
         live = [p for p in self.procs.values() if p.role == role and not p.draining and not p.replaced_by]
-        started, draining = [], []
-        taken = {int(w.split("-")[-1]) for w in [*self.procs, *(r["id"] for r in self.retired)]
-                 if w.startswith(f"{role}-")}
-        for i in range(count - len(live)):
-            worker_id = f"{role}-{max(taken | {-1}) + 1 + i}"
+        started = self.new_ids(role, count - len(live))
+        for worker_id in started:
             if role == "sampler":  # on the first free entry of gpus.samplers, with its server if the engine has one
-                self.add_sampler(worker_id, self.free_sampler_slot())
+                for proc in sampler_procs(self.cfg, worker_id, self.free_sampler_slot()):
+                    self.add(proc)
             else:
                 self.add(Proc(role, worker_id, args=list(live[0].args if live else [])))
-            started.append(worker_id)
-        for p in live[count:][::-1] if len(live) > count else []:
-            if p.handle is not None and p.handle.poll() is None:
-                p.handle.terminate()
-            p.draining, p.state = True, "draining"
-            draining.append(p.worker_id)
-        return {"started": started, "draining": draining, role + "s": count}
+        draining = live[count:][::-1]
+        for p in draining:
+            self._drain(p)
+        return {"started": started, "draining": [p.worker_id for p in draining], role + "s": count}
 
     def swap(self, role: str, domain: str, impl: str) -> dict:
         """Replace the workers of ``role`` serving ``domain`` by as many new ones that score it with ``impl``."""
-        if role != "verifier":
-            raise ValueError(f"swap supports verifiers, not {role!r}")
-        if domain not in self.cfg.verifier.domains:
-            raise ValueError(f"no verifier serves domain {domain!r} (served: {list(self.cfg.verifier.domains)})")
-        from cascade_rl.verifiers.registry import GROUP_VERIFIERS, VERIFIERS
-
-        if impl not in VERIFIERS and impl not in GROUP_VERIFIERS:
-            raise ValueError(f"no verifier named {impl!r} (registered: {sorted(set(VERIFIERS) | set(GROUP_VERIFIERS))})")
+        check_swap(self.cfg, role, domain, impl)
         old = [p for p in self.procs.values() if p.role == "verifier" and not p.replaced_by and not p.draining]
         self.verifier_impls[domain] = impl
         args = [a for d, name in self.verifier_impls.items() for a in ("--impl", f"{d}={name}")]
-        taken = {int(w.split("-")[-1]) for w in [*self.procs, *(r["id"] for r in self.retired)] if w.startswith("verifier-")}
-        started = []
-        for i in range(len(old)):
-            n = max(taken | {-1}) + 1 + i
-            proc = Proc("verifier", f"verifier-{n}", args=args)
-            self.procs[proc.worker_id] = proc
-            self.spawn(proc)
-            started.append(proc.worker_id)
+        started = [self.add(Proc("verifier", worker_id, args=list(args))).worker_id
+                   for worker_id in self.new_ids("verifier", len(old))]
         for p in old:
             p.replaced_by = started
         return {"started": started, "retiring": [p.worker_id for p in old], "impl": {domain: impl}}
@@ -346,7 +258,7 @@ class Supervisor:
                 p.handle.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.handle.kill()
-            if p.role in SERVER_ROLES:  # another project's children (vLLM's engine core) must not outlive the run
+            if ROLES[p.role].server:  # another project's children (vLLM's engine core) must not outlive the run
                 p.handle.kill()
         if not self.inline:
             shutil.rmtree(self.sock_dir, ignore_errors=True)
@@ -360,11 +272,8 @@ class Supervisor:
         poller.register(self.beats, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
         events = dict(poller.poll(timeout_ms))
-        while self.beats in events and self.beats.poll(0):
-            try:
-                self._on_beat(recv(self.beats, (Heartbeat,)))
-            except ProtocolError:
-                pass
+        if self.beats in events:
+            self._read_beats(quiet_ms=0)
         if self.control in events:
             try:
                 reply = self._on_control(recv(self.control, (Control,)))
@@ -372,9 +281,10 @@ class Supervisor:
                 reply = ControlReply(False, None, str(e))
             send(self.control, reply)
 
-    def _last_beats(self, quiet_ms: int = 200) -> None:
-        """The beats the workers sent as they stopped, with their final counters: without them summary.json's table
-        held each worker's last periodic beat, up to a second of scores short."""
+    def _read_beats(self, quiet_ms: int) -> None:
+        """Take every heartbeat queued, and each that follows within ``quiet_ms`` of the last. At the end of a run
+        (200 ms) these are the beats the workers sent as they stopped, with their final counters: without them
+        summary.json's table held each worker's last periodic beat, up to a second of scores short."""
         while self.beats.poll(quiet_ms):
             try:
                 self._on_beat(recv(self.beats, (Heartbeat,)))
@@ -383,8 +293,7 @@ class Supervisor:
 
     def _on_beat(self, hb: Heartbeat) -> None:
         p = self.procs.get(hb.worker_id)
-        remote = p is not None and p.role == "sampler" and bool(self.cfg.sampler.launcher)
-        if p is None or p.handle is None or (p.handle.pid != hb.pid and not remote):
+        if p is None or p.handle is None or (p.handle.pid != hb.pid and not p.prefix):
             return  # a beat from a process we already replaced (a launcher prefix, e.g. ssh, changes pids)
         p.last_beat, p.state, p.version, p.counters = time.monotonic(), hb.state, hb.version, hb.counters
 
@@ -444,7 +353,7 @@ class Supervisor:
             outcome = str(e)  # the launch fails with why; everything started stops
         finally:
             self.stop_all()
-            self._last_beats()
+            self._read_beats(quiet_ms=200)
             for s in (self.beats, self.control):
                 s.close(linger=0)
         summary_path = self.run_dir / "summary.json"

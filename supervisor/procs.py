@@ -1,7 +1,8 @@
-"""The processes of a run: which module each role runs, a process's record, and how one is started.
+"""The processes of a run: each role's policy (what it runs, how it is watched), a process's record, how one starts.
 
-The supervisor (supervisor/launch.py) keeps one ``Proc`` per process it started; ``sampler_procs`` says which
-processes make one sampler (with the sglang engine, its server too).
+The supervisor (supervisor/launch.py) keeps one ``Proc`` per process it started and treats each by its role's
+entry of ``ROLES``; ``sampler_procs`` says which processes make one sampler (with the sglang engine, its server
+too); ``worker_command`` is the command line of a worker (the launchers run it as is).
 """
 
 from __future__ import annotations
@@ -9,22 +10,62 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from . import placement
 
-MODULES = {
-    "orchestrator": "cascade_rl.orchestrator.main",
-    "trainer": "cascade_rl.learner.trainer",
-    "sampler": "cascade_rl.samplers.worker",
-    "verifier": "cascade_rl.verifiers.worker",
-    "teacher": "cascade_rl.teachers.server",
-    "environment": "cascade_rl.environments.worker",
+# the environment of every process the supervisor starts. PYTHONSAFEPATH (python -P): never put the cwd on
+# sys.path, in its children and theirs (torchrun's ranks): a checkout's top-level verifiers/ or kernels/ folders
+# would shadow the PyPI packages of those names
+WORKER_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONSAFEPATH": "1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """How the supervisor runs and watches the processes of one role. Any other crash is restarted with the
+    backoff, up to ``supervisor.max_restarts`` times."""
+
+    module: str = ""  # what a worker runs (python -m MODULE); "": a server, started by its own command (Proc.cmd)
+    ends_run: Callable[[int, Path], str] | None = None  # its exit ends the run: (exit code, run_dir) -> the outcome
+    ready: Callable[[Any], bool] | None = None  # a server: "serving" once this holds of the config
+
+    @property
+    def server(self) -> bool:
+        """Not our worker: no heartbeats, watched by its exit alone, and killed (its children with it: vLLM's
+        engine core outlives its server) whenever it exits, hangs up or the run stops."""
+        return not self.module
+
+
+def _run_outcome(rc: int, run_dir: Path) -> str:
+    """The orchestrator's exit is the run's: 0 done, anything else failed."""
+    return "done" if rc == 0 else f"orchestrator exited with code {rc} (see logs/orchestrator.log)"
+
+
+def _resume_hint(rc: int, run_dir: Path) -> str:
+    """A fresh trainer would restart at version 0: the run stops with the command that resumes it instead."""
+    return (f"trainer exited with code {rc} (see logs/trainer-0.log); continue from the last checkpoint "
+            f"with: cascade-rl launch ... run_dir={run_dir} resume=true")
+
+
+def _judge_answers(cfg) -> bool:
+    from .judge import healthy  # judge.py imports this module
+
+    return healthy(cfg.verifier.judge.base_url, 0.2)
+
+
+ROLES = {
+    "orchestrator": Role("cascade_rl.orchestrator.main", ends_run=_run_outcome),
+    "trainer": Role("cascade_rl.learner.trainer", ends_run=_resume_hint),
+    "sampler": Role("cascade_rl.samplers.worker"),
+    "verifier": Role("cascade_rl.verifiers.worker"),
+    "teacher": Role("cascade_rl.teachers.server"),
+    "environment": Role("cascade_rl.environments.worker"),
+    "sglang": Role(),  # one sampler's SGLang server (sampler_procs)
+    "judge": Role(ready=_judge_answers),  # the judge model's server (supervisor/judge.py: ours or vLLM's)
 }
-# processes that are not our workers (no heartbeats, watched by their exit alone): SGLang servers, and the judge
-# model's server (supervisor/judge.py: samplers/chat_server.py or vLLM's)
-SERVER_ROLES = {"sglang", "judge"}
+SERVER_ROLES = {name for name, role in ROLES.items() if role.server}
 
 
 def teacher_groups(teachers) -> dict[str, list[str]]:
@@ -82,6 +123,8 @@ class Proc:
     args: list[str] = dataclasses.field(default_factory=list)  # extra arguments (a verifier's --impl)
     gpus: tuple[int, ...] = ()  # config ids of the GPUs it sees (supervisor/placement.py); () = the CPU
     cmd: list[str] = dataclasses.field(default_factory=list)  # a server's own command (SERVER_ROLES)
+    ranks: int = 1  # processes it runs as (the trainer: trainer.world_size, one per rank)
+    prefix: list[str] = dataclasses.field(default_factory=list)  # a sampler's sampler.launcher (a netns, ssh)
     serves: str = ""  # a server: the worker that uses it (restarted with it, so it reloads the weights)
     slot: int = 0  # a sampler: its entry of gpus.samplers
     replaced_by: list[str] = dataclasses.field(default_factory=list)  # a swap retires this once they run
@@ -101,17 +144,37 @@ class Proc:
         }
 
 
+def worker_command(proc: Proc, config_path: Path) -> list[str]:
+    """The command line of ``proc``: a server's own, else its role's module on the run's config.yaml."""
+    return proc.cmd or ["python", "-P", "-m", ROLES[proc.role].module, *worker_argv(proc, config_path)]
+
+
+def worker_argv(proc: Proc, config_path: Path) -> list[str]:
+    """A worker's arguments (its ``main(argv)``'s, with --inline)."""
+    return ["--config", str(config_path), "--worker-id", proc.worker_id, *proc.args]
+
+
+def next_ids(role: str, existing: Iterable[str], n: int) -> list[str]:
+    """``n`` new worker ids of ``role``, numbered after every id of ``existing`` (live and retired workers), so
+    no two workers of a run, nor their logs, share an id."""
+    taken = {int(w.split("-")[-1]) for w in existing if w.startswith(f"{role}-")}
+    first = max(taken | {-1}) + 1
+    return [f"{role}-{first + i}" for i in range(n)]
+
+
 def sampler_procs(cfg, worker_id: str, slot: int, port: int | None = None) -> list[Proc]:
     """The processes of one sampler on entry ``slot`` of gpus.samplers: the sampler on that GPU; with the
     sglang engine (and no sampler.sglang.url), first an SGLang server on that GPU, and the sampler, which then
     holds no model, on none, told the server's URL."""
     gpus = placement.gpus_of(cfg, "sampler", slot)
     sg = cfg.sampler.sglang
+    prefix = list(cfg.sampler.launcher)
     if cfg.sampler.engine != "sglang" or sg.url:
-        return [Proc("sampler", worker_id, gpus=gpus, slot=slot)]
+        return [Proc("sampler", worker_id, gpus=gpus, slot=slot, prefix=prefix)]
     from cascade_rl.samplers.sglang_engine import server_command
 
     port = port or (sg.port + slot if sg.port else free_ports(1)[0])
     server = Proc("sglang", f"sglang-{worker_id.split('-')[-1]}", gpus=gpus, cmd=server_command(cfg, port),
                   serves=worker_id)
-    return [server, Proc("sampler", worker_id, args=["--engine-url", f"http://127.0.0.1:{port}"], slot=slot)]
+    return [server, Proc("sampler", worker_id, args=["--engine-url", f"http://127.0.0.1:{port}"], slot=slot,
+                         prefix=prefix)]
