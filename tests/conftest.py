@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,17 +33,51 @@ if not torch.cuda.is_available():
 LAUNCHES = "launches"  # the xdist group of the tests marked slow
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def groups_file(testrunuid: str) -> Path:
+    """Where a run's workers leave {nodeid: group} for the scheduler (one file per test run, in the temp dir)."""
+    return Path(tempfile.gettempdir()) / f"pytest-groups-{testrunuid}.json"
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under xdist, each test's group (see the module docstring): ``launches`` for the slow ones, else its file;
-    and the launches first, so that the longest group starts at once (with ``--no-loadscope-reorder``, xdist hands
-    the groups out in this order; by default it would start with the files that hold the most tests)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    """Under ``--dist loadgroup``, in each worker: each test's group (the module docstring), written down for the
+    scheduler below; and the launches first, so that the longest group starts at once (``--no-loadscope-reorder``:
+    xdist hands the groups out in collection order; by default it starts with the files that hold the most tests).
+    Not through xdist's own ``xdist_group`` marker: xdist 3.8 appends the group to ``item._nodeid``, which pytest 9
+    no longer reads, so those groups are silently ignored."""
+    if not (os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("loadgroup")):
         return
-    for item in items:
-        group = LAUNCHES if item.get_closest_marker("slow") else item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
+    groups = {item.nodeid: LAUNCHES if item.get_closest_marker("slow") else item.path.stem for item in items}
+    path = groups_file(os.environ["PYTEST_XDIST_TESTRUNUID"])
+    mine = path.with_suffix(f".{os.environ['PYTEST_XDIST_WORKER']}")  # every worker writes the same; atomically
+    mine.write_text(json.dumps(groups))
+    os.replace(mine, path)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own; optional: a run without xdist has no such hook
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the groups the workers wrote (see above): xdist's scope scheduling, one group a unit."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def __init__(self, config, log) -> None:
+            super().__init__(config, log)
+            self.groups: dict[str, str] = {}
+
+        def schedule(self) -> None:
+            if not self.groups:  # all workers have collected (and written the file) before the first call
+                path = groups_file(self.nodes[0].workerinput["testrunuid"])
+                self.groups = json.loads(path.read_text())
+                path.unlink()
+            super().schedule()
+
+        def _split_scope(self, nodeid: str) -> str:
+            return self.groups[nodeid]
+
+    return GroupScheduling(config, log)
 
 
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]):
@@ -74,6 +109,16 @@ def tiny_dense_model(tmp_path_factory) -> str:
     from cascade_rl.learner.tiny_model import make_tiny_model
 
     return built_once(tmp_path_factory, "tiny-dense", lambda d: str(make_tiny_model(d / "tiny-dense", arch="qwen3")))
+
+
+@pytest.fixture(scope="session")
+def judge_model(tmp_path_factory) -> str:
+    """A tiny random dense judge (Qwen3) whose context holds a judge prompt with two responses (the policy's tiny
+    model holds 512 tokens)."""
+    from cascade_rl.learner.tiny_model import make_tiny_model
+
+    return built_once(tmp_path_factory, "judge",
+                      lambda d: str(make_tiny_model(d / "model", arch="qwen3", max_len=4096)))
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def judge_model(tmp_path_factory) -> str:
+def moe_judge_model(tmp_path_factory) -> str:
     """A tiny random model whose context holds a judge prompt with two responses (the default 512 does not)."""
     from cascade_rl.learner.tiny_model import make_tiny_model
 
@@ -40,10 +40,10 @@ def judge_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(judge_model, tmp_path_factory):
+def server(moe_judge_model, tmp_path_factory):
     """(base URL, the server's Popen, its log path); SIGKILLed at teardown if a test left it running."""
     port, log_path = free_port(), tmp_path_factory.mktemp("judge-log") / "judge.log"
-    cmd = [sys.executable, "-m", "cascade_rl.samplers.chat_server", "--model", judge_model, "--port", str(port),
+    cmd = [sys.executable, "-m", "cascade_rl.samplers.chat_server", "--model", moe_judge_model, "--port", str(port),
            "--served-model-name", SERVED, "--batch-window-s", "0.05", "--threads", "1"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

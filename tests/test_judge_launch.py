@@ -30,14 +30,6 @@ def judge_cfg(**kw):
 
 
 @pytest.fixture(scope="module")
-def judge_model(tmp_path_factory) -> str:
-    """A tiny random judge whose context holds a judge prompt (the policy's tiny model holds 512 tokens)."""
-    from cascade_rl.learner.tiny_model import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("judge") / "model", arch="qwen3", max_len=4096))
-
-
-@pytest.fixture(scope="module")
 def judged_data(tmp_path_factory) -> Path:
     """LLM-judge rows (a question and its reference answer) and GenRM rows (a request, no reference)."""
     path = tmp_path_factory.mktemp("judged") / "judged.jsonl"
