@@ -1,110 +1,143 @@
-"""Qwen3-MoE sparse block (router + SwiGLU experts), forward and backward: a torch reference and Triton kernels.
+"""The MoE block, once, for the trainer and the torch engine: routing (``ROUTERS``), the expert activation
+(``ACTIVATIONS``) and the experts (``EXPERTS``: grouped | dense | torch | triton), forward and backward::
 
-One interface, two implementations, registered by name in ``EXPERTS``::
+    y = moe_forward(x, router_weight, gate_up, down, top_k, impl="grouped" | "dense" | "torch" | "triton")
+    weights, ids = select_experts(router_logits, Routing(top_k, normalize))     # the engine's MoE block
+    y = moe_experts(x, weights, ids, gate_up, down, impl)                       # HF's Experts.forward, the engine
 
-    y = moe_forward(x, router_weight, gate_up, down, top_k, impl="torch" | "triton")
-    y = moe_experts(x, topk_weights, topk_ids, gate_up, down, impl=...)   # routing already done (HF's Experts.forward)
+Who uses it: the trainer and the teachers through modeling/experts.py (``model.moe_impl``; HF's router, our
+experts), the routing replay through ``ROUTERS[...].weigh`` (modeling/routing.py), the torch engine's ``MoE``
+block (samplers/torch_model.py: our router and experts; ``choose_experts`` picks grouped or dense). The engine's
+C++ CPU op (kernels/cpu_decode.cpp, ``impl="cpu"`` there) is a second implementation of softmax_topk + SwiGLU on
+the engine's layout, checked against this one (tests/test_cpu_decode.py).
 
-Shapes: ``x [N, H]``, ``router_weight [E, H]``, ``gate_up [E, 2I, H]`` (gate rows then up rows, HF's fused
-``gate_up_proj``), ``down [E, H, I]``. Semantics are HF's ``Qwen3MoeSparseMoeBlock`` (transformers 5.19,
-``norm_topk_prob=True``): logits = x @ routerᵀ, softmax in fp32 over all experts, top-k, the k weights
-renormalised to sum to 1 and cast back to x's dtype, ``y[n] = Σ_k w[n,k] · down_e(silu(gate_e x) * up_e x)``.
-Routing (softmax, top-k) is torch in both implementations; it is discrete, so the router gets its gradient through
-the renormalised top-k weights, by torch autograd, from ``d w[n,k] = <expert output, dy[n]>``.
+Weight layout (HF's, what every function here takes): ``x [N, H]``, ``router_weight [E, H]``, ``gate_up [E, 2I, H]``
+(gate rows then up rows, HF's fused ``gate_up_proj``; an activation without a gate would take ``[E, I, H]``),
+``down [E, H, I]``. The torch engine stores the transposes, ``w13 [E, H, 2I]`` and ``w2 [E, I, H]`` (the input dim
+first, as grouped matmuls want) and passes ``w13.transpose(1, 2)``, ``w2.transpose(1, 2)``: views, no copy; the
+kernels here transpose them back where they need the engine's order, so the engine's products see its own strides.
 
-torch reference (``impl="torch"``, ``experts_torch``): the N·k (token, slot) pairs are sorted by expert and scattered
-into a capacity-padded batch ``[E, C, H]`` with C = the largest expert load (one host sync), two ``bmm`` run all
-experts at once (no Python loop), and the pairs are gathered back and weighted. Autograd does the backward. It costs
-E·C rows, which is about N·k when the load is balanced and E times that when one expert takes every token. It
-matches HF to fp32 rounding. CPU fp32 fwd+bwd, one thread (bench/moe_kernels.py): 4.2x HF's eager loop at 32
-experts top-4 (H 512, I 256), 0.9x at the tiny demo model's 8 experts top-2, and 0.8x at both sizes the
-transformers default ``grouped_mm`` experts (torch._grouped_mm; its CPU kernels do fp32 forward and backward).
+Routing (``Routing``: the router's settings, ``ROUTERS``: the router families). Today one family, Qwen3-MoE's
+``softmax_topk``: softmax in fp32 over all experts, top-k, the k weights renormalised to sum to 1
+(``norm_topk_prob``) and cast to the logits' dtype. Renormalised, that is a softmax over the k top logits alone
+(softmax is monotonic), which is how it is computed: HF's block to fp32 rounding. Routing is discrete; the router
+gets its gradient through the k weights, by autograd. ``weigh`` gives a family's weights for experts chosen
+elsewhere (the routing replay, R3: the trainer takes the engine's experts).
 
-Triton (``impl="triton"``, ``experts_triton``):
-  1. Layout (``plan_blocks``, torch ops, no host sync): pairs sorted by expert (stable), each expert's rows padded to a
-     multiple of BLOCK_M, as vLLM's ``moe_align_block_size``. ``Plan.sorted_pair[r]`` is the pair (token·k + slot)
-     held by padded row r, or -1 for padding; ``block_expert[b]`` is the expert owning rows [b·BLOCK_M, (b+1)·BLOCK_M)
-     (-1 past the last used block: the buffer is sized for the worst case, S + min(E, S)·(BLOCK_M − 1) rows, so no
-     count has to come back to the host; those programs exit at once); ``expert_start`` gives each expert's row
-     range; ``pair_row`` is the inverse map. Every M tile thus belongs to one expert and reads one weight matrix.
-  2. ``gate_up_swiglu``: grouped GEMM reading x rows through ``sorted_pair // k`` (the permutation is fused into the
-     load; padding rows read zeros), gate and up tiles accumulated side by side, SwiGLU in the epilogue. Writes
-     ``act [P, I]`` and, when a gradient is needed, the pre-activations ``h [P, 2I]``.
-  3. ``grouped_mm``: ``o = act @ down[e]ᵀ`` per M tile (any weight strides, so the same kernel serves the backward).
-  4. ``combine``: un-permute + weighted sum, ``y[n] = Σ_k w[n,k] · o[pair_row[n,k]]``, one program per
-     (token, H tile), fp32 accumulation, no atomics (deterministic).
-  Backward (``torch.autograd.Function``): ``combine_bwd`` scatters ``d_o[row] = w · dy[n]`` into the padded layout and
-  reduces ``dw[n,k] = <o[row], dy[n]>``; ``grouped_mm_swiglu_bwd`` computes ``d_act = d_o @ down[e]`` with the SwiGLU
-  derivative in its epilogue (→ ``dh [P, 2I]``); ``dx`` = ``combine(grouped_mm(dh, gate_up[e]), w=None)``;
-  ``grouped_wgrad`` computes per-expert weight gradients ``d gate_up[e] = dhₑᵀ x[tokens of e]`` and
-  ``d down[e] = d_oₑᵀ actₑ``, each program looping over its expert's rows only (an expert with no rows writes zeros).
-  Saved for backward: h, act, o (P·(3I + H) elements) plus the plan. Inputs fp32 or bf16; every GEMM accumulates
-  in fp32 (``tl.dot``; fp32 inputs use ``input_precision="ieee"``); intermediates are stored in x's dtype.
+A new family plugs in as data: a ``Router(select, weigh)`` in ``ROUTERS`` (the fields its settings need added to
+``Routing``, with defaults) and, when its experts differ, an activation in ``ACTIVATIONS`` (``act(h, dim)`` on the
+first projection's output ``h``, its units along ``dim``). Nemotron-H, for one: a sigmoid router with a
+score-correction bias (chooses with the bias, weighs without), group-limited top-k and a routed scaling factor,
+squared-ReLU experts without a gate (``gate_up [E, I, H]``), a shared expert beside the routed ones (a dense MLP of
+the block, not an expert here). The Triton kernels fuse SwiGLU and refuse any other activation; the C++ op knows
+softmax_topk + SwiGLU only, so the engine must not pick it (``choose_experts``) for another family.
 
-Each Triton launcher has a torch twin with the same signature (``TORCH_STAGES``, loops over experts, for tests only);
-``experts_blocked(..., stages=TORCH_STAGES)`` runs the same autograd Function on them, which checks the backward
-algebra on CPU in milliseconds.
+Experts (``EXPERTS``, ``moe_experts(..., impl)``), all y[n] = Σ_k w[n,k] · down_e(act(gate_up_e x[n])):
+- ``grouped`` (the default; ``experts_grouped``): pairs sorted by expert, one grouped GEMM per projection, no host
+  sync (CUDA graphs can hold it); k/E of dense's arithmetic.
+- ``dense`` (``experts_dense``): every expert on every token, weighted by a routing that is zero outside the top-k:
+  no sort, E/k times the arithmetic; the engine's decode on devices whose ``_grouped_mm`` lacks the dtype.
+- ``torch`` (``experts_torch``): the reference, a capacity-padded bmm (one host sync).
+- ``triton``: kernels/moe_blocked.py (block-padded layout, grouped GEMMs with fused SwiGLU, forward and backward;
+  its kernels in kernels/moe_triton.py). Imported on first use: this module does not import triton.
 
-Run: ``.venv/bin/pytest -q tests/test_moe_kernels.py`` (without CUDA the tests set ``TRITON_INTERPRET=1``; Triton
-then runs the kernels in its numpy interpreter, fp32, small shapes, BLOCK_* = 16), and
-``.venv/bin/python bench/moe_kernels.py [--quick]`` (GPU: loop vs grouped_mm vs torch reference vs Triton, bf16).
+CPU fp32 fwd+bwd, one thread (bench/moe_kernels.py): the torch reference is 4.2x HF's eager loop at 32 experts
+top-4 (H 512, I 256), 0.9x at the tiny demo model's 8 experts top-2, and 0.8x at both sizes the transformers default
+``grouped_mm`` experts (torch._grouped_mm; its CPU kernels do fp32 forward and backward). In the engine on the tiny
+MoE (8 experts top-2, bench/sampler_throughput.py's workload, 2 CPU cores, best of 5-7): grouped 0.32-0.36 s,
+dense 0.47 s, dense as one [E·2I, H] linear 0.42 s, an expert-major padded bmm 0.44 s.
 
-Tiles: ``launch_blocks(dtype)`` (kernels/moe_triton.py), one pure function that every launcher and the
-ahead-of-time compile test (tests/test_triton_aot.py: every kernel, forward and backward, for sm_90 at
-Nemotron-3-Nano- and Qwen3-30B-A3B-like shapes, bf16 and fp32) use.
-
-Untested here: running on a GPU. The kernels were executed only by the interpreter (fp32) and compiled for sm_90
-ahead of time (triton 3.6.0, 3.7.1, 3.9.0: shared memory within limits, no register spills); bf16 numerics and
-all speed figures are pending a GPU run (tests/test_moe_kernels.py runs on CUDA when there is one).
-``impl="triton"`` on a CPU tensor without the interpreter raises.
+Run: ``.venv/bin/pytest -q tests/test_moe_kernels.py tests/test_experts.py tests/test_torch_model.py``.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from .moe_triton import (  # noqa: F401  (re-exported: the kernels' side, for tests and benchmarks)
-    CUDA_BLOCKS,
-    INTERPRETED,
-    INTERPRETER_BLOCKS,
-    Blocks,
-    Plan,
-    _blocks,
-    combine,
-    combine_bwd,
-    expert_counts,
-    gate_up_swiglu,
-    grouped_mm,
-    grouped_mm_swiglu_bwd,
-    grouped_wgrad,
-    launch_blocks,
-    plan_blocks,
-)
-
-Impl = Literal["grouped", "triton", "torch"]
+Impl = Literal["grouped", "dense", "torch", "triton"]
 
 
-# --- routing (torch, shared) -----------------------------------------------------------------------------------
+# --- routing ---------------------------------------------------------------------------------------------------
 
 
-def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """HF Qwen3MoeTopKRouter: (logits [N, E], renormalised top-k weights [N, k] in x's dtype, expert ids [N, k])."""
+@dataclass(frozen=True)
+class Routing:
+    """How a token's router logits become its experts and their weights."""
+
+    top_k: int  # experts per token
+    normalize: bool = True  # the k weights renormalised to sum to 1 (HF's ``norm_topk_prob``)
+    router: str = "softmax_topk"  # the family, a ``ROUTERS`` name
+
+
+class Router(NamedTuple):
+    """One router family: ``select(logits, routing)`` -> (weights [N, k] in the logits' dtype, expert ids [N, k]);
+    ``weigh(logits, ids, routing)`` -> the fp32 weights [N, k] of experts chosen elsewhere (routing replay)."""
+
+    select: Callable[[torch.Tensor, Routing], tuple[torch.Tensor, torch.Tensor]]
+    weigh: Callable[[torch.Tensor, torch.Tensor, Routing], torch.Tensor]
+
+
+def softmax_topk(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE: softmax (fp32) over all experts, top-k; renormalised, a softmax over the top-k logits alone."""
+    if routing.normalize:
+        top, experts = logits.topk(routing.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=torch.float).to(logits.dtype), experts
+    weights, experts = torch.softmax(logits, dim=-1, dtype=torch.float).topk(routing.top_k, dim=-1)
+    return weights.to(logits.dtype), experts
+
+
+def softmax_weights(logits: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Qwen3-MoE's weights of the given experts, as HF computes them: softmax (fp32), picked, renormalised."""
+    picked = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
+    return picked / picked.sum(dim=-1, keepdim=True) if routing.normalize else picked
+
+
+ROUTERS: dict[str, Router] = {"softmax_topk": Router(softmax_topk, softmax_weights)}
+
+
+def select_experts(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k] in the logits' dtype, expert ids [N, k]) of router logits [N, E]."""
+    if routing.router not in ROUTERS:
+        raise ValueError(f"unknown router {routing.router!r}; choose one of {sorted(ROUTERS)}")
+    return ROUTERS[routing.router].select(logits, routing)
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, ...]:
+    """(router logits [N, E] = x @ router_weightᵀ, weights [N, k], expert ids [N, k])."""
     logits = F.linear(x, router_weight)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
-    return logits, weights.to(logits.dtype), ids
+    return logits, *select_experts(logits, routing)
 
 
-# --- torch reference ---------------------------------------------------------------------------------------------
+# --- activations -----------------------------------------------------------------------------------------------
 
 
-def experts_torch(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
-    """All experts as two bmm over a capacity-padded batch [E, C, H]; autograd gives the backward."""
+def swiglu(h: torch.Tensor, dim: int) -> torch.Tensor:
+    """silu(gate) * up, ``h`` holding the gate units then the up units along ``dim``."""
+    gate, up = h.chunk(2, dim=dim)
+    return F.silu(gate) * up
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {"swiglu": swiglu}
+
+
+# --- experts -----------------------------------------------------------------------------------------------------
+
+
+def expert_counts(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pairs per expert [E] (int64) from the ascending expert ids: a binary search per expert. Not
+    ``torch.bincount``, whose CUDA kernel reads the largest id back to the host to size its output (a sync)."""
+    experts = torch.arange(num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    bounds = torch.searchsorted(sorted_ids, experts)
+    return bounds.diff()
+
+
+def experts_torch(x, topk_weights, topk_ids, gate_up, down, activation: str = "swiglu") -> torch.Tensor:
+    """All experts as two bmm over a capacity-padded batch [E, C, H], C the largest expert load (one host sync);
+    autograd gives the backward. E·C rows: about N·k when the load is balanced, E times that when one expert takes
+    every token. Matches HF to fp32 rounding."""
     n, k = topk_ids.shape
     num_experts, hidden = gate_up.shape[0], x.shape[1]
     ids = topk_ids.reshape(-1).long()
@@ -119,18 +152,13 @@ def experts_torch(
     xs = x.new_zeros(num_experts * capacity, hidden).index_copy(0, dest, pair_x).view(num_experts, capacity, hidden)
     # W @ xsᵀ rather than xs @ Wᵀ: the weight gradients then come out of bmm in the parameters' own layout; the
     # other way round autograd copies every weight gradient through a transpose (~20% of the step on CPU).
-    gate, up = torch.bmm(gate_up, xs.transpose(1, 2)).chunk(2, dim=1)  # [E, I, C] each
-    out = torch.bmm(down, F.silu(gate) * up)  # [E, H, C]; padding columns are zeros, never read
+    act = ACTIVATIONS[activation](torch.bmm(gate_up, xs.transpose(1, 2)), 1)  # [E, I, C]
+    out = torch.bmm(down, act)  # [E, H, C]; padding columns are zeros, never read
     pair_out = out.transpose(1, 2).reshape(-1, hidden).index_select(0, dest).view(n, k, hidden)
     return (pair_out * topk_weights.unsqueeze(-1)).sum(dim=1)
 
 
-# --- grouped GEMM (torch's grouped_mm; the default) ----------------------------------------------------------------
-
-
-def experts_grouped(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
+def experts_grouped(x, topk_weights, topk_ids, gate_up, down, activation: str = "swiglu") -> torch.Tensor:
     """transformers' ``grouped_mm`` experts, with the gathers autograd is fast at: pairs sorted by expert, one
     grouped GEMM per projection (``torch.nn.functional.grouped_mm`` where the device has it, transformers'
     fallback elsewhere), the rows gathered with ``index_select`` and put back in (token, slot) order with
@@ -153,158 +181,41 @@ def experts_grouped(
     n, k = topk_ids.shape
     sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
     offsets = expert_counts(sorted_ids, gate_up.shape[0]).cumsum(0).to(torch.int32)
-    gate, up = _grouped_mm(x.index_select(0, order // k), gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    out = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [N·k, H], sorted by expert
+    h = _grouped_mm(x.index_select(0, order // k), gate_up.transpose(1, 2), offs=offsets)
+    out = _grouped_mm(ACTIVATIONS[activation](h, -1), down.transpose(1, 2), offs=offsets)  # [N·k, H], by expert
     pair_out = out.new_empty(out.shape).index_copy(0, order, out).view(n, k, out.shape[1])  # row n·k + slot
     return torch.bmm(topk_weights.to(out.dtype).unsqueeze(1), pair_out).squeeze(1).to(x.dtype)
 
 
-# --- the torch twins of the Triton launchers (kernels/moe_triton.py; same signatures) ----------------------------
+def experts_dense(x, topk_weights, topk_ids, gate_up, down, activation: str = "swiglu") -> torch.Tensor:
+    """Every expert on every token (bmm over experts), weighted by a routing that is zero outside the top-k: no
+    sort and no host read, E/k times grouped's arithmetic. (Gathering each pair's expert matrices for a bmm was
+    5-10x slower than this in the engine: the copies cost more than the arithmetic saved.)"""
+    n_experts = gate_up.shape[0]
+    dense_w = torch.zeros(x.shape[0], n_experts, dtype=x.dtype, device=x.device).scatter_(1, topk_ids, topk_weights)
+    h = torch.bmm(x.expand(n_experts, -1, -1), gate_up.transpose(1, 2))  # [E, N, 2I]
+    return torch.bmm(ACTIVATIONS[activation](h, -1) * dense_w.T[..., None], down.transpose(1, 2)).sum(0)
 
 
-def _expert_rows(plan: Plan) -> list[tuple[int, int]]:
-    bounds = plan.expert_start.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
+def experts_triton(x, topk_weights, topk_ids, gate_up, down, activation: str = "swiglu") -> torch.Tensor:
+    """kernels/moe_blocked.py's Triton experts, imported here so that the other experts never import triton."""
+    from .moe_blocked import experts_triton as triton_experts
 
-
-def _pair_tokens(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    real = plan.sorted_pair >= 0
-    return torch.where(real, plan.sorted_pair // plan.top_k, 0).long(), real
-
-
-def gate_up_swiglu_torch(x, gate_up, plan, save_h):
-    token, real = _pair_tokens(plan)
-    xs = x[token] * real[:, None]
-    h = x.new_zeros(plan.sorted_pair.numel(), gate_up.shape[1])
-    for e, (s, t) in enumerate(_expert_rows(plan)):
-        h[s:t] = xs[s:t] @ gate_up[e].T
-    gate, up = h.chunk(2, dim=-1)
-    return (h if save_h else None), F.silu(gate) * up
-
-
-def grouped_mm_torch(a, w, plan):
-    c = a.new_zeros(a.shape[0], w.shape[2])
-    for e, (s, t) in enumerate(_expert_rows(plan)):
-        c[s:t] = a[s:t] @ w[e]
-    return c
-
-
-def grouped_mm_swiglu_bwd_torch(d_o, down, h, plan):
-    d_act = grouped_mm_torch(d_o, down, plan)
-    gate, up = h.chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    return torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * F.silu(gate)], dim=-1)
-
-
-def grouped_wgrad_torch(a, b, plan, num_experts, gather):
-    token, real = _pair_tokens(plan)
-    src = b[token] * real[:, None] if gather else b
-    dw = a.new_zeros(num_experts, a.shape[1], b.shape[1])
-    for e, (s, t) in enumerate(_expert_rows(plan)):
-        dw[e] = a[s:t].T @ src[s:t]
-    return dw
-
-
-def combine_torch(o, weights, plan):
-    picked = o[plan.pair_row.long()].view(plan.num_tokens, plan.top_k, -1).float()
-    if weights is not None:
-        picked = picked * weights.float().unsqueeze(-1)
-    return picked.sum(dim=1).to(o.dtype)
-
-
-def combine_bwd_torch(dy, o, weights, plan):
-    rows = plan.pair_row.long()
-    pair_dy = dy.float().repeat_interleave(plan.top_k, dim=0)
-    d_o = torch.zeros_like(o)
-    d_o[rows] = (pair_dy * weights.float().reshape(-1, 1)).to(o.dtype)
-    return d_o, (o[rows].float() * pair_dy).sum(-1).view(plan.num_tokens, plan.top_k)
-
-
-class Stages(NamedTuple):
-    gate_up_swiglu: Callable
-    grouped_mm: Callable
-    grouped_mm_swiglu_bwd: Callable
-    grouped_wgrad: Callable
-    combine: Callable
-    combine_bwd: Callable
-
-
-TRITON_STAGES = Stages(gate_up_swiglu, grouped_mm, grouped_mm_swiglu_bwd, grouped_wgrad, combine, combine_bwd)
-TORCH_STAGES = Stages(
-    gate_up_swiglu_torch, grouped_mm_torch, grouped_mm_swiglu_bwd_torch, grouped_wgrad_torch, combine_torch,
-    combine_bwd_torch,
-)  # fmt: skip
-
-
-# --- autograd ----------------------------------------------------------------------------------------------------
-
-
-class _BlockedExperts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_weights, gate_up, down, plan: Plan, stages: Stages, save: bool):
-        h, act = stages.gate_up_swiglu(x, gate_up, plan, save)
-        o = stages.grouped_mm(act, down.mT, plan)
-        y = stages.combine(o, topk_weights, plan)
-        if save:
-            ctx.save_for_backward(x, topk_weights, gate_up, down, h, act, o)
-        ctx.plan, ctx.stages = plan, stages
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, topk_weights, gate_up, down, h, act, o = ctx.saved_tensors
-        plan, st, (need_x, need_w, need_gu, need_down) = ctx.plan, ctx.stages, ctx.needs_input_grad[:4]
-        d_o, dw = st.combine_bwd(dy.contiguous(), o, topk_weights, plan)
-        dx = d_gate_up = d_down = None
-        if need_x or need_gu:
-            dh = st.grouped_mm_swiglu_bwd(d_o, down, h, plan)
-            if need_x:
-                dx = st.combine(st.grouped_mm(dh, gate_up, plan), None, plan)
-            if need_gu:
-                d_gate_up = st.grouped_wgrad(dh, x, plan, gate_up.shape[0], True)
-        if need_down:
-            d_down = st.grouped_wgrad(d_o, act, plan, down.shape[0], False)
-        return dx, (dw.to(topk_weights.dtype) if need_w else None), d_gate_up, d_down, None, None, None
-
-
-def experts_blocked(x, topk_weights, topk_ids, gate_up, down, stages: Stages = TRITON_STAGES, block_m: int = 0):
-    """The block-padded algorithm with the given stages (TRITON_STAGES, or TORCH_STAGES to test the algebra)."""
-    plan = plan_blocks(topk_ids, gate_up.shape[0], block_m or _blocks(x).m)
-    save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, gate_up, down))
-    return _BlockedExperts.apply(x, topk_weights, gate_up, down, plan, stages, save)
-
-
-def experts_triton(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
-    """Triton kernels for the experts (routing already done); see the module docstring."""
-    if not (x.is_cuda or INTERPRETED):
-        raise RuntimeError(
-            "moe impl='triton' needs a CUDA tensor, or TRITON_INTERPRET=1 set before cascade_rl.kernels.moe is "
-            "imported (the interpreter: slow, for tests); use impl='torch' on CPU"
-        )
-    devices = {t.device for t in (x, topk_weights, topk_ids, gate_up, down)}
-    if len(devices) > 1:  # a kernel handed a pointer into another device's memory faults, or reads garbage
-        raise ValueError(f"moe impl='triton' needs every tensor on one device, got {sorted(map(str, devices))}")
-    if not x.dtype == gate_up.dtype == down.dtype:
-        raise TypeError(
-            f"moe impl='triton' needs one dtype, got x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}"
-        )
-    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
-    return experts_blocked(x, topk_weights.contiguous(), topk_ids, gate_up, down, TRITON_STAGES)
+    return triton_experts(x, topk_weights, topk_ids, gate_up, down, activation)
 
 
 # --- public API --------------------------------------------------------------------------------------------------
 
-EXPERTS: dict[str, Callable[..., torch.Tensor]] = {"grouped": experts_grouped, "torch": experts_torch,
-                                                   "triton": experts_triton}
+EXPERTS: dict[str, Callable[..., torch.Tensor]] = {"grouped": experts_grouped, "dense": experts_dense,
+                                                   "torch": experts_torch, "triton": experts_triton}
 
 
-def moe_experts(x, topk_weights, topk_ids, gate_up, down, impl: Impl = "torch") -> torch.Tensor:
+def moe_experts(x, topk_weights, topk_ids, gate_up, down, impl: Impl = "torch",
+                activation: str = "swiglu") -> torch.Tensor:
     """y [N, H] = Σ_k topk_weights[n, k] · expert_{topk_ids[n, k]}(x[n]): HF Qwen3MoeExperts.forward."""
     if impl not in EXPERTS:
         raise ValueError(f"unknown moe impl {impl!r}; choose one of {sorted(EXPERTS)}")
-    return EXPERTS[impl](x, topk_weights, topk_ids, gate_up, down)
+    return EXPERTS[impl](x, topk_weights, topk_ids, gate_up, down, activation)
 
 
 def moe_forward(
@@ -320,6 +231,6 @@ def moe_forward(
 
     Differentiable in all four tensors (the router through the renormalised top-k weights)."""
     flat = x.reshape(-1, x.shape[-1])
-    logits, weights, ids = route(flat, router_weight, top_k)
+    logits, weights, ids = route(flat, router_weight, Routing(top_k))
     y = moe_experts(flat, weights, ids, gate_up, down, impl).view(x.shape)
     return (y, logits) if return_router_logits else y

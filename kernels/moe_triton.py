@@ -1,6 +1,6 @@
-"""The Triton side of kernels/moe.py: the block-padded layout the kernels read (``plan_blocks``), the kernels and
-their launchers. The algorithm, the torch twins of every launcher and the autograd Function are in
-kernels/moe.py (its docstring describes the stages); tests import everything from there."""
+"""The Triton side of kernels/moe.py's ``impl="triton"``: the block-padded layout the kernels read (``plan_blocks``),
+the kernels and their launchers. The algorithm, the torch twins of every launcher and the autograd Function are in
+kernels/moe_blocked.py (its docstring describes the stages); tests import everything from there."""
 
 import math
 from dataclasses import dataclass
@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from .moe import expert_counts
 
 # Kernels are JIT functions or interpreter functions depending on TRITON_INTERPRET when this module is imported.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -31,14 +33,6 @@ class Plan(NamedTuple):
     @property
     def num_tokens(self) -> int:
         return self.pair_row.numel() // self.top_k
-
-
-def expert_counts(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Pairs per expert [E] (int64) from the ascending expert ids: a binary search per expert. Not
-    ``torch.bincount``, whose CUDA kernel reads the largest id back to the host to size its output (a sync)."""
-    experts = torch.arange(num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
-    bounds = torch.searchsorted(sorted_ids, experts)
-    return bounds.diff()
 
 
 def plan_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Plan:

@@ -9,19 +9,21 @@
 - ``hf``: transformers' own experts implementation (5.19 defaults to ``grouped_mm``:
   ``torch._grouped_mm`` forward and backward; 1.25x the torch reference at the tiny demo shape).
 - ``torch``: kernels/moe.py's torch reference (sort by expert, padded bmm; no Python loop).
-- ``triton``: kernels/moe.py's Triton kernels (block-padded permutation, grouped GEMMs with
-  fused SwiGLU, combine; forward and backward). CUDA; on CPU only in Triton's interpreter
-  (``TRITON_INTERPRET=1``, tests).
+- ``triton``: kernels/moe.py's Triton kernels (kernels/moe_blocked.py: block-padded permutation,
+  grouped GEMMs with fused SwiGLU, combine; forward and backward). CUDA; on CPU only in Triton's
+  interpreter (``TRITON_INTERPRET=1``, tests).
 
-Only the experts step is replaced (through transformers' experts-implementation registry);
+Only the experts step is replaced (through transformers' experts-implementation registry), by
+the experts the torch engine runs too (kernels/moe.py ``EXPERTS``, HF's weight layout);
 HF's router, its top-k renormalisation and its router-logit outputs stay as they are, so
-the three give the same numbers (tests/test_experts.py).
+the four give the same numbers (tests/test_experts.py).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from ..kernels.moe import moe_experts  # triton only when impl="triton" runs (kernels/moe_blocked.py)
 from .choices import MoeImpl
 
 MOE_IMPLS = tuple(MoeImpl)
@@ -35,8 +37,6 @@ def _registered(impl: str) -> str:
     name = f"cascade_{impl}"
     if name not in _REGISTERED:
         def experts(self, hidden_states, top_k_index, top_k_weights):  # HF's argument order
-            from cascade_rl.kernels.moe import moe_experts  # triton is imported only when used
-
             return moe_experts(hidden_states, top_k_weights, top_k_index, self.gate_up_proj, self.down_proj,
                                impl=impl)
 

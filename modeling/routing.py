@@ -12,10 +12,11 @@ hook keeps the router's own logits but swaps its choice for the engine's:
 
     p = softmax(logits) (fp32),  w_k = p[e_k] / Σ_j p[e_j]  (norm_topk_prob; else w_k = p[e_k]),  e = engine's ids
 
-so the experts, hence the log-probs, are the engine's and the router still gets its gradient through w. The
-hook wraps the router (HF ``Qwen3MoeTopKRouter``: ``(logits, weights, ids)``) and leaves the experts alone, so
-it holds for every ``model.moe_impl`` (hf, torch, triton). Either way it counts the (token, layer) routes whose
-expert set differs from the engine's: ``routing/disagree_frac`` in the step's metrics.
+(the router family's ``weigh``, kernels/moe.py ``ROUTERS``), so the experts, hence the log-probs, are the
+engine's and the router still gets its gradient through w. The hook wraps the router (HF ``Qwen3MoeTopKRouter``:
+``(logits, weights, ids)``) and leaves the experts alone, so it holds for every ``model.moe_impl`` (hf, grouped,
+torch, triton). Either way it counts the (token, layer) routes whose expert set differs from the engine's:
+``routing/disagree_frac`` in the step's metrics.
 
 Layouts: the trainer runs rows padded, bin-packed into lanes, as shared prefixes or varlen packs
 (modeling/packing.py); each forward sees its tokens flattened in its own order. ``src`` maps that order back
@@ -30,6 +31,8 @@ import functools
 
 import torch
 from torch import Tensor, nn
+
+from ..kernels.moe import ROUTERS, Routing
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
@@ -117,10 +120,8 @@ class RoutingReplay:
         if not self.replay:
             return None
         ids = torch.where(given[:, None], forced, own)
-        picked = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
-        if getattr(router, "norm_topk_prob", True):
-            picked = picked / picked.sum(dim=-1, keepdim=True)
-        return logits, picked.to(weights.dtype), ids
+        routing = Routing(ids.shape[1], getattr(router, "norm_topk_prob", True))  # HF's Qwen3-MoE router
+        return logits, ROUTERS[routing.router].weigh(logits, ids, routing).to(weights.dtype), ids
 
 
 

@@ -20,19 +20,13 @@ want). ``load_hf_state_dict`` / ``hf_state_dict`` convert from / to HF names,
 both the in-memory layout (fused experts, what ``safetensors.torch.save_model``
 writes) and the on-disk one of ``save_pretrained`` (one tensor per expert).
 
-MoE without a Python loop over experts (``EXPERTS``; the engine picks one with ``choose_experts``), two
-ways: "grouped" is kernels/moe.py's ``experts_grouped`` (pairs sorted by expert, one grouped matmul per
-projection: k/E of the arithmetic; no host read, so a CUDA graph can hold it); "dense" runs every expert on
-every token
-(bmm over experts) weighted by a routing that is zero outside the top-k (no
-sort, E/k times the arithmetic). Measured in the engine on the tiny MoE
-(8 experts, top-2; bench/sampler_throughput.py workload, 2 CPU cores, best of 5-7):
-grouped 0.32-0.36 s, dense 0.47 s, dense as one [E*2I, H] linear 0.42 s,
-expert-major padded bmm 0.44 s; gathering each pair's expert matrices for a
-bmm was 5-10x slower than dense in isolation (the copies cost more than the
-arithmetic saved). Grouped is the default; dense is there for devices whose
-``_grouped_mm`` lacks the dtype (CUDA's kernel serves bf16 on sm_90 / sm_100; elsewhere torch falls back to a
-loop over groups that reads the offsets on the host).
+The MoE block is kernels/moe.py's (routing, experts, their weight layout; the trainer runs the same code):
+``MoE`` holds the router and the experts in our layout and picks its experts implementation by name (``impl``;
+the engine's pick is ``choose_experts``): "grouped" (pairs sorted by expert, one grouped matmul per projection: k/E
+of the arithmetic; no host read, so a CUDA graph can hold it) or "dense" (every expert on every token, weighted by
+a routing that is zero outside the top-k: no sort, E/k times the arithmetic), for devices whose ``_grouped_mm``
+lacks the dtype (CUDA's kernel serves bf16 on sm_90 / sm_100; elsewhere torch falls back to a loop over groups
+that reads the offsets on the host).
 
 ``use_cpu_kernels()`` (fp32 on CPU; what the engine does there) swaps in the C++
 kernels of kernels/cpu_decode.cpp: the MoE block (routing, per-expert GEMMs run
@@ -53,6 +47,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from ..kernels import cpu_decode
+from ..kernels.moe import EXPERTS, Routing, moe_experts, select_experts, swiglu
 from .kv_cache import Attend, KVCache
 
 # The HF ``model_type``s this model implements, hence the ones the torch engine serves. Others (llama, qwen2, ...)
@@ -192,48 +187,16 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
-
-
-def route(router_logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
-    """Top-k expert weights and ids per token: softmax (fp32) over all experts, top-k, renormalised.
-    Renormalised, that is a softmax over the top-k logits alone (the same experts: softmax is monotonic)."""
-    if normalize:
-        top, experts = router_logits.topk(top_k, dim=-1)
-        return torch.softmax(top, dim=-1, dtype=torch.float).to(router_logits.dtype), experts
-    weights, experts = torch.softmax(router_logits, dim=-1, dtype=torch.float).topk(top_k, dim=-1)
-    return weights.to(router_logits.dtype), experts
-
-
-def experts_grouped(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """kernels/moe.py's grouped experts on our layout (``w13 [E, H, 2I]``, ``w2 [E, I, H]``: its
-    ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` are their transposed views, no copy)."""
-    from ..kernels.moe import experts_grouped as moe_experts_grouped  # here: kernels.moe imports triton
-
-    if not x.shape[0]:
-        return torch.zeros_like(x)
-    return moe_experts_grouped(x, weights, experts, w13.transpose(1, 2), w2.transpose(1, 2))
-
-
-def experts_dense(x: Tensor, weights: Tensor, experts: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """Every expert on every token (bmm over experts), weighted by a routing that is zero outside the top-k."""
-    n_experts = w13.shape[0]
-    dense_w = torch.zeros(x.shape[0], n_experts, dtype=x.dtype, device=x.device).scatter_(1, experts, weights)
-    gate, up = torch.bmm(x.expand(n_experts, -1, -1), w13).chunk(2, dim=-1)  # [E, N, I]
-    return torch.bmm(F.silu(gate) * up * dense_w.T[..., None], w2).sum(0)
-
-
-EXPERTS = {"grouped": experts_grouped, "dense": experts_dense}
+        return self.w2(swiglu(self.w13(x), -1))
 
 
 def choose_experts(device_type: str, dtype: torch.dtype, cuda_capability: tuple[int, int] | None = None,
                    cpu_kernels: bool = False, forced: str | None = None) -> str:
     """The engine's MoE experts, a pure function of (device, dtype, config): the C++ op ("cpu") with
-    ``cpu_kernels``; else ``forced`` (``TorchEngine(moe_impl=)``); on CUDA "grouped" where ``_grouped_mm`` has a
-    kernel for the dtype (bf16 on sm_90 / sm_100: k/E of dense's FLOPs, 1/16 for a 30B-A3B model), "dense"
-    elsewhere (torch's fallback loops over the groups after reading the offsets on the host: no CUDA graph);
-    "grouped" on CPU (torch's CPU kernel takes any float dtype)."""
+    ``cpu_kernels``; else ``forced`` (``TorchEngine(moe_impl=)``, a kernels/moe.py ``EXPERTS`` name); on CUDA
+    "grouped" where ``_grouped_mm`` has a kernel for the dtype (bf16 on sm_90 / sm_100: k/E of dense's FLOPs,
+    1/16 for a 30B-A3B model), "dense" elsewhere (torch's fallback loops over the groups after reading the offsets
+    on the host: no CUDA graph); "grouped" on CPU (torch's CPU kernel takes any float dtype)."""
     if forced is not None and forced not in EXPERTS:
         raise ValueError(f"moe_impl={forced!r}: choose one of {sorted(EXPERTS)}")
     if cpu_kernels:
@@ -247,9 +210,14 @@ def choose_experts(device_type: str, dtype: torch.dtype, cuda_capability: tuple[
 
 
 class MoE(nn.Module):
-    def __init__(self, a: ModelArgs, impl: str = "grouped") -> None:  # EXPERTS names, or "cpu" (the C++ op)
+    """kernels/moe.py's MoE block on our layout: ``w13 [E, H, 2I]``, ``w2 [E, I, H]``, handed to it as the
+    transposed views it takes (``gate_up [E, 2I, H]``, ``down [E, H, I]``; no copy). ``impl``: an ``EXPERTS`` name,
+    or "cpu" (the C++ op: routing, experts and combine in one, softmax_topk and SwiGLU only)."""
+
+    def __init__(self, a: ModelArgs, impl: str = "grouped") -> None:
         super().__init__()
-        self.top_k, self.normalize, self.impl = a.top_k, a.norm_topk_prob, impl
+        # the MoE family (kernels/moe.py ROUTERS, ACTIVATIONS): Qwen3-MoE's; another one is set here from ModelArgs
+        self.routing, self.activation, self.impl = Routing(a.top_k, a.norm_topk_prob), "swiglu", impl
         self.router = nn.Linear(a.dim, a.n_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(a.n_experts, a.dim, 2 * a.moe_intermediate_size))  # gate | up
         self.w2 = nn.Parameter(torch.empty(a.n_experts, a.moe_intermediate_size, a.dim))
@@ -257,17 +225,24 @@ class MoE(nn.Module):
         self.routes: Tensor | None = None  # [..., top_k] int64, x's leading shape
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        flat, k = x.reshape(-1, x.shape[-1]), self.routing.top_k
         if self.impl == "cpu":  # routing, experts and combine in one C++ op
-            routes = flat.new_empty((flat.shape[0], self.top_k), dtype=torch.long) if self.keep_routes else None
-            y = cpu_decode.moe_forward(flat, self.router.weight, self.w13, self.w2, self.top_k, self.normalize,
+            routes = flat.new_empty((flat.shape[0], k), dtype=torch.long) if self.keep_routes else None
+            y = cpu_decode.moe_forward(flat, self.router.weight, self.w13, self.w2, k, self.routing.normalize,
                                        routes).view_as(x)
         else:
-            weights, routes = route(self.router(flat), self.top_k, self.normalize)
-            y = EXPERTS[self.impl](flat, weights, routes, self.w13, self.w2).view_as(x)
+            weights, routes = select_experts(self.router(flat), self.routing)
+            y = self.run_experts(flat, weights, routes).view_as(x)
         if self.keep_routes:
-            self.routes = routes.view(*x.shape[:-1], self.top_k)
+            self.routes = routes.view(*x.shape[:-1], k)
         return y
+
+    def run_experts(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """kernels/moe.py's experts ``impl`` on our weights, as the transposed views it takes (no copy)."""
+        if not x.shape[0]:  # no tokens: no call (a grouped_mm of no rows)
+            return torch.zeros_like(x)
+        return moe_experts(x, weights, ids, self.w13.transpose(1, 2), self.w2.transpose(1, 2), self.impl,
+                           self.activation)
 
 
 class Block(nn.Module):

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from cascade_rl.kernels import cpu_decode
+from cascade_rl.kernels.moe import Routing, experts_grouped, select_experts
 from cascade_rl.samplers.kv_cache import KVCache
-from cascade_rl.samplers.torch_model import ModelArgs, apply_rope, experts_grouped, rms_norm, route
+from cascade_rl.samplers.torch_model import ModelArgs, apply_rope, rms_norm
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason=f"no C++ build: {cpu_decode.build_error()}")
 
@@ -35,8 +36,8 @@ def test_moe_forward_equals_route_and_grouped_experts(n, top_k, normalize):
     router = torch.randn(e, h, generator=gen(1)) * 0.3
     w13 = torch.randn(e, h, 2 * i, generator=gen(2)) * 0.1
     w2 = torch.randn(e, i, h, generator=gen(3)) * 0.1
-    weights, experts = route(x @ router.T, top_k, normalize)
-    ref = experts_grouped(x, weights, experts, w13, w2)
+    weights, experts = select_experts(x @ router.T, Routing(top_k, normalize))
+    ref = experts_grouped(x, weights, experts, w13.transpose(1, 2), w2.transpose(1, 2))
     out = cpu_decode.moe_forward(x, router, w13, w2, top_k, normalize)
     assert out.shape == (n, h)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
@@ -49,10 +50,11 @@ def test_moe_forward_one_expert_takes_every_token():
     router = torch.zeros(e, h)
     router[3] = 1.0
     w13, w2 = torch.randn(e, h, 2 * i, generator=gen(2)), torch.randn(e, i, h, generator=gen(3))
-    weights, experts = route(x @ router.T, 2, True)
+    weights, experts = select_experts(x @ router.T, Routing(2))
     assert bool((experts[:, 0] == 3).all())
     assert torch.allclose(cpu_decode.moe_forward(x, router, w13, w2, 2, True),
-                          experts_grouped(x, weights, experts, w13, w2), atol=1e-4, rtol=1e-5)
+                          experts_grouped(x, weights, experts, w13.transpose(1, 2), w2.transpose(1, 2)), atol=1e-4,
+                          rtol=1e-5)
 
 
 def args(hd: int, heads: int = 4, kv: int = 2) -> ModelArgs:

@@ -1,4 +1,5 @@
-"""kernels/moe.py: Triton kernels vs torch reference vs HF Qwen3MoeSparseMoeBlock, values and gradients.
+"""kernels/moe.py and kernels/moe_blocked.py: Triton kernels vs torch reference vs HF Qwen3MoeSparseMoeBlock, values
+and gradients.
 
 Without CUDA the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py and again here
 before the import), fp32, all tiles 16: the shapes below are small but cross tile edges (N, H, I not multiples of
@@ -18,11 +19,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, i.e. at import
 
 from cascade_rl.kernels import moe  # noqa: E402
+from cascade_rl.kernels import moe_blocked as blocked  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
-    DEVICE == "cpu" and not moe.INTERPRETED,
-    reason="no CUDA, and cascade_rl.kernels.moe was imported before TRITON_INTERPRET=1 was set",
+    DEVICE == "cpu" and not blocked.INTERPRETED,
+    reason="no CUDA, and cascade_rl.kernels.moe_triton was imported before TRITON_INTERPRET=1 was set",
 )
 
 
@@ -105,7 +107,7 @@ def assert_same(got, want, **tol):
 @pytest.mark.parametrize("case", [c for c in CASES if c.force], ids=str)
 def test_forced_routing_is_as_intended(case):
     (x, router, _, _), _ = make_inputs(case)
-    _, _, ids = moe.route(x, router, case.k)
+    _, _, ids = moe.route(x, router, moe.Routing(case.k))
     assert (ids[:, 0] == 0).all()
     assert set(ids.flatten().tolist()) <= set(range(case.e - 1 if case.force == "expert0_last_empty" else case.e))
 
@@ -113,9 +115,9 @@ def test_forced_routing_is_as_intended(case):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_plan_layout(case):
     (x, router, _, _), _ = make_inputs(case)
-    _, _, ids = moe.route(x.detach(), router.detach(), case.k)
+    _, _, ids = moe.route(x.detach(), router.detach(), moe.Routing(case.k))
     bm = 16
-    plan = moe.plan_blocks(ids, case.e, bm)
+    plan = blocked.plan_blocks(ids, case.e, bm)
     start = plan.expert_start.tolist()
     counts = torch.bincount(ids.flatten(), minlength=case.e).tolist()
     flat = ids.flatten()
@@ -137,7 +139,7 @@ def test_plan_has_no_data_dependent_shape():
     """On the meta device tensors have shapes and no values: a host sync (``.item()``, ``bincount``'s output size,
     ``nonzero``) raises there, so this is a CPU check that the plan costs no device sync on a GPU."""
     ids = torch.empty(50, 6, dtype=torch.long, device="meta")
-    plan = moe.plan_blocks(ids, 128, 64)
+    plan = blocked.plan_blocks(ids, 128, 64)
     assert plan.sorted_pair.device.type == "meta" and plan.sorted_pair.numel() % 64 == 0
     assert plan.block_expert.numel() == plan.sorted_pair.numel() // 64 and plan.expert_start.numel() == 129
 
@@ -151,15 +153,15 @@ def test_expert_counts_match_bincount():
 
 def test_launch_blocks_is_the_launchers_tile_choice():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        gpu = moe.launch_blocks(dtype, interpreted=False)
+        gpu = blocked.launch_blocks(dtype, interpreted=False)
         assert gpu.m % gpu.k == 0  # grouped_wgrad steps through a layout block in K tiles
-        assert moe.launch_blocks(dtype, interpreted=True) == moe.INTERPRETER_BLOCKS
-    assert moe.launch_blocks(torch.float32, interpreted=False) == moe.CUDA_BLOCKS[32]
-    assert moe.launch_blocks(torch.bfloat16, interpreted=False) == moe.CUDA_BLOCKS[16]
+        assert blocked.launch_blocks(dtype, interpreted=True) == blocked.INTERPRETER_BLOCKS
+    assert blocked.launch_blocks(torch.float32, interpreted=False) == blocked.CUDA_BLOCKS[32]
+    assert blocked.launch_blocks(torch.bfloat16, interpreted=False) == blocked.CUDA_BLOCKS[16]
     x = torch.zeros(2, 2, device=DEVICE)
-    assert moe._blocks(x) == moe.launch_blocks(torch.float32, interpreted=moe.INTERPRETED)
+    assert blocked._blocks(x) == blocked.launch_blocks(torch.float32, interpreted=blocked.INTERPRETED)
     with pytest.raises(TypeError, match="float64"):
-        moe.launch_blocks(torch.float64, interpreted=False)
+        blocked.launch_blocks(torch.float64, interpreted=False)
 
 
 # --- torch reference and the blocked algorithm's algebra (torch, fast) -------------------------------------------
@@ -174,8 +176,8 @@ def test_torch_reference_matches_hf(case):
 def test_blocked_algorithm_on_torch_stages_matches_reference(case):
     """The autograd Function of the Triton path, run on the kernels' torch twins: checks the backward algebra."""
     (x, router, gate_up, down), dy = make_inputs(case)
-    _, w, ids = moe.route(x, router, case.k)
-    y = moe.experts_blocked(x, w, ids, gate_up, down, stages=moe.TORCH_STAGES, block_m=16)
+    _, w, ids = moe.route(x, router, moe.Routing(case.k))
+    y = blocked.experts_blocked(x, w, ids, gate_up, down, stages=blocked.TORCH_STAGES, block_m=16)
     got = y.detach(), torch.autograd.grad(y, (x, router, gate_up, down), dy)
     assert_same(got, run_ours(case, "torch"))
 
@@ -187,6 +189,33 @@ def test_moe_forward_router_logits_and_bad_impl():
     torch.testing.assert_close(logits, x @ router.T)
     with pytest.raises(ValueError, match="unknown moe impl"):
         moe.moe_forward(x, router, gate_up, down, case.k, impl="cuda")
+
+
+# --- routing: the router families (kernels/moe.py ROUTERS) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_softmax_topk_is_hfs_routing_and_weighs_its_own_choice_alike(normalize):
+    """select (top-k logits, then their softmax) is HF's softmax-top-k-renormalise to rounding; ``weigh`` (the
+    routing replay's weights, HF's formula) gives the same weights for the experts select chose."""
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    routing = moe.Routing(3, normalize)
+    weights, ids = moe.select_experts(logits, routing)
+    probs, want_ids = torch.softmax(logits, -1).topk(3, dim=-1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, probs / probs.sum(-1, keepdim=True) if normalize else probs)
+    torch.testing.assert_close(moe.ROUTERS["softmax_topk"].weigh(logits, ids, routing), weights)
+    with pytest.raises(ValueError, match="unknown router"):
+        moe.select_experts(logits, moe.Routing(3, router="sigmoid"))
+
+
+def test_the_moe_block_does_not_import_triton():
+    """The engine's and the trainer's torch experts load without triton; only impl='triton' imports it."""
+    import subprocess
+    import sys
+
+    code = "import sys, cascade_rl.kernels.moe, cascade_rl.samplers.torch_model; print('triton' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
 # --- the default experts path (transformers' grouped_mm with our gathers) -------------------------------------------
@@ -207,9 +236,10 @@ def _experts_grouped_index_add(x, topk_weights, topk_ids, gate_up, down):
     return x.new_zeros(x.shape).index_add(0, token, out.to(x.dtype))
 
 
+@pytest.mark.parametrize("impl", ["grouped", "dense"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_grouped_matches_reference(case):
-    assert_same(run_ours(case, "grouped"), run_ours(case, "torch"))
+def test_grouped_and_dense_match_reference(case, impl):
+    assert_same(run_ours(case, impl), run_ours(case, "torch"))
 
 
 def test_grouped_bf16_combines_in_fp32_deterministically():
@@ -217,7 +247,7 @@ def test_grouped_bf16_combines_in_fp32_deterministically():
     and the same bits on a second run (forward and gradients)."""
     case = Case(512, 256, 128, 16, 6)
     (x, router, gate_up, down), dy = make_inputs(case)
-    _, w, ids = moe.route(x.detach(), router.detach(), case.k)
+    _, w, ids = moe.route(x.detach(), router.detach(), moe.Routing(case.k))
     bf = [t.detach().bfloat16() for t in (x, w, gate_up, down)]
     want = moe.experts_grouped(bf[0].float(), bf[1].float(), ids, bf[2].float(), bf[3].float())
 
@@ -261,10 +291,10 @@ def test_each_triton_kernel_matches_its_torch_twin():
     case = Case(21, 40, 24, 5, 2, "expert0_last_empty")  # ragged, one expert empty, nothing a multiple of 16
     (x, router, gate_up, down), dy = make_inputs(case)
     x, gate_up, down = x.detach(), gate_up.detach(), down.detach()
-    _, w, ids = moe.route(x, router.detach(), case.k)
-    plan = moe.plan_blocks(ids, case.e, moe._blocks(x).m)
+    _, w, ids = moe.route(x, router.detach(), moe.Routing(case.k))
+    plan = blocked.plan_blocks(ids, case.e, blocked._blocks(x).m)
     used = int(plan.expert_start[-1])  # rows past the last used block are never written or read
-    tri, ref = moe.TRITON_STAGES, moe.TORCH_STAGES
+    tri, ref = blocked.TRITON_STAGES, blocked.TORCH_STAGES
 
     h, act = tri.gate_up_swiglu(x, gate_up, plan, True)
     h_ref, act_ref = ref.gate_up_swiglu(x, gate_up, plan, True)
@@ -320,7 +350,7 @@ def test_triton_bf16_on_gpu_close_to_fp32_reference():
     want = moe.moe_forward(x, router, gate_up, down, case.k)
     want_grads = torch.autograd.grad(want, (x, gate_up, down), dy)
     bf = [t.detach().bfloat16().requires_grad_() for t in (x, router, gate_up, down)]
-    _, w, ids = moe.route(x.detach(), router.detach(), case.k)  # same routing as fp32, so only rounding differs
+    _, w, ids = moe.route(x.detach(), router.detach(), moe.Routing(case.k))  # fp32 routing: only rounding differs
     y = moe.moe_experts(bf[0], w.bfloat16().requires_grad_(), ids, bf[2], bf[3], impl="triton")
     grads = torch.autograd.grad(y, (bf[0], bf[2], bf[3]), dy.bfloat16())
     for got, ref in zip((y, *grads), (want, *want_grads)):
@@ -347,10 +377,18 @@ def test_bf16_forward_and_backward_never_sync_the_gpu(impl):
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_triton_refuses_an_activation_it_does_not_fuse():
+    case = CASES[1]
+    (x, router, gate_up, down), _ = make_inputs(case)
+    _, w, ids = moe.route(x.detach(), router.detach(), moe.Routing(case.k))
+    with pytest.raises(NotImplementedError, match="SwiGLU"):
+        moe.moe_experts(x, w, ids, gate_up, down, impl="triton", activation="relu2")
+
+
 @needs_triton
 def test_triton_refuses_tensors_on_two_devices():
     case = CASES[1]
     (x, router, gate_up, down), _ = make_inputs(case)
-    _, w, ids = moe.route(x.detach(), router.detach(), case.k)
+    _, w, ids = moe.route(x.detach(), router.detach(), moe.Routing(case.k))
     with pytest.raises(ValueError, match="one device"):
         moe.experts_triton(x.detach(), w, ids, gate_up.detach().to("meta"), down.detach())

@@ -63,7 +63,7 @@ def _record(module, launches: list) -> None:
 def _moe_launches(launches: list) -> None:
     import torch
 
-    from cascade_rl.kernels import moe
+    from cascade_rl.kernels import moe_blocked
 
     for (label, (hidden, inter, experts, top_k)) in MOE_SHAPES.items():
         for dtype in DTYPES:
@@ -72,10 +72,10 @@ def _moe_launches(launches: list) -> None:
             gate_up, down = torch.empty(experts, 2 * inter, hidden, **meta), torch.empty(experts, hidden, inter, **meta)
             ids = torch.empty(TOKENS, top_k, dtype=torch.long, device="meta")
             start = len(launches)
-            y = moe.experts_blocked(x, w, ids, gate_up, down)  # the training step: h saved, then every backward
+            y = moe_blocked.experts_blocked(x, w, ids, gate_up, down)  # the training step: h saved, then every backward
             torch.autograd.grad(y, (x, w, gate_up, down), torch.empty_like(y))
             with torch.no_grad():  # inference: h not saved
-                moe.experts_blocked(x, w, ids, gate_up, down)
+                moe_blocked.experts_blocked(x, w, ids, gate_up, down)
             launches[start:] = [(*launch, f"{label} {dtype}") for launch in launches[start:]]
 
 
