@@ -1,7 +1,7 @@
 """Async vs strictly on-policy, and in-flight weight updates: steps/hour, trainer idle fraction, reward, staleness
 and version spans of four schedules.
 
-    .venv/bin/python bench/async_vs_sync.py [--quick] [--delays 0,0.5] [--modes sync,ahead,inflight,inflight_keep]
+    .venv/bin/python bench/async_vs_sync.py [--quick | --smoke] [--delays 0,0.5] [--modes sync,ahead,inflight,inflight_keep]
                                             [--workloads short,long]
 
 - ``sync``: max_staleness 0, strictly on-policy (the paper);
@@ -17,9 +17,12 @@ the order rotating per round. Two workloads:
   shorter than a training step. ``--delays`` adds an artificial sampler delay after each generate call
   (``sampler.delay_s``): with a slow sampler the overlap of sampling and training is what async buys; on 2
   shared CPU cores the sampler and the trainer also compete for the same cores, which caps the gain.
-- ``long``: the random-weight tiny model (bench/scaling.py's), 2 prompts x 2, up to 400 tokens: rows run long
-  and unevenly, generation outlasts a training step, so new weights arrive mid-generation (in-flight updates
-  happen only here). No delay.
+- ``long``: the random-weight tiny model (``_common.random_model``), 2 prompts x 2, up to 400 tokens: rows run
+  long and unevenly, generation outlasts a training step, so new weights arrive mid-generation (in-flight
+  updates happen only here). No delay.
+
+``--smoke``: sync and ahead on a ``smoke`` workload (a random tiny model, 2 prompts x 2, 8 tokens, a few rows of
+data), 2 steps each, no delay: every launch and every figure as above, in about a minute.
 
 The orchestrator samples one batch ahead when max_staleness >= 1 (rollouts are at most one version old
 when trained; k = 2 measured the same as k = 1 before, so it is not run).
@@ -30,7 +33,6 @@ at the largest delay).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -42,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import math_data  # noqa: E402
+from _common import bench_parser, math_data, random_model, sft_model, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
@@ -67,15 +69,11 @@ MODES = {  # name -> launch overrides
 }
 
 
-def long_model() -> str:
-    from scaling import build
-
-    return str(build("tiny")[0])
-
-
 WORKLOADS = {  # name -> (model, launch overrides)
     "short": (model_dir, ["run.prompts_per_step=8", "run.group_size=8", "sampling.max_tokens=32"]),
-    "long": (long_model, ["run.prompts_per_step=2", "run.group_size=2", "sampling.max_tokens=400"]),
+    "long": (lambda: str(random_model("tiny")[0]),
+             ["run.prompts_per_step=2", "run.group_size=2", "sampling.max_tokens=400"]),
+    "smoke": (lambda: str(sft_model(smoke=True)), ["run.prompts_per_step=2", "run.group_size=2", "sampling.max_tokens=8"]),
 }
 
 
@@ -83,7 +81,8 @@ def launch(mode: str, workload: str, delay: float, steps: int, work: Path) -> di
     run_dir = work / f"{workload}-{mode}-d{delay}-{time.monotonic_ns()}"
     model, overrides = WORKLOADS[workload]
     args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model()}", f"run.steps={steps}",
-            *MODES[mode], "trainer.correction=icepop", *overrides, "trainer.lr=2e-5", *math_data(8),
+            *MODES[mode], "trainer.correction=icepop", *overrides, "trainer.lr=2e-5",
+            *math_data(8, smoke=workload == "smoke"),
             f"sampler.delay_s={delay}", "supervisor.progress=none"]
     r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=1800,
                        env=dict(os.environ, XDG_STATE_HOME=str(work / "state")))
@@ -106,14 +105,16 @@ def launch(mode: str, workload: str, delay: float, steps: int, work: Path) -> di
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="6 steps, 1 round")
+    ap = bench_parser(__doc__, quick="6 steps, 1 round",
+                      smoke="sync and ahead, 2 steps, the smoke workload: ~a minute")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--delays", default="0,0.5")
     ap.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES))
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="of " + ", ".join(WORKLOADS))
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.steps, args.delays, args.modes, args.workloads = 1, 2, "0", "sync,ahead", "smoke"
     rounds, steps = args.rounds or (1 if args.quick else 2), args.steps or (6 if args.quick else 16)
     delays = [float(x) for x in args.delays.split(",")]
     modes, workloads = args.modes.split(","), args.workloads.split(",")
@@ -147,11 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "long" in workloads and {"ahead", "inflight"} <= set(modes):
         summary["inflight_vs_ahead_long"] = round(table["long_inflight_d0.0"]["steps_per_hour"]
                                                   / table["long_ahead_d0.0"]["steps_per_hour"], 3)
-    out = {**summary, "table": table, "runs": runs, "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    (ROOT / "results").mkdir(exist_ok=True)
-    (ROOT / "results" / "async_vs_sync.json").write_text(json.dumps(out, indent=2))
-    print(json.dumps(summary))
-    return summary
+    return write_result(summary, {**summary, "table": table, "runs": runs, "quick": args.quick}, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/data_prepare.py            # 1,000,000 rows
     python bench/data_prepare.py --quick    # 100,000 rows
+    python bench/data_prepare.py --smoke    # 1,000 rows and 1,000 draws: the code path in seconds
 
 Each measurement runs in a fresh process (peak RSS is the process's own VmHWM, above what its imports
 cost):
@@ -21,7 +22,6 @@ The headline: the orchestrator's resident memory for the prompt set against the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import subprocess
@@ -30,9 +30,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _common import bench_parser, machine, write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.25
 
 PROLOGUE = """
@@ -58,11 +57,11 @@ print(json.dumps({"s": time.perf_counter() - t0, "rss_mib": rss_mib() - base, "r
 SERVE = PROLOGUE + """
 from cascade_rl.data.promptset import PromptStream
 base = rss_mib(); t0 = time.perf_counter()
-stream = PromptStream(Path(sys.argv[1]), seed=0)
+stream, draws = PromptStream(Path(sys.argv[1]), seed=0), int(sys.argv[2])
 t_open = time.perf_counter() - t0; t0 = time.perf_counter()
-for _ in range(100_000):
+for _ in range(draws):
     stream.next()
-print(json.dumps({"open_s": t_open, "draws_per_s": 100_000 / (time.perf_counter() - t0),
+print(json.dumps({"open_s": t_open, "draws_per_s": draws / (time.perf_counter() - t0),
                   "rss_mib": rss_mib() - base}))
 """
 
@@ -103,11 +102,12 @@ def child(code: str, *args: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
+    p = bench_parser(__doc__, quick="100,000 rows",
+                     smoke="1,000 rows, 1,000 draws: the code path in seconds")
     p.add_argument("--rows", type=int, default=0)
     a = p.parse_args()
-    rows = a.rows or (100_000 if a.quick else 1_000_000)
+    rows = a.rows or (1_000 if a.smoke else 100_000 if a.quick else 1_000_000)
+    draws = 1_000 if a.smoke else 100_000
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         from cascade_rl.learner.tiny_model import make_tiny_model
@@ -116,7 +116,7 @@ def main() -> None:
         data = tmp / "prompts.jsonl"
         write_rows(data, rows)
         ours = child(PREPARE, str(data), str(model), str(tmp / "prepared"))
-        serve = child(SERVE, str(tmp / "prepared"))
+        serve = child(SERVE, str(tmp / "prepared"), str(draws))
         py_list = child(PY_LIST, str(data))
         hf = child(HF, str(data), str(tmp / "hf-cache"))
         size_mib = data.stat().st_size / 2**20
@@ -131,9 +131,7 @@ def main() -> None:
         "hf_load_dataset_s": hf["s"], "hf_rss_mib": hf["rss_mib"], "prepare_vs_hf_time": ours["s"] / hf["s"],
         "python_list_s": py_list["s"], "serve_open_s": serve["open_s"], "draws_per_s": serve["draws_per_s"],
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "data_prepare.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result))
+    write_result(result, smoke=a.smoke)
 
 
 if __name__ == "__main__":

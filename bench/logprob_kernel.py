@@ -1,6 +1,6 @@
 """Per-token log-prob + entropy from the LM head: Triton kernel vs chunked torch vs full logits, fwd+bwd.
 
-    .venv/bin/python bench/logprob_kernel.py [--quick] [--rounds R] [--tokens 8192,16384,32768]
+    .venv/bin/python bench/logprob_kernel.py [--quick | --smoke] [--rounds R] [--tokens 8192,16384,32768]
 
 On CUDA (the real benchmark): N tokens of hidden size 2048 through a Qwen-sized LM head of
 V = 151,936 rows, bf16 inputs, T = 1.0, log-prob of a random target and the entropy per token; the
@@ -24,27 +24,26 @@ Without CUDA: a tiny CPU run (512 tokens x vocab 8,192 x hidden 256, fp32) of th
 only, whatever the flags; the Triton side needs a GPU (its interpreter is for tests), so the summary
 has value, ratio and pass null and says GPU figures are pending.
 
+``--smoke``: one round of 1,024 tokens on CUDA, of 128 tokens x vocab 1,024 x hidden 64 on CPU: the code path
+in seconds.
+
 Writes bench/results/logprob_kernel.json; the last stdout line is the summary JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _common import bench_parser, machine, write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 from cascade_rl.modeling.logprobs import linear_logprobs, linear_logprobs_reference
 
-ROOT = Path(__file__).resolve().parent
 VOCAB, HIDDEN, CHUNK = 151_936, 2048, 1024
-TOKENS, QUICK_TOKENS, HEADLINE_TOKENS = (8192, 16384, 32768), (8192,), 8192
-CPU_TOKENS, CPU_VOCAB, CPU_HIDDEN = 512, 8192, 256
+TOKENS, QUICK_TOKENS, SMOKE_TOKENS, HEADLINE_TOKENS = (8192, 16384, 32768), (8192,), (1024,), 8192
+CPU_SHAPE, CPU_SMOKE_SHAPE = (512, 8192, 256), (128, 1024, 64)  # (tokens, vocab, hidden) of the torch paths on CPU
 TARGET, VALUE_TOL = 0.5, 1e-3
 
 
@@ -145,8 +144,8 @@ def bench_cuda(tokens: tuple[int, ...], rounds: int) -> dict:
 # --- CPU (torch paths only) ---------------------------------------------------------------------
 
 
-def bench_cpu(rounds: int) -> dict:
-    args = inputs(CPU_TOKENS, CPU_VOCAB, CPU_HIDDEN, torch.float32, "cpu")
+def bench_cpu(shape: tuple[int, int, int], rounds: int) -> dict:
+    args = inputs(*shape, torch.float32, "cpu")
     res = {}
     for side, fn in {"chunked": linear_logprobs, "full": linear_logprobs_reference}.items():
         forward(fn, *args)[2].backward()  # warm-up
@@ -165,28 +164,28 @@ def bench_cpu(rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help=f"{QUICK_TOKENS[0]} tokens only, 3 rounds")
+    ap = bench_parser(__doc__, quick=f"{QUICK_TOKENS[0]} tokens only, 3 rounds",
+                      smoke="one round at a small shape: the code path in seconds")
     ap.add_argument("--rounds", type=int, default=None, help="timed passes per side (median); default 5, quick 3")
     ap.add_argument("--tokens", default=None, help="comma-separated token counts (CUDA), e.g. 8192,32768")
     args = ap.parse_args(argv)
-    rounds = args.rounds or (3 if args.quick else 5)
-    date = time.strftime("%Y-%m-%d %H:%M:%S")
+    rounds = 1 if args.smoke else args.rounds or (3 if args.quick else 5)
 
     if not torch.cuda.is_available():
-        cpu = bench_cpu(rounds)
+        shape = CPU_SMOKE_SHAPE if args.smoke else CPU_SHAPE
+        cpu = bench_cpu(shape, rounds)
         note = ("no CUDA: GPU figures pending. Ran the torch paths only, tiny and fp32 on CPU "
-                f"({CPU_TOKENS} tokens x vocab {CPU_VOCAB} x hidden {CPU_HIDDEN}); rerun on a GPU for the figures")
+                "({} tokens x vocab {} x hidden {}); rerun on a GPU for the figures".format(*shape))
         summary = {"name": "logprob_kernel",
                    "metric": f"fwd+bwd ms, Triton / chunked torch ({HEADLINE_TOKENS} tokens x vocab {VOCAB} x hidden "
                              f"{HIDDEN}, bf16, logprob+entropy) — pending: no GPU",
                    "value": None, "baseline": f"chunked torch linear_logprobs (chunk {CHUNK})",
                    "baseline_value": None, "ratio": None, "target": TARGET, "pass": None, "machine": machine(),
                    "note": note}
-        full = {**summary, "cpu_torch_paths": cpu, "rounds": rounds, "quick": args.quick, "date": date}
+        full = {**summary, "cpu_torch_paths": cpu, "rounds": rounds, "quick": args.quick}
     else:
         tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else (
-            QUICK_TOKENS if args.quick else TOKENS)
+            SMOKE_TOKENS if args.smoke else QUICK_TOKENS if args.quick else TOKENS)
         results = bench_cuda(tokens, rounds)
         head_n = HEADLINE_TOKENS if HEADLINE_TOKENS in results else tokens[0]
         head = results[head_n]
@@ -208,12 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "workload": {"tokens": list(tokens), "vocab": VOCAB, "hidden": HIDDEN, "dtype": "bfloat16",
                              "temperature": 1.0, "with_entropy": True, "chunk_tokens": CHUNK, "rounds": rounds,
                              "memory": "torch CUDA allocator peak above the allocation before the pass"},
-                "quick": args.quick, "date": date}
-    results_dir = ROOT / "results"
-    results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / "logprob_kernel.json").write_text(json.dumps(full, indent=2))
-    print(json.dumps(summary))
-    return summary
+                "quick": args.quick}
+    return write_result(summary, full, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Peak memory of per-token log-probs + entropy: chunked ``linear_logprobs`` against full logits, in one run.
 
-    .venv/bin/python bench/logprob_memory.py [--quick] [--chunk N] [--rounds 3]
+    .venv/bin/python bench/logprob_memory.py [--quick | --smoke] [--chunk N] [--rounds 3]
 
 Workload: N tokens of hidden size 256 through an LM head of V = 32,768 rows, fp32,
 T = 1.0, log-prob of a random target and entropy per token; the loss is
@@ -10,7 +10,8 @@ JSON). The baseline is ``linear_logprobs_reference``: full [N, V] logits, log_so
 gather, entropy from exp(log p) — what a trainer does with ``model(...).logits``.
 The lean side is ``linear_logprobs`` with ``chunk_tokens`` = N / 8 (1,024 full, 256
 quick): its peak is about 2 chunks of logits, so the ratio depends on N / chunk, and
-the quick run keeps that of the full one.
+the quick run keeps that of the full one. ``--smoke``: N = 64, one pass (the code path
+in seconds).
 
 Memory is peak RSS above a baseline, each side in its own child process: the child
 imports torch, allocates the inputs, runs the workload once at a tiny shape (kernels,
@@ -36,10 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _common import bench_parser, machine, write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
-ROOT = Path(__file__).resolve().parent
-HIDDEN, VOCAB, TOKENS, QUICK_TOKENS = 256, 32768, 8192, 2048
+HIDDEN, VOCAB, TOKENS, QUICK_TOKENS, SMOKE_TOKENS = 256, 32768, 8192, 2048, 64
 TARGET, VALUE_TOL = 0.125, 1e-5
 SIDES = ("naive", "lean")
 
@@ -149,16 +149,16 @@ def compare(out_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help=f"{QUICK_TOKENS} tokens instead of {TOKENS}, 1 timed pass")
+    ap = bench_parser(__doc__, quick=f"{QUICK_TOKENS} tokens instead of {TOKENS}, 1 timed pass",
+                      smoke=f"{SMOKE_TOKENS} tokens, 1 pass: the code path in seconds")
     ap.add_argument("--chunk", type=int, default=None, help="chunk_tokens of the lean side (default tokens / 8)")
     ap.add_argument("--rounds", type=int, default=None, help="timed passes per side (median)")
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    n = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
-    rounds = args.rounds or (1 if args.quick else 3)
+    n = args.tokens or (SMOKE_TOKENS if args.smoke else QUICK_TOKENS if args.quick else TOKENS)
+    rounds = args.rounds or (1 if args.quick or args.smoke else 3)
     chunk = args.chunk or max(1, n // 8)
     if args.child:
         child(args.child, n, chunk, rounds, Path(args.out))
@@ -187,12 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "chunk_tokens": chunk, "with_entropy": True, "rounds": rounds,
                          "memory": "peak RSS (VmHWM after resetting it, minus VmRSS) after inputs and warm-up, "
                                    "each side in its own process"},
-            "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    results_dir = ROOT / "results"
-    results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / "logprob_memory.json").write_text(json.dumps(full, indent=2))
-    print(json.dumps(summary))
-    return summary
+            "quick": args.quick}
+    return write_result(summary, full, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """MoE block forward+backward: per-expert loop vs torch._grouped_mm vs the torch reference vs Triton (kernels/moe.py).
 
-    .venv/bin/python bench/moe_kernels.py [--quick] [--rounds N] [--threads N]
+    .venv/bin/python bench/moe_kernels.py [--quick | --smoke] [--rounds N] [--threads N]
 
 Each side runs one Qwen3-MoE sparse block (router, top-k, SwiGLU experts, weighted combine) forward and backward to
 x, the router, gate_up and down, on the same weights and tokens (fixed seed; router ~ N(0, 1/H), so routing is
@@ -28,6 +28,9 @@ side once in rotating order; the figure is the median step time. Each side's out
 the torch reference (max |Δ| / max |ref|). CPU runs one torch thread by default (``--threads 0``: torch's default):
 two spinning OpenMP threads on a shared 2-core machine measure the neighbours.
 
+``--smoke``: one round at ``smoke`` (64 tokens, 4 experts, top-2, 32, 32), every side as above, peak memory
+included: the code path in seconds.
+
 Writes bench/results/moe_kernels.json; the last stdout line is the summary JSON object.
 """
 
@@ -38,14 +41,13 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
-from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _common import bench_parser, machine, write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 from cascade_rl.kernels import moe
+from cascade_rl.kernels.moe_triton import INTERPRETED
 
-ROOT = Path(__file__).resolve().parent
 TARGET_VS_LOOP, TARGET_VS_GROUPED_MM = 4.0, 1.0
 
 
@@ -63,6 +65,7 @@ SHAPES = {
     "mid": Shape(2048, 32, 4, 1024, 512),
     "cpu-tiny": Shape(1024, 8, 2, 128, 128),
     "cpu-mid": Shape(1024, 32, 4, 512, 256),
+    "smoke": Shape(64, 4, 2, 32, 32),
 }
 
 
@@ -206,8 +209,8 @@ def bench_shape(shape_name: str, device: str, dtype: torch.dtype, rounds: int, t
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer rounds; on CUDA the mid shape only")
+    ap = bench_parser(__doc__, quick="fewer rounds; on CUDA the mid shape only",
+                      smoke="the smoke shape, 1 round: the code path in seconds")
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds (default 3 quick, 10 full)")
     ap.add_argument("--threads", type=int, default=1, help="CPU torch threads (0: torch's default)")
     ap.add_argument("--child", nargs=2, metavar=("SHAPE", "SIDE"), help=argparse.SUPPRESS)
@@ -219,14 +222,15 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     cuda = torch.cuda.is_available()
-    if cuda and moe.INTERPRETED:
+    if cuda and INTERPRETED:
         sys.exit("TRITON_INTERPRET is set: unset it to benchmark the compiled kernels")
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    shapes = (["mid"] if args.quick else ["mid", "qwen3-30b-a3b"]) if cuda else ["cpu-tiny", "cpu-mid"]
-    rounds = args.rounds or (3 if args.quick else 10)
+    shapes = ["smoke"] if args.smoke else (["mid"] if args.quick else ["mid", "qwen3-30b-a3b"]) if cuda else [
+        "cpu-tiny", "cpu-mid"]
+    rounds = 1 if args.smoke else args.rounds or (3 if args.quick else 10)
     results = {name: bench_shape(name, device, dtype, rounds, args.threads) for name in shapes}
 
-    head_shape = shapes[-1] if cuda else "cpu-tiny"
+    head_shape = shapes[-1] if cuda or args.smoke else "cpu-tiny"
     head = results[head_shape]["sides"]
     side = "triton" if cuda else "torch"
     value, loop = head.get(side, {}).get("tokens_per_s"), head.get("loop", {}).get("tokens_per_s")
@@ -250,12 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
         "baseline_value": loop, "ratio": ratio, "target": TARGET_VS_LOOP, "pass": passed, "machine": machine(),
         "ratio_vs_grouped_mm": ratio_gmm, "note": note,
     }  # fmt: skip
-    full = {**summary, "results": results, "quick": args.quick, "rounds": rounds,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
-    (ROOT / "results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "results" / "moe_kernels.json").write_text(json.dumps(full, indent=2))
-    print(json.dumps(summary))
-    return summary
+    full = {**summary, "results": results, "quick": args.quick, "rounds": rounds}
+    return write_result(summary, full, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ and the gold (chat_quality: right, addressed, one short sentence).
 
 Writes bench/results/mopd_vs_grpo.json; the last stdout line is the summary JSON object. ``--quick`` (``make bench``):
 the math race only (the chat race needs `make full`'s model), one seed, 10 steps, evaluation every 5, its runs and
-JSON under the name mopd_vs_grpo_quick.
+JSON under the name mopd_vs_grpo_quick. ``--smoke``: the math race's three launches, one step each, at 2 prompts x 2
+and 8 tokens, on a random tiny model and a few rows of data (no judge needed): the code path in a few minutes.
 """
 
 from __future__ import annotations
@@ -35,12 +36,22 @@ import argparse
 import json
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
-from _common import CLI, ROOT, builtin_data, full_sft_model, machine, sft_model  # noqa: E402  (bench/ is on sys.path)
+from _common import (  # noqa: E402  (bench/ is on sys.path when a script runs)
+    CLI,
+    ROOT,
+    bench_parser,
+    builtin_data,
+    full_sft_model,
+    machine,
+    results_dir,
+    sft_model,
+    write_result,
+)
 
-RESULTS = ROOT / "bench" / "results"
 JUDGE = ROOT / "models" / "judge-sft"
 RL = ["run.prompts_per_step=16", "run.group_size=8", "trainer.lr=5e-5"]  # configs/run/cascade.yaml
 MOPD = ["stage=mopd", "run.prompts_per_step=16", "run.group_size=8", "trainer.lr=3e-5",
@@ -52,14 +63,17 @@ JUDGED = ["verifier.judge.serve=torch", f"verifier.judge.path={JUDGE}", "verifie
           "verifier.judge.max_tokens=16", "verifier.judge.concurrency=32", "verifier.judge.args=[--threads,1]",
           "teacher.threads=1"]  # as configs/cascade/demo.yaml
 GAP = 0.15  # the least the teacher must lead the start by on the domain (issue: a teacher clearly above)
+SMOKE = ["run.prompts_per_step=2", "run.group_size=2", "sampling.max_tokens=8", "orchestrator.eval_n=1",
+         "data.eval_per_domain=4"]  # --smoke: after every launch's own overrides, so these win
 
 
-def launch(out: Path, args: list[str]) -> list[dict]:
+def launch(out: Path, args: list[str], smoke: bool = False) -> list[dict]:
     """One real launch (resumed past if its summary exists); its metrics lines."""
     if not (out / "summary.json").is_file():
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "launch.log", "w") as log:
-            rc = subprocess.run([*CLI, "launch", "cascade", f"run_dir={out}", "supervisor.progress=none", *args],
+            rc = subprocess.run([*CLI, "launch", "cascade", f"run_dir={out}", "supervisor.progress=none", *args,
+                                 *(SMOKE if smoke else [])],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
         if rc != 0:
             raise SystemExit(f"launch in {out} failed (rc {rc}); see {out / 'launch.log'}")
@@ -96,7 +110,7 @@ def regressed_start(out: Path, sft: str, files: dict, a: argparse.Namespace) -> 
     regress = launch(out, [f"model.path={sft}", f"data.files=[{files['rl']['arithmetic_if']}]", "stage=if_rl", *RL,
                            f"run.steps={a.regress_steps}", "trainer.save_every=0",
                            "orchestrator.max_refill_rounds=64", *evaluated(files, ["arithmetic"], a.regress_steps),
-                           *seeded(0)])
+                           *seeded(0)], a.smoke)
     (_, teacher_math), (_, start_math) = curve(regress, "math")[0], curve(regress, "math")[-1]
     return final_checkpoint(out), teacher_math, start_math
 
@@ -119,7 +133,7 @@ def math_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace
     row = {"seed": seed, "start": start, "start_math": start_math, "teacher": sft, "teacher_math": teacher_math,
            "gap": teacher_math - start_math, "clearly_above": teacher_math - start_math >= GAP}
     for method, extra in (("grpo", RL), ("mopd", [*MOPD, f"+teacher.checkpoints.math={sft}"])):
-        points = curve(launch(out / method, [*common, *extra]), "math")
+        points = curve(launch(out / method, [*common, *extra], a.smoke), "math")
         row[method] = {"curve": points, "steps_to_90": closes(points, start_math, teacher_math),
                        "final": points[-1][1]}
     return row
@@ -146,22 +160,26 @@ def spread(values: list[float]) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
+    p = bench_parser(__doc__, quick="the math race, 1 seed, 10 steps (make bench)",
+                     smoke="the math race, 1 step a launch, tiny: a few minutes")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--regress-steps", type=int, default=40, help="IF-RL steps that cost the start its math")
     p.add_argument("--teacher-steps", type=int, default=60, help="RLHF steps of the judge-scored domain's teacher")
     a = p.parse_args()
+    a.quick |= a.smoke  # a smoke run is a quick one (the math race only), smaller
     seeds = [int(s) for s in a.seeds.split(",")][: 1 if a.quick else None]
     if a.quick:
-        a.steps, a.eval_every = 10, 5
-    if not (JUDGE / "config.json").is_file():
+        a.steps, a.eval_every = (1, 1) if a.smoke else (10, 5)
+        a.regress_steps = 1 if a.smoke else a.regress_steps
+    if not a.smoke and not (JUDGE / "config.json").is_file():
         raise SystemExit(f"{JUDGE} missing: `make judge` builds it (make run does)")
-    sft, files = str(sft_model()), builtin_data()
+    sft, files = str(sft_model(a.smoke)), builtin_data(a.smoke)
     t0 = time.perf_counter()
-    root = RESULTS / ("mopd_vs_grpo_quick" if a.quick else "mopd_vs_grpo")
+    # the runs: kept and resumed past under bench/results, fresh for a smoke run
+    root = (Path(tempfile.mkdtemp(prefix="crl-mopd-smoke-")) / "mopd_vs_grpo" if a.smoke else
+            results_dir() / ("mopd_vs_grpo_quick" if a.quick else "mopd_vs_grpo"))
     begin = regressed_start(root / "shared" / "regress", sft, files, a)
     if not a.quick:
         chat_sft, chat_files = full_sft_model()
@@ -197,10 +215,8 @@ def main() -> None:
         "wall_s": time.perf_counter() - t0,
         "machine": machine(),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{root.name}.json").write_text(json.dumps({**summary, "math_per_seed": math_rows,
-                                                           "rlhf_per_seed": rlhf_rows}, indent=2))
-    print(json.dumps(summary))
+    write_result(summary, {**summary, "math_per_seed": math_rows, "rlhf_per_seed": rlhf_rows}, smoke=a.smoke,
+                 name=root.name)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Sequence packing: padding saved on an RL length mix, and forward+backward tokens/s packed vs padded.
 
-    .venv/bin/python bench/packing.py [--quick] [--model DIR] [--arch qwen3_moe|qwen3] [--threads N]
+    .venv/bin/python bench/packing.py [--quick | --smoke] [--model DIR] [--arch qwen3_moe|qwen3] [--threads N]
 
 Length mix (seeded, numpy): 128 groups x 8 rollouts, max length 2048. Each group
 has one prompt of U{40..200} tokens; response lengths are long-tailed as in
@@ -16,7 +16,7 @@ group (each group padded to its own longest), and packed (no padding at all).
 
 Timing (CPU, the tiny model, fp32, one torch thread unless ``--threads``): the same
 mix with every length divided by 4 (max 512, the tiny model's context), the first
-2 groups (``--quick``) or 4 groups. Both sides run the same rows and the same
+2 groups (``--quick``) or 4 groups (``--smoke``: one group, lengths divided by 16, one round). Both sides run the same rows and the same
 loss (a fixed random per-token weight times the token log-probs) through one
 forward+backward: padded as one [rows, L] batch with an attention mask, packed as
 ``modeling.packing.pack(..., max_tokens=L)`` with one forward+backward per pack,
@@ -36,8 +36,6 @@ Writes bench/results/packing.json; the last stdout line is the summary JSON obje
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 import sys
@@ -47,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _common import bench_parser, machine, write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 from cascade_rl.modeling.logprobs import token_logprobs
 from cascade_rl.modeling.packing import pack, pack_values, packed_forward, packed_token_logprobs, unpack
@@ -138,8 +136,8 @@ def time_layouts(model_dir: str, lengths: np.ndarray, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 groups timed over 3 rounds instead of 4 groups over 7")
+    ap = bench_parser(__doc__, quick="2 groups timed over 3 rounds instead of 4 groups over 7",
+                      smoke="1 group at 1/16 of the lengths, 1 round: seconds")
     ap.add_argument("--model", default=str(ROOT.parent / "models" / "tiny"), help="HF dir of a tiny model")
     ap.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3"],
                     help="arch of the model built when --model is missing")
@@ -163,8 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
         from cascade_rl.learner.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch=args.arch))
-    timing_groups, rounds = (2, 3) if args.quick else (4, 7)
-    sample = np.ceil(total[: timing_groups * GROUP_SIZE] / TIMING_SCALE).astype(np.int64)
+    timing_groups, rounds = (1, 1) if args.smoke else (2, 3) if args.quick else (4, 7)
+    scale = TIMING_SCALE * (4 if args.smoke else 1)
+    sample = np.ceil(total[: timing_groups * GROUP_SIZE] / scale).astype(np.int64)
     timing = time_layouts(model_dir, sample, rounds)
 
     ratio = timing["ratio_median"]
@@ -178,13 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
                "padding_saved_pct": round(mix["padding_saved_vs_batch_pct"], 1)}
     full = {**summary, "mix": mix, "timing": timing, "model": model_dir,
             "workload": {"groups": GROUPS, "group_size": GROUP_SIZE, "max_len": MAX_LEN,
-                         "timing_scale": TIMING_SCALE, "timing_groups": timing_groups},
-            "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    results_dir = ROOT / "results"
-    results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / "packing.json").write_text(json.dumps(full, indent=2))
-    print(json.dumps(summary))
-    return summary
+                         "timing_scale": scale, "timing_groups": timing_groups},
+            "quick": args.quick}
+    return write_result(summary, full, smoke=args.smoke)
 
 
 if __name__ == "__main__":

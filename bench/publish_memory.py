@@ -1,6 +1,6 @@
 """Host memory per published version: an FSDP2 trainer (2 CPU ranks, gloo) publishing through ``shm``.
 
-    .venv/bin/python bench/publish_memory.py [--size 50m] [--arch qwen3_moe] [--dtype bfloat16] [--quick]
+    .venv/bin/python bench/publish_memory.py [--size 50m] [--arch qwen3_moe] [--dtype bfloat16] [--quick | --smoke]
 
 Builds a ``make-tiny-model`` model of ``--size`` (50m: 512 wide, 8 layers, MoE), shards it over two ranks as the
 trainer does (learner/parallel.py: bf16 weights held as fp32 shards) and publishes one version with each way,
@@ -17,7 +17,7 @@ Host RAM per version = peak RSS delta + the file. On CUDA the staging buffers ad
 
 Writes bench/results/publish_memory.json; the last stdout line is the summary JSON object (bench/run_all.py's
 row: host bytes per version against the full state dict's; target: at most 0.75 of it, and rank 0's memory
-above the file under 0.75 of the model's bytes). ``--quick``: the 10m model.
+above the file under 0.75 of the model's bytes). ``--quick``: the 10m model; ``--smoke``: the tiny one (seconds).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ranks run with PYTHONSAFEPATH (bench/ not on it)
+from _common import bench_parser, write_result  # noqa: E402
 
 
 def rss() -> int:
@@ -101,9 +102,8 @@ def rank_main(model_dir: str, mode: str, dtype: str, out: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__, quick="the 10m model (make bench)", smoke="the tiny model: the code path in seconds")
     ap.add_argument("--size", default="50m")
-    ap.add_argument("--quick", action="store_true", help="the 10m model (make bench)")
     ap.add_argument("--arch", default="qwen3_moe")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rank", nargs=3, help=argparse.SUPPRESS)  # model_dir mode out: run by torchrun
@@ -113,8 +113,8 @@ def main() -> None:
 
     from cascade_rl.learner.tiny_model import make_tiny_model
 
-    if args.quick:
-        args.size = "10m"
+    if args.quick or args.smoke:
+        args.size = "tiny" if args.smoke else "10m"
     tmp = Path(tempfile.mkdtemp())
     model_dir = make_tiny_model(tmp / "model", arch=args.arch, size=args.size)
     # every allocation above 64 KiB its own mapping, returned on free: RSS then shows live memory (glibc otherwise
@@ -149,10 +149,7 @@ def main() -> None:
         **{f"{m}_rss_delta_models": round(r["peak_rss_delta"] / file_bytes, 2) for m, r in results.items()},
         "files_in_shm": results["gathered"]["files_after_3_versions"],
     }
-    out = ROOT / "bench" / "results" / "publish_memory.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
-    print(json.dumps(summary))
+    write_result(summary, {"summary": summary, "runs": results}, smoke=args.smoke)
 
 
 if __name__ == "__main__":

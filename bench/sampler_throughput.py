@@ -1,6 +1,6 @@
 """Sampling tokens/s: the torch engine and vLLM against transformers' ``generate``, in one run.
 
-    .venv/bin/python bench/sampler_throughput.py [--quick] [--model models/tiny] [--engines generate,torch,vllm]
+    .venv/bin/python bench/sampler_throughput.py [--quick | --smoke] [--model models/tiny] [--engines generate,torch,vllm]
 
 Workload (docs/ARCHITECTURE.md §9): the tiny Qwen3-MoE demo model (built in a temporary
 directory if ``--model`` is missing), fp32, 64 chat-formatted arithmetic
@@ -19,7 +19,9 @@ other processes hits all sides; a side's ratio is the median over rounds of
 its tokens/s over ``generate``'s in the same round. ``--quick`` runs 2 rounds,
 the full run 5 and then, for the record only, 2 rounds of an RL-shaped
 workload: 32 prompts x n=8 samples x 128 tokens (``num_return_sequences=8``
-for generate; one shared prefill per group for the torch engine).
+for generate; one shared prefill per group for the torch engine). ``--smoke``:
+one round of 8 prompts x 8 tokens, as ``--quick`` otherwise, without vLLM unless
+``--engines`` names it (its start alone outlasts the smoke run's seconds).
 
 The last round's samples of each engine are scored against the trainer's
 log-probs (transformers' forward + ``learner.losses.token_logprobs`` at T=1):
@@ -42,10 +44,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _common import bench_parser, machine, results_dir, write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent
 SEQS, NEW_TOKENS, TARGET = 64, 64, 3.0
+SMOKE_SEQS, SMOKE_NEW_TOKENS = 8, 8
 SIDES = ("generate", "torch", "vllm")
 
 
@@ -210,18 +213,21 @@ def run_rounds(children: dict[str, Child], ids, n: int, new_tokens: int, rounds:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 rounds instead of 5, no RL-shaped workload")
+    ap = bench_parser(__doc__, quick="2 rounds instead of 5, no RL-shaped workload",
+                      smoke="1 round of 8 prompts x 8 tokens: the code path in seconds")
     ap.add_argument("--model", default=str(ROOT.parent / "models" / "tiny"), help="HF dir of the tiny MoE model")
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--engines", default="generate,torch,vllm", help="sides to run (generate is always run)")
+    ap.add_argument("--engines", default=None,
+                    help="sides to run (generate is always run; default generate,torch,vllm, --smoke generate,torch)")
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         child(args.child, args.model)
         return {}
-    rounds = args.rounds or (2 if args.quick else 5)
-    sides = ["generate"] + [s for s in args.engines.split(",") if s and s != "generate"]
+    rounds = 1 if args.smoke else args.rounds or (2 if args.quick else 5)
+    seqs, new_tokens = (SMOKE_SEQS, SMOKE_NEW_TOKENS) if args.smoke else (SEQS, NEW_TOKENS)
+    wanted = args.engines or ("generate,torch" if args.smoke else "generate,torch,vllm")
+    sides = ["generate"] + [s for s in wanted.split(",") if s and s != "generate"]
     if "vllm" in sides:
         try:
             import vllm  # noqa: F401
@@ -234,15 +240,13 @@ def main(argv: list[str] | None = None) -> dict:
         from cascade_rl.learner.tiny_model import make_tiny_model
 
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="qwen3_moe"))
-    ids = prompts(model_dir, SEQS)
-    results_dir = ROOT / "results"
-    results_dir.mkdir(parents=True, exist_ok=True)
-    children = {s: Child(s, model_dir, results_dir) for s in sides}
+    ids = prompts(model_dir, seqs)
+    children = {s: Child(s, model_dir, results_dir(args.smoke)) for s in sides}
     try:
         for c in children.values():  # warm-up: first calls allocate caches and pick kernels
             c.run(ids[:8], 1, 4)
-        main_rounds = run_rounds(children, ids, 1, NEW_TOKENS, rounds, "64x64")
-        rl_rounds = [] if args.quick else run_rounds(
+        main_rounds = run_rounds(children, ids, 1, new_tokens, rounds, f"{seqs}x{new_tokens}")
+        rl_rounds = [] if args.quick or args.smoke else run_rounds(
             {k: v for k, v in children.items() if k != "vllm"}, ids[:32], 8, 128, 2, "32x8x128")
         loaded = {k: {"load_s": c.load_s, "peak_rss_mib_after_load": c.loaded_rss_mib} for k, c in children.items()}
     finally:
@@ -268,24 +272,24 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch_side = engines.get("torch", {})
     ratio = torch_side.get("ratio_vs_generate", 0.0)
-    summary = {"name": "sampler_throughput", "metric": "tokens/s (64 seqs x 64 new tokens, tiny MoE, fp32, CPU)",
+    summary = {"name": "sampler_throughput",
+               "metric": f"tokens/s ({seqs} seqs x {new_tokens} new tokens, tiny MoE, fp32, CPU)",
                "value": round(torch_side.get("tok_s_median", 0.0), 1),
-               "baseline": "transformers generate (do_sample, T=1.0, min_new_tokens=64)",
+               "baseline": f"transformers generate (do_sample, T=1.0, min_new_tokens={new_tokens})",
                "baseline_value": round(engines["generate"]["tok_s_median"], 1), "ratio": round(ratio, 2),
                "target": TARGET, "pass": ratio >= TARGET, "machine": machine()}
     if "vllm" in engines:
         summary["vllm_value"] = round(engines["vllm"]["tok_s_median"], 1)
         summary["vllm_ratio"] = round(engines["vllm"]["ratio_vs_generate"], 3)
     full = {**summary, "engines": engines, "rounds": main_rounds, "rounds_32x8x128": rl_rounds,
-            "workload": {"model": model_dir, "sequences": SEQS, "new_tokens": NEW_TOKENS, "dtype": "float32",
+            "workload": {"model": model_dir, "sequences": seqs, "new_tokens": new_tokens, "dtype": "float32",
                          "prompt_lengths": [len(p) for p in ids],
-                         "fairness": "every sequence produces exactly 64 tokens on every side: generate with "
-                                     "min_new_tokens=64 (EOS suppressed), the engines with ignore_eos=True; "
+                         "fairness": f"every sequence produces exactly {new_tokens} tokens on every side: generate "
+                                     f"with min_new_tokens={new_tokens} (EOS suppressed), the engines with "
+                                     "ignore_eos=True; "
                                      "sampling with top_k=0 (vLLM: -1), top_p=1.0, temperature 1.0"},
-            "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    (results_dir / "sampler_throughput.json").write_text(json.dumps(full, indent=2))
-    print(json.dumps(summary))
-    return summary
+            "quick": args.quick}
+    return write_result(summary, full, smoke=args.smoke)
 
 
 if __name__ == "__main__":

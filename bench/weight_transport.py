@@ -1,10 +1,11 @@
 """Weight sync: publish + resolve with the ``shm`` and ``stream`` transports vs a plain memory copy.
 
-    .venv/bin/python bench/weight_transport.py [--quick] [--rounds N] [--threads N]
+    .venv/bin/python bench/weight_transport.py [--quick | --smoke] [--rounds N] [--threads N]
 
 Weights: random fp32 tensors shaped like a small dense model (an 8192 x 1024
 embedding, then per layer four 1024 x 1024 matrices and two 1024 norms),
-256 MiB (``--quick``: 64 MiB). Each side moves the same bytes:
+256 MiB (``--quick``: 64 MiB; ``--smoke``: the embedding alone, 32 MiB, one
+round). Each side moves the same bytes:
 
 * ``memcpy`` (baseline): ``{name: t.clone()}``, a fresh copy of every tensor
   (fresh pages, as a published version gets). ``memcpy_warm`` (reference
@@ -39,7 +40,7 @@ the GPU, as an engine's parameters: ``shm`` is publish (GPU -> host, file in
 into the loader's tensors; ``cuda_ipc`` is publish (device-to-device copy into
 the trainer's buffer, sidecar) + copy from views of that buffer (``reading``,
 seqlock checked after a synchronize). One warm-up round, then 5 (tiny) and 3
-(1b) timed rounds (``--quick``: 3 and 2) in alternating order, none started
+(1b) timed rounds (``--quick``: 3 and 2; ``--smoke``: tiny only, 1 round) in alternating order, none started
 after 70 s of GPU mode; medians, and the ratio cuda_ipc / shm of publish + load.
 After the rounds the loader's tensors are compared with the trainer's (an
 integer fingerprint per tensor of its bits) for each transport. A size is
@@ -51,28 +52,36 @@ Writes bench/results/weight_transport.json; the last stdout line is the summary 
 
 from __future__ import annotations
 
-import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
 import shutil
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import xxhash
-from _common import machine  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _common import bench_parser, machine, write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 from safetensors.torch import load_file
 
 from cascade_rl.weights import cuda_ipc
 from cascade_rl.weights.common import shm_dir
 from cascade_rl.weights.registry import TRANSPORTS, resolve
 
-ROOT = Path(__file__).resolve().parent
 HIDDEN, VOCAB, TARGET = 1024, 8192, 1.5
 RUN_ID = f"bench-wt-{os.getpid()}"
 
+
+
+def publish_then(transport, weights: dict, version: int, receive, key: str) -> dict:
+    """Seconds of one version published here (``publish_s``), then ``receive(notice)`` in the receiving process
+    (its own seconds, under ``key``), and of both (``total_s``)."""
+    t0 = time.perf_counter()
+    notice = transport.publish(weights, version)
+    t1 = time.perf_counter()
+    received = receive(notice)
+    return {"publish_s": t1 - t0, key: received, "total_s": time.perf_counter() - t0}
 
 
 def make_weights(mib: int) -> dict[str, torch.Tensor]:
@@ -105,6 +114,7 @@ def sampler(conn, run_id: str) -> None:
 GPU_SIZES = {"tiny": (8192, 256, 1024, 4), "1b": (32000, 2048, 8192, 14)}
 GPU_ROUNDS = {"tiny": 5, "1b": 3}  # timed rounds after one warm-up (1b: ~2-4 s a shm round on an H200 host)
 GPU_ROUNDS_QUICK = {"tiny": 3, "1b": 2}
+GPU_ROUNDS_SMOKE = {"tiny": 1}
 GPU_BUDGET_S = 70.0  # no new round starts after this long in GPU mode (the whole script: < 90 s on an H200)
 GPU_REPLY_S = 60.0  # the loader answers within this, or the GPU mode stops with what it has
 
@@ -178,9 +188,9 @@ def _copy_into(dest: dict, size: str, tensors: dict[str, torch.Tensor]) -> None:
         dest[size][name].copy_(t)
 
 
-def gpu_mode(device: torch.device | None = None, quick: bool = False) -> dict:
-    """shm vs cuda_ipc on this GPU (``device``, default the current one), per size of ``GPU_SIZES`` (see the
-    module docstring); ``quick``: fewer rounds. Rounds stop early past ``GPU_BUDGET_S`` (noted in the JSON)."""
+def gpu_mode(device: torch.device | None = None, rounds: dict[str, int] = GPU_ROUNDS) -> dict:
+    """shm vs cuda_ipc on this GPU (``device``, default the current one), for each size of ``rounds`` (size ->
+    timed rounds; see the module docstring). Rounds stop early past ``GPU_BUDGET_S`` (noted in the JSON)."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     run_id = f"{RUN_ID}-gpu"
     ctx = mp.get_context("spawn")
@@ -201,9 +211,8 @@ def gpu_mode(device: torch.device | None = None, quick: bool = False) -> dict:
         return reply
 
     try:
-        for size in GPU_SIZES:
-            rounds = (GPU_ROUNDS_QUICK if quick else GPU_ROUNDS)[size]
-            out["sizes"][size] = gpu_size(size, device, run_id, ask, rounds, t_start + GPU_BUDGET_S)
+        for size, n in rounds.items():
+            out["sizes"][size] = gpu_size(size, device, run_id, ask, n, t_start + GPU_BUDGET_S)
             torch.cuda.empty_cache()
     except Exception as e:  # a hung or failed loader: report what ran, and why the rest did not
         out["error"] = f"{type(e).__name__}: {e}"
@@ -232,16 +241,10 @@ def gpu_size(size: str, device: torch.device, run_id: str, ask, rounds: int, dea
         transports["shm"] = TRANSPORTS["shm"](run_id=f"{run_id}-{size}-shm", keep=1)
     else:
         result["skipped"]["shm"] = f"{shm_dir(run_id).parent} has {free / 2**30:.1f} GiB free, needs {2.2 * nbytes / 2**30:.1f}"
-    version, times = 0, {name: [] for name in transports}
+    versions, times = itertools.count(1), {name: [] for name in transports}
 
     def side(name: str) -> dict:
-        nonlocal version
-        version += 1
-        t0 = time.perf_counter()
-        notice = transports[name].publish(weights, version)
-        t1 = time.perf_counter()
-        load_s = ask((size, notice))
-        return {"publish_s": t1 - t0, "load_s": load_s, "total_s": time.perf_counter() - t0}
+        return publish_then(transports[name], weights, next(versions), lambda notice: ask((size, notice)), "load_s")
 
     try:
         names = list(transports)
@@ -280,14 +283,14 @@ def gpu_size(size: str, device: torch.device, run_id: str, ask, rounds: int, dea
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="64 MiB, 3 rounds")
+    p = bench_parser(__doc__, quick="64 MiB, 3 rounds",
+                     smoke="32 MiB, 1 round (GPU: tiny only): the code path in seconds")
     p.add_argument("--rounds", type=int, default=0, help="timed rounds (default 5, --quick 3)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    mib, rounds = (64, args.rounds or 3) if args.quick else (256, args.rounds or 5)
+    mib, rounds = (32, 1) if args.smoke else (64, args.rounds or 3) if args.quick else (256, args.rounds or 5)
 
     # --- weights, transports, the sampler process
     weights = make_weights(mib)
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     conn, child_conn = mp.get_context("spawn").Pipe()
     child = mp.get_context("spawn").Process(target=sampler, args=(child_conn, RUN_ID + "-recv"), daemon=True)
     child.start()
-    version = 0
+    versions = itertools.count(1)
 
     def memcpy() -> dict:
         t0 = time.perf_counter()
@@ -328,16 +331,13 @@ def main(argv: list[str] | None = None) -> dict:
         return {"total_s": dt}
 
     def transport(name: str) -> dict:
-        nonlocal version
-        version += 1
-        t0 = time.perf_counter()
-        notice = transports[name].publish(weights, version)
-        t1 = time.perf_counter()
-        conn.send(notice)
-        resolved = conn.recv()
-        if isinstance(resolved, str):
-            raise RuntimeError(f"{name}: resolve failed in the sampler process: {resolved}")
-        return {"total_s": time.perf_counter() - t0, "publish_s": t1 - t0, "resolve_s": resolved}
+        def resolve_there(notice) -> float:
+            conn.send(notice)
+            if isinstance(resolved := conn.recv(), str):
+                raise RuntimeError(f"{name}: resolve failed in the sampler process: {resolved}")
+            return resolved
+
+        return publish_then(transports[name], weights, next(versions), resolve_there, "resolve_s")
 
     sides = {"memcpy": memcpy, "shm": lambda: transport("shm"), "stream": lambda: transport("stream"),
              "memcpy_warm": memcpy_warm, "file_floor": file_floor}
@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> dict:
             t.close()
         shutil.rmtree(floor_dir, ignore_errors=True)
 
-    gpu = gpu_mode(quick=args.quick) if torch.cuda.is_available() else None
+    gpu_rounds = GPU_ROUNDS_SMOKE if args.smoke else GPU_ROUNDS_QUICK if args.quick else GPU_ROUNDS
+    gpu = gpu_mode(rounds=gpu_rounds) if torch.cuda.is_available() else None
 
     # --- summary
     def ratios(name: str) -> list[float]:
@@ -416,11 +417,7 @@ def main(argv: list[str] | None = None) -> dict:
                # a verified file transport's floor: the bytes written once into fresh tmpfs pages, hashed once
                "shm_vs_floor_plus_hash": med("shm") / (med("file_floor") + hash_s),
                "cuda_ipc_vs_shm": gpu_ratios}  # GPU mode: publish+load time ratio per size (None without CUDA)
-    results_dir = ROOT / "results"
-    results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / "weight_transport.json").write_text(json.dumps({"summary": summary, **full}, indent=2))
-    print(json.dumps(summary))
-    return summary
+    return write_result(summary, {"summary": summary, **full}, smoke=args.smoke)
 
 
 if __name__ == "__main__":
