@@ -4,7 +4,8 @@ reach host memory to fill it (shm.py and stream.py write the file; cuda_ipc.py l
 ``layout(weights)`` gives the header and each tensor's offset in file order (``file_order``: the order every
 rank of an FSDP2 trainer reads its source in); ``Layout.tensors()`` then reads the tensors one at a time from a
 ``TensorSource`` (a module, a state dict, or learner/parallel.py ``GatheredWeights``). ``Staging`` copies device
-tensors through two reused pinned buffers.
+tensors through two reused pinned buffers; a CPU tensor is written from its own memory. So a version costs one
+host copy, the file (or the stream's snapshot), and nothing proportional to the model besides.
 """
 
 from __future__ import annotations
