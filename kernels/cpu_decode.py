@@ -5,9 +5,11 @@
         y = cpu_decode.moe_forward(x, router, w13, w2, top_k, normalize)          # [N, H]
         o = cpu_decode.attend_decode(qkv, qk_norm, cos, sin, k_cache, v_cache, positions, heads, eps)
 
-Built with torch's ``cpp_extension`` (g++ and ninja) into torch's extension cache
-(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``): the first
-build takes about half a minute, later processes load the built library. The
+Built with torch's ``cpp_extension`` (g++ and ninja) into the environment's own folder
+(``<sys.prefix>/torch_extensions``; ``TORCH_EXTENSIONS_DIR`` where it is set): the first
+build takes about half a minute, later processes load the built library. Not the user-wide
+``~/.cache/torch_extensions``: two checkouts on one machine would rebuild it in turn, each
+build minutes on a busy machine, and samplers starting meanwhile wait on its lock. The
 ops register under ``torch.ops.cascade_rl_cpu``. fp32 only; the engine keeps
 its torch path for other dtypes and devices, and when no compiler is present
 (``available()`` is False and ``build_error()`` says why).
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -31,8 +35,11 @@ def _build() -> str | None:
     """Build and load the library once per process; the error text if that fails."""
     from torch.utils.cpp_extension import load
 
+    name = "cascade_rl_cpu_decode"
+    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions") / name
     try:
-        load(name="cascade_rl_cpu_decode", sources=[str(SOURCE)], is_python_module=False,
+        build_dir.mkdir(parents=True, exist_ok=True)
+        load(name=name, sources=[str(SOURCE)], is_python_module=False, build_directory=str(build_dir),
              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a build failure: the torch path still works
         log.warning("C++ CPU decode kernels unavailable (%s); the torch engine uses its torch ops", e)
