@@ -83,7 +83,7 @@ class TorchEngine:
                  cpu_kernels: bool | None = None, prefix_cache_tokens: int = 1 << 18, return_routes: bool = False,
                  inflight_kv: str = "recompute", cuda_graphs: bool = True) -> None:
         """``max_batch``: decode slots (rows sampled at once); ``prefill_tokens``: most padded prompt tokens
-        in one prefill pass; ``moe_impl``: one of samplers/torch_model.py's ``EXPERTS`` without the C++ kernels,
+        in one prefill pass; ``moe_impl``: one of kernels/moe.py's ``EXPERTS`` without the C++ kernels,
         by default ``choose_experts``'s pick for the device and dtype (grouped on CPU and on CUDA in bf16 on
         sm_90 / sm_100, dense elsewhere on CUDA); ``ignore_eos``: rows run to ``max_tokens`` (benchmarks);
         ``cpu_kernels``: the C++ kernels (kernels/cpu_decode.cpp: MoE, RMS norm, decode
