@@ -63,8 +63,10 @@ JUDGED = ["verifier.judge.serve=torch", f"verifier.judge.path={JUDGE}", "verifie
           "verifier.judge.max_tokens=16", "verifier.judge.concurrency=32", "verifier.judge.args=[--threads,1]",
           "teacher.threads=1"]  # as configs/cascade/demo.yaml
 GAP = 0.15  # the least the teacher must lead the start by on the domain (issue: a teacher clearly above)
+# --smoke: after every launch's own overrides, so these win; a random model's rewards are all 0, so IF-RL's
+# dynamic filtering would drop every group
 SMOKE = ["run.prompts_per_step=2", "run.group_size=2", "sampling.max_tokens=8", "orchestrator.eval_n=1",
-         "data.eval_per_domain=4"]  # --smoke: after every launch's own overrides, so these win
+         "data.eval_per_domain=4", "orchestrator.dynamic_filtering=false"]
 
 
 def launch(out: Path, args: list[str], smoke: bool = False) -> list[dict]:
