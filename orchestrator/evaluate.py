@@ -7,7 +7,7 @@
 The measurement is the paper's avg@n: every held-out prompt, rendered in the model's chat template
 (data/render.py), is sampled ``n`` times at the sampling temperature (plus, optionally, once greedily);
 each response, as the whole assistant turn, is scored by its domain's verifier with the row's reference
-and metadata (``verifiers.worker.score_one``: a verifier that raises scores 0 with the reason); a
+and metadata (``verifiers.scoring.score_one``: a verifier that raises scores 0 with the reason); a
 question's accuracy is the mean reward of its samples, a domain's the mean over its questions
 (``accuracy``), and a change between two evaluations of the same questions comes with a 95 % interval
 from the per-question paired differences (``paired_gain``).

@@ -6,7 +6,7 @@
 
 ``run_in_process`` delivers every message the core sends to what serves it here: PromptRequests (first
 turns and multi-turn rows' next turns) to a sampler engine, EnvRequests to the environment of that name
-(environments/registry.py), ScoreRequests to the domain's verifier (``verifiers.worker.score_one``); their
+(environments/registry.py), ScoreRequests to the domain's verifier (``verifiers.scoring.score_one``); their
 replies go back to the core, until it has nothing left to send. The rules are the ones a launch runs
 (orchestrator/core.py), so an offline evaluation of a checkpoint (orchestrator/evaluate.py) samples
 multi-turn rows exactly as a stage does, and a test can drive real engines without sockets.
@@ -29,9 +29,9 @@ from cascade_rl.protocol.messages import (
     Score,
     ScoreRequest,
 )
-from cascade_rl.samplers.worker import to_generation
+from cascade_rl.samplers.engine import to_generation
 from cascade_rl.verifiers.registry import JUDGED_DOMAINS
-from cascade_rl.verifiers.worker import score_group, score_one
+from cascade_rl.verifiers.scoring import score_group, score_one
 
 from .core import Core, Rules
 from .ledger import Ledger
@@ -93,7 +93,7 @@ class Scorer:
 
 def run_in_process(core: Core, engine, environments: Mapping[str, object] = {}, scorer: Scorer | None = None) -> None:
     """Serve everything ``core`` sends, here, until it sends nothing more (every group complete)."""
-    from cascade_rl.environments.worker import run_step  # environments import the verifiers: loaded when needed
+    from cascade_rl.environments.steps import run_step  # environments import the verifiers: loaded when needed
 
     own = scorer is None
     scorer = scorer or Scorer()

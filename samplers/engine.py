@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from cascade_rl.protocol.messages import PromptRequest, WorkKey
 from cascade_rl.protocol.registry import Registry
 
 
@@ -107,3 +108,21 @@ def check_request(request: GenerationRequest, vocab_size: int, max_context: int)
     if not 0.0 < request.top_p <= 1.0:
         return f"top_p must be in (0, 1], got {request.top_p}"
     return ""
+
+
+def to_generation(req: PromptRequest) -> GenerationRequest:
+    """The engine's request for a sampler's ``PromptRequest`` (the sampler worker, offline evaluation)."""
+    s = req.sampling
+    rows = [req.key.answer(k) for k in range(req.n)]  # a continuation's one row keeps its index
+    return GenerationRequest(
+        key=req.key.group,
+        prompt_ids=np.asarray(req.prompt_ids, dtype=np.int32),
+        n=req.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        max_tokens=s.max_tokens,
+        stop=list(s.stop),
+        seed=s.seed,
+        # a row of this attempt, named as its score will be: the K/V a later turn of the row resumes from
+        prefix_keys=[str(WorkKey.score(r.group, r.index, r.attempt)) for r in rows] if req.keep else [],
+    )

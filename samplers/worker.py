@@ -25,32 +25,15 @@ from collections import deque
 import numpy as np
 import torch
 
-from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, WeightsReady, WorkKey
+from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, WeightsReady
 from cascade_rl.protocol.runtime import Pending, Service, WorkerRuntime
 from cascade_rl.protocol.worker_main import worker_start
 from cascade_rl.weights.common import TornRead, WeightsError
 from cascade_rl.weights.registry import load as load_weights
 
-from .engine import GenerationRequest, build_engine
+from .engine import build_engine, to_generation
 
 log = logging.getLogger("sampler")
-
-
-def to_generation(req: PromptRequest) -> GenerationRequest:
-    s = req.sampling
-    rows = [req.key.answer(k) for k in range(req.n)]  # a continuation's one row keeps its index
-    return GenerationRequest(
-        key=req.key.group,
-        prompt_ids=np.asarray(req.prompt_ids, dtype=np.int32),
-        n=req.n,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        max_tokens=s.max_tokens,
-        stop=list(s.stop),
-        seed=s.seed,
-        # a row of this attempt, named as its score will be: the K/V a later turn of the row resumes from
-        prefix_keys=[str(WorkKey.score(r.group, r.index, r.attempt)) for r in rows] if req.keep else [],
-    )
 
 
 def error_rollout(req: PromptRequest, worker_id: str, version: int, reason: str) -> Rollout:

@@ -103,3 +103,24 @@ def test_bench_imports_what_the_package_has():
             missing += [f"{path.relative_to(ROOT)}:{line}: {module} has no {name}" for name in names
                         if not hasattr(mod, name) and importlib.util.find_spec(f"{module}.{name}") is None]
     assert not missing, "bench/ imports what the package no longer has:\n" + "\n".join(missing)
+
+
+# a role's process module: its main(), its sockets' service. Nothing but the supervisor (which starts it) imports one
+PROCESS_MODULES = {"samplers.worker", "verifiers.worker", "environments.worker", "teachers.server",
+                   "learner.trainer", "orchestrator.main"}
+
+
+def test_no_package_imports_another_roles_process_module():
+    """Offline evaluation scores, samples and steps environments in one process: it imports the pieces the workers
+    run (samplers/engine.py ``to_generation``, verifiers/scoring.py, environments/steps.py), not the workers."""
+    broken = []
+    for path in sorted(ROOT.glob("*/**/*.py")):
+        package = path.relative_to(ROOT).parts[0]
+        if package not in ALLOWED or package == "supervisor":
+            continue
+        for line, module, names in our_imports(path):
+            target = module.removeprefix("cascade_rl.")
+            for imported in [target] + [f"{target}.{name}" for name in names]:  # `from cascade_rl.x import worker`
+                if imported in PROCESS_MODULES and target.split(".")[0] != package:
+                    broken.append(f"{path.relative_to(ROOT)}:{line}: imports cascade_rl.{imported}")
+    assert not broken, "a role's process module imported from another package:\n" + "\n".join(broken)

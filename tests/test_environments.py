@@ -170,7 +170,8 @@ def test_a_plugin_file_registers_an_environment(tmp_path):
 
 
 def test_run_step_turns_environment_failures_into_failed_replies():
-    from cascade_rl.environments.worker import build_environments, run_step
+    from cascade_rl.environments.steps import run_step
+    from cascade_rl.environments.worker import build_environments
 
     class Raises:
         def step(self, messages, state, metadata):

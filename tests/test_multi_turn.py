@@ -257,7 +257,7 @@ def test_hanging_crashing_and_fork_bombing_tools_fail_closed_and_the_trajectory_
     the model's next turn still comes, the rollout is trained, and the ledger has exactly one fate for each."""
     from cascade_rl.environments.base import EnvSettings
     from cascade_rl.environments.registry import build_environment
-    from cascade_rl.environments.worker import run_step
+    from cascade_rl.environments.steps import run_step
 
     hostile = {"hang": "while True: pass", "crash": "import os; os.kill(os.getpid(), 9)",
                "fork bomb": "import os\\nwhile True: os.fork()"}
