@@ -34,8 +34,9 @@ def run(pool: Pool, reqs: list[ScoreRequest], limit_s: float = 20.0) -> dict[str
     return out
 
 
-def req(name: str, domain: str, text: str = r"\boxed{4}", reference: str = "4", deadline_s: float = 5.0, **meta):
-    """A request keyed as the score of group ``name``'s row 0 (``run`` maps replies by that name)."""
+def req(name: str, domain: str, text: str = r"\boxed{4}", reference: str = "4", deadline_s: float = 30.0, **meta):
+    """A request keyed as the score of group ``name``'s row 0 (``run`` maps replies by that name). The default
+    deadline leaves room for a replacement process's start behind a hang (seconds on a loaded machine)."""
     return ScoreRequest(WorkKey.score(name, 0, 0), domain, text, reference, meta, deadline_s)
 
 
@@ -43,7 +44,8 @@ def test_a_hanging_verifier_is_killed_at_its_deadline_and_the_pool_goes_on(pool)
     t0 = time.monotonic()
     out = run(pool, [req("h", "test_hang", deadline_s=1.0), req("m", "math")])
     assert not out["h"].ok and out["h"].reward == 0.0 and "timeout" in out["h"].reason
-    assert time.monotonic() - t0 < 1.0 + 1.5  # within the deadline plus the kill and a poll
+    assert time.monotonic() - t0 < 1.0 + 10  # killed at its deadline (the verifier never returns by itself); the
+    # margin is for a loaded machine: how soon after the deadline is a benchmark's question, not this test's
     assert out["m"].ok and out["m"].reward == 1.0
     assert run(pool, [req("again", "math")])["again"].reward == 1.0  # the replaced process serves
 
@@ -53,7 +55,7 @@ def test_requests_queued_behind_a_hanging_one_go_to_its_replacement(pool):
     reqs = [req("h", "test_hang", deadline_s=1.0)] + [req(f"m{i}", "math") for i in range(9)]
     out = run(pool, reqs)
     assert len(out) == 10 and not out["h"].ok and "timeout" in out["h"].reason
-    assert all(out[f"m{i}"].ok and out[f"m{i}"].reward == 1.0 for i in range(9))
+    assert all(out[f"m{i}"].ok and out[f"m{i}"].reward == 1.0 for i in range(9)), [out[f"m{i}"] for i in range(9)]
 
 
 def test_a_full_pool_refuses_more_than_its_room():
@@ -78,9 +80,10 @@ def test_a_verifier_that_kills_its_process_or_raises_scores_zero_with_the_reason
 
 def test_scoring_runs_in_parallel(pool):
     t0 = time.monotonic()
-    out = run(pool, [req(str(i), "test_slow_ok", sleep=0.6) for i in range(4)])
+    out = run(pool, [req(str(i), "test_slow_ok", sleep=2.0) for i in range(4)])
     assert all(s.ok for s in out.values()) and len(out) == 4
-    assert time.monotonic() - t0 < 4 * 0.6  # 2 processes: about half the serial time
+    # 2 processes: about half the serial 8 s (sleeps, so a loaded machine slows only the hand-offs)
+    assert time.monotonic() - t0 < 4 * 2.0 * 0.8
 
 
 def test_impl_overrides_parse_and_refuse_garbage():
