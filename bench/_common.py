@@ -102,10 +102,10 @@ def random_model(size: str, under: Path | None = None) -> tuple[Path, int]:
     parameter count, built once under ``under`` (default bench/results/models, as scaling-<size>)."""
     from safetensors import safe_open
 
-    from cascade_rl.learner.tiny_model import make_tiny_model
-
     out = (under or ROOT / "bench" / "results" / "models") / f"scaling-{size}"
     if not (out / "config.json").exists():
+        from cascade_rl.learner.tiny_model import make_tiny_model  # transformers: seconds of imports, when needed
+
         make_tiny_model(out, size=size, task="arithmetic")
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         params = sum(prod(f.get_slice(k).get_shape()) for k in f.keys())

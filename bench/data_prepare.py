@@ -2,10 +2,11 @@
 
     python bench/data_prepare.py            # 1,000,000 rows
     python bench/data_prepare.py --quick    # 100,000 rows
-    python bench/data_prepare.py --smoke    # 1,000 rows and 1,000 draws: the code path in seconds
+    python bench/data_prepare.py --smoke    # 1,000 rows and 1,000 draws, one process: the code path in seconds
 
 Each measurement runs in a fresh process (peak RSS is the process's own VmHWM, above what its imports
-cost):
+cost; ``--smoke``: all four in one child process, one python start, the random tiny model of the other smoke
+runs, so no memory figure means anything):
 
 - **ours, prepare**: ``data.prepare`` as a launch runs it: every row parsed and checked, its prompt rendered
   in the tiny model's chat template and measured, written as Arrow (rows/s).
@@ -30,7 +31,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from _common import bench_parser, machine, write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
+from _common import bench_parser, machine, sft_model, write_result  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 TARGET = 0.25
 
@@ -94,6 +95,19 @@ def write_rows(path: Path, n: int) -> None:
                                 "metadata": {"source": "synthetic", "difficulty": i % 5}}) + "\n")
 
 
+# --smoke: the measurements one after another in one process, each with its own argv, each's last line kept
+ONE_PROCESS = """
+import contextlib, io, json, sys
+out = []
+for code, argv in json.loads(sys.argv[1]):
+    sys.argv, printed = ["-c", *argv], io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(code, {"__name__": "__main__"})
+    out.append(json.loads(printed.getvalue().strip().splitlines()[-1]))
+print(json.dumps(out))
+"""
+
+
 def child(code: str, *args: str) -> dict:
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True)
     if out.returncode != 0:
@@ -101,24 +115,34 @@ def child(code: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def measure(jobs: list[tuple[str, list[str]]], one_process: bool) -> list[dict]:
+    """Each (code, argv)'s result line: each code in a fresh process, or all in one (a smoke run)."""
+    if one_process:
+        return child(ONE_PROCESS, json.dumps(jobs))
+    return [child(code, *argv) for code, argv in jobs]
+
+
 def main() -> None:
     p = bench_parser(__doc__, quick="100,000 rows",
-                     smoke="1,000 rows, 1,000 draws: the code path in seconds")
+                     smoke="1,000 rows, 1,000 draws, one process: the code path in seconds")
     p.add_argument("--rows", type=int, default=0)
     a = p.parse_args()
     rows = a.rows or (1_000 if a.smoke else 100_000 if a.quick else 1_000_000)
     draws = 1_000 if a.smoke else 100_000
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        from cascade_rl.learner.tiny_model import make_tiny_model
+        if a.smoke:
+            model = sft_model(smoke=True)
+        else:
+            from cascade_rl.learner.tiny_model import make_tiny_model
 
-        model = make_tiny_model(tmp / "model")
+            model = make_tiny_model(tmp / "model")
         data = tmp / "prompts.jsonl"
         write_rows(data, rows)
-        ours = child(PREPARE, str(data), str(model), str(tmp / "prepared"))
-        serve = child(SERVE, str(tmp / "prepared"), str(draws))
-        py_list = child(PY_LIST, str(data))
-        hf = child(HF, str(data), str(tmp / "hf-cache"))
+        ours, serve, py_list, hf = measure([(PREPARE, [str(data), str(model), str(tmp / "prepared")]),
+                                            (SERVE, [str(tmp / "prepared"), str(draws)]),
+                                            (PY_LIST, [str(data)]),
+                                            (HF, [str(data), str(tmp / "hf-cache")])], one_process=a.smoke)
         size_mib = data.stat().st_size / 2**20
     assert ours["rows"] == py_list["rows"] == hf["rows"] == rows
     ratio = serve["rss_mib"] / py_list["rss_mib"]

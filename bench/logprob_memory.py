@@ -10,8 +10,9 @@ JSON). The baseline is ``linear_logprobs_reference``: full [N, V] logits, log_so
 gather, entropy from exp(log p) — what a trainer does with ``model(...).logits``.
 The lean side is ``linear_logprobs`` with ``chunk_tokens`` = N / 8 (1,024 full, 256
 quick): its peak is about 2 chunks of logits, so the ratio depends on N / chunk, and
-the quick run keeps that of the full one. ``--smoke``: N = 64, one pass (the code path
-in seconds).
+the quick run keeps that of the full one. ``--smoke``: N = 64, one pass, both sides in
+the parent process one after the other (no child's start; the memory figures are then
+not each side's own): the code path in seconds.
 
 Memory is peak RSS above a baseline, each side in its own child process: the child
 imports torch, allocates the inputs, runs the workload once at a tiny shape (kernels,
@@ -29,6 +30,8 @@ Writes bench/results/logprob_memory.json; the last stdout line is the summary JS
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import statistics
 import subprocess
@@ -123,13 +126,21 @@ def child(side: str, n: int, chunk: int, rounds: int, out_dir: Path) -> None:
 # --- the parent ---------------------------------------------------------------------------------
 
 
-def run_side(side: str, n: int, chunk: int, rounds: int, out_dir: Path) -> dict:
-    cmd = [sys.executable, __file__, "--child", side, "--tokens", str(n), "--chunk", str(chunk),
-           "--rounds", str(rounds), "--out", str(out_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{side} side exited (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+def run_side(side: str, n: int, chunk: int, rounds: int, out_dir: Path, in_process: bool = False) -> dict:
+    """One side's result line: from its own child process, or (``in_process``, a smoke run) from this one."""
+    if in_process:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            child(side, n, chunk, rounds, out_dir)
+        out = printed.getvalue()
+    else:
+        cmd = [sys.executable, __file__, "--child", side, "--tokens", str(n), "--chunk", str(chunk),
+               "--rounds", str(rounds), "--out", str(out_dir)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{side} side exited (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+        out = proc.stdout
+    res = json.loads(out.strip().splitlines()[-1])
     print(f"{side}: peak {res['peak_mib']:.0f} MiB (forward {res['fwd_peak_mib']:.0f}), "
           f"forward {res['fwd_s']:.2f} s, backward {res['bwd_s']:.2f} s", file=sys.stderr)
     return res
@@ -150,7 +161,7 @@ def compare(out_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = bench_parser(__doc__, quick=f"{QUICK_TOKENS} tokens instead of {TOKENS}, 1 timed pass",
-                      smoke=f"{SMOKE_TOKENS} tokens, 1 pass: the code path in seconds")
+                      smoke=f"{SMOKE_TOKENS} tokens, 1 pass, one process: the code path in seconds")
     ap.add_argument("--chunk", type=int, default=None, help="chunk_tokens of the lean side (default tokens / 8)")
     ap.add_argument("--rounds", type=int, default=None, help="timed passes per side (median)")
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
@@ -166,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         # One side after the other, so neither's timing shares the cores with the other.
-        sides = {s: run_side(s, n, chunk, rounds, Path(tmp)) for s in SIDES}
+        sides = {s: run_side(s, n, chunk, rounds, Path(tmp), in_process=args.smoke) for s in SIDES}
         diffs = compare(Path(tmp))
 
     naive, lean = sides["naive"], sides["lean"]

@@ -28,8 +28,9 @@ side once in rotating order; the figure is the median step time. Each side's out
 the torch reference (max |Δ| / max |ref|). CPU runs one torch thread by default (``--threads 0``: torch's default):
 two spinning OpenMP threads on a shared 2-core machine measure the neighbours.
 
-``--smoke``: one round at ``smoke`` (64 tokens, 4 experts, top-2, 32, 32), every side as above, peak memory
-included: the code path in seconds.
+``--smoke``: one round at ``smoke`` (64 tokens, 4 experts, top-2, 32, 32), every side as above but the CPU's peak
+memory (null: a child process per side costs more than the rest of the run; a failed one only nulls its figure):
+the code path in seconds.
 
 Writes bench/results/moe_kernels.json; the last stdout line is the summary JSON object.
 """
@@ -164,7 +165,10 @@ def child(shape_name: str, side: str) -> None:
     print(json.dumps({"peak_rss_mib": (proc_status_kib("VmHWM") - before) / 1024}))
 
 
-def bench_shape(shape_name: str, device: str, dtype: torch.dtype, rounds: int, threads: int) -> dict:
+def bench_shape(shape_name: str, device: str, dtype: torch.dtype, rounds: int, threads: int,
+                memory_sides: int | None = None) -> dict:
+    """Every side's timing, errors and peak memory (CPU: of the first ``memory_sides`` sides, None: all; each is a
+    child process)."""
     shape = SHAPES[shape_name]
     steps, outputs, errors = {}, {}, {}
     for side in sides_for(device):
@@ -187,6 +191,7 @@ def bench_shape(shape_name: str, device: str, dtype: torch.dtype, rounds: int, t
             sync(device)
             times[side].append(time.perf_counter() - t0)
     result = {"shape": asdict(shape), "dtype": str(dtype).removeprefix("torch."), "errors": errors, "sides": {}}
+    measured = names[:memory_sides]  # CPU: the sides whose peak memory a child process measures
     for side in steps:
         ms = statistics.median(times[side]) * 1e3
         entry = {"ms_median": round(ms, 3), "tokens_per_s": round(shape.tokens / ms * 1e3, 1),
@@ -202,7 +207,7 @@ def bench_shape(shape_name: str, device: str, dtype: torch.dtype, rounds: int, t
             sync(device)
             entry["peak_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
         else:
-            entry["peak_rss_mib"] = cpu_peak_rss_mib(shape_name, side, threads)
+            entry["peak_rss_mib"] = cpu_peak_rss_mib(shape_name, side, threads) if side in measured else None
         result["sides"][side] = entry
         print(f"{shape_name:14s} {side:11s} {ms:9.2f} ms  {entry['tokens_per_s']:10.0f} tok/s", file=sys.stderr)
     return result
@@ -228,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = ["smoke"] if args.smoke else (["mid"] if args.quick else ["mid", "qwen3-30b-a3b"]) if cuda else [
         "cpu-tiny", "cpu-mid"]
     rounds = 1 if args.smoke else args.rounds or (3 if args.quick else 10)
-    results = {name: bench_shape(name, device, dtype, rounds, args.threads) for name in shapes}
+    results = {name: bench_shape(name, device, dtype, rounds, args.threads, 0 if args.smoke else None)
+               for name in shapes}
 
     head_shape = shapes[-1] if cuda or args.smoke else "cpu-tiny"
     head = results[head_shape]["sides"]

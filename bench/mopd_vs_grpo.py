@@ -26,8 +26,12 @@ and the gold (chat_quality: right, addressed, one short sentence).
 
 Writes bench/results/mopd_vs_grpo.json; the last stdout line is the summary JSON object. ``--quick`` (``make bench``):
 the math race only (the chat race needs `make full`'s model), one seed, 10 steps, evaluation every 5, its runs and
-JSON under the name mopd_vs_grpo_quick. ``--smoke``: the math race's three launches, one step each, at 2 prompts x 2
-and 8 tokens, on a random tiny model and a few rows of data (no judge needed): the code path in a few minutes.
+JSON under the name mopd_vs_grpo_quick. ``--smoke``: the math race's GRPO launch alone, one step at 2 prompts x 2
+and 8 tokens, ``--inline`` (every role a thread of one process), on a random tiny model and a few rows of data (no
+judge needed): no IF-RL launch (the start is the model itself, its accuracy the launch's first evaluation) and no
+MOPD launch (its row is the GRPO run's): the script's code path in seconds. Not MOPD: inline, its teacher and the
+trainer load their models at once in two threads, which transformers' global patches of from_pretrained do not
+survive; as processes its launch costs ~45 s of CPU.
 """
 
 from __future__ import annotations
@@ -70,11 +74,12 @@ SMOKE = ["run.prompts_per_step=2", "run.group_size=2", "sampling.max_tokens=8", 
 
 
 def launch(out: Path, args: list[str], smoke: bool = False) -> list[dict]:
-    """One real launch (resumed past if its summary exists); its metrics lines."""
+    """One real launch (resumed past if its summary exists; ``smoke``: smaller, inline); its metrics lines."""
     if not (out / "summary.json").is_file():
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "launch.log", "w") as log:
-            rc = subprocess.run([*CLI, "launch", "cascade", f"run_dir={out}", "supervisor.progress=none", *args,
+            rc = subprocess.run([*CLI, "launch", "cascade", *(["--inline"] if smoke else []), f"run_dir={out}",
+                                 "supervisor.progress=none", *args,
                                  *(SMOKE if smoke else [])],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
         if rc != 0:
@@ -132,13 +137,19 @@ def math_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace
     start, teacher_math, start_math = begin
     common = [f"model.path={start}", f"data.files=[{files['rl']['arithmetic']}]", f"run.steps={a.steps}",
               "trainer.save_every=0", *evaluated(files, ["arithmetic"], a.eval_every), *seeded(seed)]
-    row = {"seed": seed, "start": start, "start_math": start_math, "teacher": sft, "teacher_math": teacher_math,
-           "gap": teacher_math - start_math, "clearly_above": teacher_math - start_math >= GAP}
-    for method, extra in (("grpo", RL), ("mopd", [*MOPD, f"+teacher.checkpoints.math={sft}"])):
+    row = {"seed": seed, "start": start, "teacher": sft}
+    methods = {"grpo": RL, "mopd": [*MOPD, f"+teacher.checkpoints.math={sft}"]}
+    if a.smoke:
+        del methods["mopd"]
+    for method, extra in methods.items():
         points = curve(launch(out / method, [*common, *extra], a.smoke), "math")
+        if teacher_math is None:  # a smoke run: the start is the teacher, measured by this launch's first evaluation
+            teacher_math = start_math = points[0][1]
         row[method] = {"curve": points, "steps_to_90": closes(points, start_math, teacher_math),
                        "final": points[-1][1]}
-    return row
+    row.setdefault("mopd", row["grpo"])  # a smoke run: GRPO alone, in both rows
+    return {**row, "start_math": start_math, "teacher_math": teacher_math, "gap": teacher_math - start_math,
+            "clearly_above": teacher_math - start_math >= GAP}
 
 
 def rlhf_race(seed: int, out: Path, sft: str, files: dict, a: argparse.Namespace, teacher: dict) -> dict:
@@ -163,7 +174,7 @@ def spread(values: list[float]) -> dict:
 
 def main() -> None:
     p = bench_parser(__doc__, quick="the math race, 1 seed, 10 steps (make bench)",
-                     smoke="the math race, 1 step a launch, tiny: a few minutes")
+                     smoke="the math race's GRPO launch alone, 1 step, tiny, inline: seconds")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--eval-every", type=int, default=5)
@@ -182,7 +193,8 @@ def main() -> None:
     # the runs: kept and resumed past under bench/results, fresh for a smoke run
     root = (Path(tempfile.mkdtemp(prefix="crl-mopd-smoke-")) / "mopd_vs_grpo" if a.smoke else
             results_dir() / ("mopd_vs_grpo_quick" if a.quick else "mopd_vs_grpo"))
-    begin = regressed_start(root / "shared" / "regress", sft, files, a)
+    # a smoke run starts from the model itself (its accuracy: the launch's first evaluation)
+    begin = (sft, None, None) if a.smoke else regressed_start(root / "shared" / "regress", sft, files, a)
     if not a.quick:
         chat_sft, chat_files = full_sft_model()
         teacher = rlhf_teacher(root / "shared" / "rlhf_teacher_full", str(chat_sft), chat_files, a)
@@ -204,8 +216,8 @@ def main() -> None:
         "baseline_value": spread([r["grpo"]["final"] for r in math_rows])["mean"],
         "ratio": None, "target": None, "pass": None,
         "seeds": seeds, "steps": a.steps, "eval_every": a.eval_every,
-        "math": {"start": begin[2], "teacher": begin[1], "gap": begin[1] - begin[2],
-                 "clearly_above": begin[1] - begin[2] >= GAP,
+        "math": {"start": math_rows[0]["start_math"], "teacher": math_rows[0]["teacher_math"],
+                 "gap": math_rows[0]["gap"], "clearly_above": math_rows[0]["clearly_above"],
                  **{m: {"final": spread([r[m]["final"] for r in math_rows]),
                         "steps_to_90": [r[m]["steps_to_90"] for r in math_rows]} for m in ("grpo", "mopd")}},
         "rlhf": {"start": teacher["start_genrm"], "teacher": teacher["teacher_genrm"],

@@ -17,7 +17,8 @@ Host RAM per version = peak RSS delta + the file. On CUDA the staging buffers ad
 
 Writes bench/results/publish_memory.json; the last stdout line is the summary JSON object (bench/run_all.py's
 row: host bytes per version against the full state dict's; target: at most 0.75 of it, and rank 0's memory
-above the file under 0.75 of the model's bytes). ``--quick``: the 10m model; ``--smoke``: the tiny one (seconds).
+above the file under 0.75 of the model's bytes). ``--quick``: the 10m model; ``--smoke``: the tiny one, the
+gathered mode alone (one torchrun of 2 ranks; its own baseline, ratio 1): the code path in seconds.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ranks run with PYTHONSAFEPATH (bench/ not on it)
-from _common import bench_parser, write_result  # noqa: E402
+from _common import bench_parser, sft_model, write_result  # noqa: E402
 
 
 def rss() -> int:
@@ -102,7 +103,7 @@ def rank_main(model_dir: str, mode: str, dtype: str, out: str) -> None:
 
 
 def main() -> None:
-    ap = bench_parser(__doc__, quick="the 10m model (make bench)", smoke="the tiny model: the code path in seconds")
+    ap = bench_parser(__doc__, quick="the 10m model (make bench)", smoke="the tiny model, gathered alone: the code path in seconds")
     ap.add_argument("--size", default="50m")
     ap.add_argument("--arch", default="qwen3_moe")
     ap.add_argument("--dtype", default="bfloat16")
@@ -111,17 +112,20 @@ def main() -> None:
     if args.rank:
         return rank_main(args.rank[0], args.rank[1], args.dtype, args.rank[2])
 
-    from cascade_rl.learner.tiny_model import make_tiny_model
-
     if args.quick or args.smoke:
         args.size = "tiny" if args.smoke else "10m"
     tmp = Path(tempfile.mkdtemp())
-    model_dir = make_tiny_model(tmp / "model", arch=args.arch, size=args.size)
+    if args.smoke and args.arch == "qwen3_moe":  # the other smoke runs' tiny model (the same arguments): made once
+        model_dir = sft_model(smoke=True)
+    else:
+        from cascade_rl.learner.tiny_model import make_tiny_model
+
+        model_dir = make_tiny_model(tmp / "model", arch=args.arch, size=args.size)
     # every allocation above 64 KiB its own mapping, returned on free: RSS then shows live memory (glibc otherwise
     # keeps freed tensors' pages in its heap, and the peak measures the allocator's history)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1", MALLOC_MMAP_THRESHOLD_="65536")
     results = {}
-    for mode in ("gathered", "full_state_dict"):
+    for mode in ("gathered",) if args.smoke else ("gathered", "full_state_dict"):
         out = tmp / f"{mode}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
                "--dtype", args.dtype, "--rank", str(model_dir), mode, str(out)]
@@ -131,7 +135,8 @@ def main() -> None:
         r["host_bytes_per_version"] = r["peak_rss_delta"] + r["file_bytes"]
     params = results["gathered"]["params"]
     file_bytes = results["gathered"]["file_bytes"]
-    ours, before = (results[m]["host_bytes_per_version"] for m in ("gathered", "full_state_dict"))
+    before_mode = "gathered" if args.smoke else "full_state_dict"  # a smoke run: gathered alone, its own baseline
+    ours, before = (results[m]["host_bytes_per_version"] for m in ("gathered", before_mode))
     ratio = ours / before
     summary = {
         "name": "publish_memory",

@@ -20,8 +20,10 @@ its tokens/s over ``generate``'s in the same round. ``--quick`` runs 2 rounds,
 the full run 5 and then, for the record only, 2 rounds of an RL-shaped
 workload: 32 prompts x n=8 samples x 128 tokens (``num_return_sequences=8``
 for generate; one shared prefill per group for the torch engine). ``--smoke``:
-one round of 8 prompts x 8 tokens, as ``--quick`` otherwise, without vLLM unless
-``--engines`` names it (its start alone outlasts the smoke run's seconds).
+one round of 4 prompts x 4 tokens, no warm-up, every side in the parent process
+(no child's start; peak RSS is then the parent's), as ``--quick`` otherwise,
+without vLLM unless ``--engines`` names it (its start alone outlasts the smoke
+run's seconds).
 
 The last round's samples of each engine are scored against the trainer's
 log-probs (transformers' forward + ``learner.losses.token_logprobs`` at T=1):
@@ -48,7 +50,7 @@ from _common import bench_parser, machine, results_dir, write_result  # noqa: E4
 
 ROOT = Path(__file__).resolve().parent
 SEQS, NEW_TOKENS, TARGET = 64, 64, 3.0
-SMOKE_SEQS, SMOKE_NEW_TOKENS = 8, 8
+SMOKE_SEQS, SMOKE_NEW_TOKENS = 4, 4
 SIDES = ("generate", "torch", "vllm")
 
 
@@ -66,6 +68,10 @@ def prompts(model_dir: str, n: int) -> list[list[int]]:
 
 
 # --- the child: one side, driven over stdin/stdout -------------------------------------------------
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class Side:
@@ -129,16 +135,18 @@ def child(name: str, model_dir: str) -> None:
     sys.stdout = sys.stderr  # library chatter must not corrupt the reply stream
     t0 = time.perf_counter()
     side = Side(name, model_dir)
-    loaded_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    loaded_rss = peak_rss_mib()
     print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "loaded_rss_mib": loaded_rss}), file=out,
           flush=True)
     for line in sys.stdin:
-        cmd = json.loads(line)
-        seconds, tokens, rows = side.run(cmd["prompts"], cmd["n"], cmd["new_tokens"])
-        reply = {"seconds": seconds, "tokens": tokens,
-                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                 "rows": rows if cmd.get("rows") else []}
-        print(json.dumps(reply), file=out, flush=True)
+        print(json.dumps(answer(side, json.loads(line))), file=out, flush=True)
+
+
+def answer(side: Side, cmd: dict) -> dict:
+    """One command's reply: seconds, tokens, this process's peak RSS, and the rows if asked for."""
+    seconds, tokens, rows = side.run(cmd["prompts"], cmd["n"], cmd["new_tokens"])
+    return {"seconds": seconds, "tokens": tokens, "peak_rss_mib": peak_rss_mib(),
+            "rows": rows if cmd.get("rows") else []}
 
 
 class Child:
@@ -159,17 +167,35 @@ class Child:
         return json.loads(line)
 
     def run(self, ids: list[list[int]], n: int, new_tokens: int, rows: bool = False) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": ids, "n": n, "new_tokens": new_tokens, "rows": rows}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._reply()
+        reply = self._ask({"prompts": ids, "n": n, "new_tokens": new_tokens, "rows": rows})
         if reply["tokens"] != len(ids) * n * new_tokens:
             raise RuntimeError(f"{self.name}: {reply['tokens']} tokens, expected {len(ids) * n * new_tokens}")
         return reply
+
+    def _ask(self, cmd: dict) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
         self.log.close()
+
+
+class InProcess(Child):
+    """A side in this process, as a child is driven (a smoke run: no child's start, no per-side peak RSS)."""
+
+    def __init__(self, name: str, model_dir: str) -> None:
+        t0 = time.perf_counter()
+        self.name, self.side = name, Side(name, model_dir)
+        self.load_s, self.loaded_rss_mib = time.perf_counter() - t0, peak_rss_mib()
+
+    def _ask(self, cmd: dict) -> dict:
+        return answer(self.side, cmd)
+
+    def close(self) -> None:
+        pass
 
 
 # --- the parent ---------------------------------------------------------------------------------
@@ -214,7 +240,7 @@ def run_rounds(children: dict[str, Child], ids, n: int, new_tokens: int, rounds:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = bench_parser(__doc__, quick="2 rounds instead of 5, no RL-shaped workload",
-                      smoke="1 round of 8 prompts x 8 tokens: the code path in seconds")
+                      smoke="1 round of 4 prompts x 4 tokens, in one process: the code path in seconds")
     ap.add_argument("--model", default=str(ROOT.parent / "models" / "tiny"), help="HF dir of the tiny MoE model")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--engines", default=None,
@@ -241,9 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="qwen3_moe"))
     ids = prompts(model_dir, seqs)
-    children = {s: Child(s, model_dir, results_dir(args.smoke)) for s in sides}
+    children = {s: InProcess(s, model_dir) if args.smoke else Child(s, model_dir, results_dir()) for s in sides}
     try:
-        for c in children.values():  # warm-up: first calls allocate caches and pick kernels
+        for c in [] if args.smoke else children.values():  # warm-up: first calls allocate caches and pick kernels
             c.run(ids[:8], 1, 4)
         main_rounds = run_rounds(children, ids, 1, new_tokens, rounds, f"{seqs}x{new_tokens}")
         rl_rounds = [] if args.quick or args.smoke else run_rounds(

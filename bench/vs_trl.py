@@ -26,9 +26,9 @@ step, peak memory (each process's peak RSS, summed over the run's process tree) 
 The headline is the median over rounds of ``ours_sync / trl`` step time, each ratio from one round (the runs
 of a round are back to back, so machine drift cancels), with its range. Writes bench/results/vs_trl.json.
 
-``--smoke``: one round of 4 steps of 2 prompts x 2, 8 tokens, on a random tiny model and a few rows of data;
-ours_sync and ours_async, and TRL only where .venv-trl is already built (a smoke run never builds it; without
-it the ratios are null): the code path in about a minute.
+``--smoke``: one round of 2 steps of 2 prompts x 2, 8 tokens, on a random tiny model and a few rows of data;
+ours_sync alone, launched ``--inline`` (every role a thread of one process: about a third of the CPU of a
+launch's process tree), no TRL (the ratios are null): the code path in seconds.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def run_tree(cmd: list[str], env: dict | None = None, timeout: float = 1800) -> 
 def run_ours(staleness: int, model: Path, steps: int, work: Path) -> dict:
     run_dir = work / f"ours-k{staleness}-{time.monotonic_ns()}"
     s = SETUP
-    args = ["launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"run.steps={steps}",
+    args = ["launch", "tiny", *(["--inline"] if s["smoke"] else []), f"run_dir={run_dir}", f"model.path={model}", f"run.steps={steps}",
             f"run.prompts_per_step={s['prompts_per_step']}", f"run.group_size={s['group_size']}",
             f"sampling.max_tokens={s['max_tokens']}", "sampling.temperature=1.0", f"trainer.lr={s['lr']}",
             "trainer.kl_coef=0", *math_data(smoke=s["smoke"]), f"data.seed={s['seed']}",
@@ -248,7 +248,7 @@ def against_trl(table: dict, ratios: dict[str, list[float]], target: float) -> d
 
 def main(argv: list[str] | None = None) -> dict:
     ap = bench_parser(__doc__, quick="1 round of 10 steps",
-                      smoke="1 round of 4 tiny steps, TRL only if built: ~a minute")
+                      smoke="1 round of 2 tiny steps, ours_sync alone, inline: seconds")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the step-time medians")
@@ -256,18 +256,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.smoke:
         SETUP.update(SMOKE_SETUP)  # every side reads the setup from here
-        args.rounds, args.steps, args.size = 1, 4, "tiny"
+        args.rounds, args.steps, args.size = 1, 2, "tiny"
     rounds = args.rounds or (1 if args.quick else 3)
     steps = args.steps or (10 if args.quick and args.size == "tiny" else STEPS[args.size])
     warmup = min(args.warmup, steps - 3)
-    systems = ["ours_sync", "trl", "ours_async"]
-    if args.smoke and not (TRL_VENV / ".installed").exists():
-        systems.remove("trl")
+    systems = ["ours_sync"] if args.smoke else ["ours_sync", "trl", "ours_async"]
     py = trl_python() if "trl" in systems else None
     model = model_dir(args.size)
     work = Path(tempfile.mkdtemp(prefix="crl-vs-trl-"))
-    prompts = work / "prompts.jsonl"
-    write_prompts(model, steps, prompts)
+    prompts = work / "prompts.jsonl"  # TRL's
+    if "trl" in systems:
+        write_prompts(model, steps, prompts)
     runs: list[dict] = []
     for r in range(rounds):
         for name in systems[r % len(systems):] + systems[: r % len(systems)]:
@@ -298,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
                "baseline_value": None, "ratio": None, "target": f"<= {TARGETS[args.size]} every round", "pass": None,
                "machine": machine()}
     ratios = None
-    if "trl" in systems:  # only a smoke run goes without (no .venv-trl): ours measured, nothing to compare with
+    if "trl" in systems:  # only a smoke run goes without: ours measured, nothing to compare with
         ratios = {name: [of(name, r)["step_s"] / of("trl", r)["step_s"] for r in range(rounds)]
                   for name in ("ours_sync", "ours_async")}
         summary.update(against_trl(table, ratios, TARGETS[args.size]))

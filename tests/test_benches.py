@@ -3,7 +3,6 @@ the real code path), as a subprocess with the venv's python, and must write a va
 bench/run_all.py reads. The results go to a temporary directory ($CASCADE_BENCH_RESULTS), never bench/results.
 
     .venv/bin/pytest -q tests/test_benches.py                  # all of it
-    .venv/bin/pytest -q -m "not slow" tests/test_benches.py    # without the scripts that start process trees
 
 What does not run here: the GPU parts (gpu_checks.sh is rehearsed on the CPU by tests/test_gpu_checks.py;
 gpu_launch.py and gpu_checks_machine.py have their arguments parsed), TRL's side of vs_trl.py (its venv,
@@ -24,9 +23,9 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 SCRIPTS = sorted(p.stem for p in BENCH.glob("[!_]*.py") if p.stem != "run_all" and not p.stem.startswith("gpu_"))
 # bench/run_all.py's columns: the summary line of every script has them
 SUMMARY_KEYS = {"name", "metric", "value", "baseline", "baseline_value", "ratio", "target", "pass"}
-# slow: their smoke runs start whole process trees: `cascade-rl launch`es (2, 2 and 3 of them, about 45 s of
-# CPU each), and publish_memory two torchruns of 2 ranks (about 45 s of CPU); the rest take ~100 s of CPU together
-LAUNCHES = {"async_vs_sync", "mopd_vs_grpo", "publish_memory", "vs_trl"}
+# none is marked slow: a smoke run is one launch at most, `--inline` (every role a thread of one process; about
+# 12-16 s of CPU), publish_memory one torchrun of 2 ranks (about 17 s); all of them about 2 minutes of CPU together
+LAUNCHES = {"async_vs_sync", "mopd_vs_grpo", "publish_memory", "vs_trl"}  # a longer time limit
 NEEDS_ROOT = {"sandbox"}  # namespaces and a uid drop
 
 
@@ -54,10 +53,9 @@ def strict_json(path: Path) -> dict:
 
 
 def marks(script: str) -> list:
-    out = [pytest.mark.slow] if script in LAUNCHES else []
     if script in NEEDS_ROOT:
-        out.append(pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root"))
-    return out
+        return [pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root")]
+    return []
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=marks(s)) for s in SCRIPTS])
