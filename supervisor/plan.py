@@ -85,7 +85,8 @@ def prepare(cfg: DictConfig, inline: bool = False) -> Plan:
     sock_dir.mkdir(mode=0o700, parents=True)
     os.chmod(sock_dir, 0o700)  # whatever the umask
     cfg.auth_keys = run_keys(cfg, run_dir, inline)
-    auth.install_from_config(cfg)  # this process's sockets (the supervisor's, and ray's placements) use them
+    # the one process-wide effect of a plan: this process's sockets (the supervisor's, ray's placements) use them
+    auth.install_from_config(cfg)
     launcher = make_launcher(cfg)
     try:  # ray joins its cluster here, gives the run its host and places the two workers that bind
         launcher.connect()

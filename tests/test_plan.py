@@ -20,6 +20,14 @@ from cascade_rl.supervisor.procs import ROLES, SERVER_ROLES, Proc, next_ids, wor
 PRESETS = sorted(p.stem for p in (CONFIG_DIR / "run").glob("*.yaml"))
 
 
+@pytest.fixture(autouse=True)
+def no_keys_left_installed():
+    """``prepare`` installs the run's CURVE keys in this process (the supervisor's own sockets use them): a plan
+    with tcp endpoints would otherwise leave every later tcp socket of this test process a CURVE one."""
+    yield
+    auth.install(None)
+
+
 @pytest.fixture
 def plans():
     """plans(cfg, inline=False): ``prepare``'s plan; its socket folder and launcher are given back after the test."""
