@@ -95,7 +95,7 @@ class Display:
     def notice(self, text: str) -> None:
         """Something the user should read now (a stall), whatever the mode but none."""
         if self.mode != "none":
-            self.console.print(f"[bold yellow]{text}[/]")
+            self.console.print(f"[bold yellow]{text}[/]", soft_wrap=True)  # a path stays one line: copy-pastable
 
     def failed(self, reason: str) -> None:
-        self.console.print(f"[bold red]run failed:[/] {reason} (logs in {self.run_dir / 'logs'})")
+        self.console.print(f"[bold red]run failed:[/] {reason} (logs in {self.run_dir / 'logs'})", soft_wrap=True)
