@@ -89,10 +89,11 @@ tools: install
 	rm -rf runs/tools
 	$(CLI) launch tools run_dir=runs/tools
 
-# On every core (pytest-xdist): launches of whole runs one at a time on one worker, light tests beside them, the
-# launches handed out first (the groups and their order: tests/conftest.py). TEST_WORKERS=0: one process, as a plain
-# `pytest tests/test_x.py` runs.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=N: on N cores (pytest-xdist): launches of whole runs one at a time on one worker, light tests beside
+# them, the launches handed out first (the groups and their order: tests/conftest.py). One process by default: on
+# this 2-core machine two workers oversubscribed it (each torch process runs 2 threads): a fresh-clone make test
+# took 31.8 min with -n 2 (48 min of CPU) against 21.5 min in one process.
+TEST_WORKERS ?= 0
 test: install
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
