@@ -22,8 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-from filelock import FileLock
+
+# Under xdist the cores are shared out: each worker, and every process its tests start (they inherit the
+# environment), runs torch's intra-op pool on cores // workers threads. Set before torch is imported. Without it
+# two workers of 2 threads each on 2 cores oversubscribed the machine: OpenMP's threads spin while they wait, and
+# a fresh-clone run took 48 min of CPU against 27 in one process.
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0)):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+
+import torch  # noqa: E402
+from filelock import FileLock  # noqa: E402
 
 # No GPU: Triton kernels (kernels/) run in Triton's interpreter. Triton reads this when a kernel is decorated,
 # i.e. when its module is imported, so it is set here, before any test module imports one.

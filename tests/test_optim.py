@@ -315,6 +315,7 @@ DIST_SCRIPT = textwrap.dedent('''
         for p, q in zip(sharded.parameters(), resumed.parameters()))
     if rank == 0:
         json.dump(report, open(out, "w"))
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it (SIGABRT at exit)
     dist.destroy_process_group()
 ''')
 
