@@ -1,6 +1,6 @@
 """Build a small, randomly initialised HF model directory entirely offline.
 
-    cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3|qwen2|llama] [--untied]
+    cascade-rl make-tiny-model --out models/tiny [--arch qwen3_moe|qwen3|qwen2|llama|nemotron_h] [--untied]
                                [--size tiny|10m|50m] [--task cascade]
 
 The tokenizer is a byte-level BPE trained here (``tokenizers``) on the task's
@@ -28,6 +28,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    NemotronHConfig,
+    NemotronHForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -66,13 +68,36 @@ def _moe_kwargs(expert_ffn: int) -> dict:
                 decoder_sparse_step=1)
 
 
-# arch -> (config class, model class, extra config kwargs given the size's expert width). Every arch shares
-# model_config's dimensions; Qwen2Config has no head_dim field, but hidden // heads is what Qwen2 uses anyway.
-ARCHS: dict[str, tuple[type, type, Callable[[int], dict]]] = {
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, lambda expert_ffn: {}),
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, _moe_kwargs),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, lambda expert_ffn: {}),  # q/k/v biases, no q/k norms
-    "llama": (LlamaConfig, LlamaForCausalLM, lambda expert_ffn: {}),
+# Nemotron-3-Nano-30B-A3B's 52 layers (its config's ``hybrid_override_pattern``): M Mamba-2, E MoE, * attention;
+# 23 / 23 / 6. It repeats MEMEM*E, so a tiny model of 7 layers keeps its order and proportions.
+NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+NEMOTRON_H_LAYERS = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+
+
+def _nemotron_h_kwargs(common: dict, expert_ffn: int) -> dict:
+    """Nano's architecture scaled down: its layer pattern cut at a multiple of 7 layers (at least the size's count);
+    squared-ReLU experts without a gate beside one shared expert (twice an expert's width, as in Nano); the sigmoid
+    router with its score-correction bias, group-limited top-k (2 groups of 4 experts, 1 group picked: the limit
+    changes choices) and Nano's routed scaling factor 2.5; Mamba-2 layers whose heads, groups and state are scaled
+    like the hidden size, with a 32-token chunk so that a 512-token context spans many chunks. No RoPE: Nemotron-H's
+    attention has none (the Mamba layers carry position)."""
+    hidden, layers = common["hidden_size"], common.pop("num_hidden_layers")
+    common.pop("rope_theta")
+    pattern = NANO_PATTERN[: 7 * -(-layers // 7)]
+    return dict(common, layers_block_type=[NEMOTRON_H_LAYERS[c] for c in pattern], mamba_num_heads=hidden // 16,
+                mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=32, n_routed_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=expert_ffn, moe_shared_expert_intermediate_size=2 * expert_ffn,
+                n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+
+
+# arch -> (config class, model class, the config kwargs given the common ones (model_config's dimensions) and the
+# size's expert width). Qwen2Config has no head_dim field, but hidden // heads is what Qwen2 uses anyway.
+ARCHS: dict[str, tuple[type, type, Callable[[dict, int], dict]]] = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, lambda common, expert_ffn: common),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, lambda common, expert_ffn: common | _moe_kwargs(expert_ffn)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, lambda common, expert_ffn: common),  # q/k/v biases, no q/k norms
+    "llama": (LlamaConfig, LlamaForCausalLM, lambda common, expert_ffn: common),
+    "nemotron_h": (NemotronHConfig, NemotronHForCausalLM, _nemotron_h_kwargs),
 }
 
 
@@ -119,7 +144,7 @@ def model_config(arch: str, size: str, vocab_size: int, pad_id: int, eos_id: int
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
     config_cls, model_cls, extra = ARCHS[arch]
     hidden, layers, heads, kv_heads, ffn, expert_ffn = SIZES[size]
-    cfg = config_cls(
+    common = dict(
         vocab_size=vocab_size,
         intermediate_size=ffn,
         hidden_size=hidden,
@@ -133,9 +158,8 @@ def model_config(arch: str, size: str, vocab_size: int, pad_id: int, eos_id: int
         pad_token_id=pad_id,
         eos_token_id=eos_id,
         bos_token_id=None,
-        **extra(expert_ffn),
     )
-    return cfg, model_cls
+    return config_cls(**extra(common, expert_ffn)), model_cls
 
 
 def make_tiny_model(
@@ -157,6 +181,10 @@ def make_tiny_model(
     cfg, cls = model_config(arch, size, len(tokenizer), pad_id, eos_id, max_len, tie_word_embeddings)
     torch.manual_seed(seed)
     model = cls(cfg)
+    with torch.no_grad():  # a trained router's correction bias is not zero: random, so that it changes choices
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.uniform_(-0.05, 0.05)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     model.save_pretrained(out)
