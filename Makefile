@@ -89,11 +89,12 @@ tools: install
 	rm -rf runs/tools
 	$(CLI) launch tools run_dir=runs/tools
 
-# TEST_WORKERS=N: on N cores (pytest-xdist): launches of whole runs one at a time on one worker, light tests beside
-# them, the launches handed out first (the groups and their order: tests/conftest.py). One process by default: on
-# this 2-core machine two workers oversubscribed it (each torch process runs 2 threads): a fresh-clone make test
-# took 31.8 min with -n 2 (48 min of CPU) against 21.5 min in one process.
-TEST_WORKERS ?= 0
+# TEST_WORKERS=N: pytest-xdist workers (0: one process). Launches of whole runs one at a time on one worker and
+# first, light tests beside them, the launches that time nothing last on whichever worker is free; each worker's
+# torch on cores / N threads (the groups, their order, the threads: tests/conftest.py). On this 2-core machine a
+# fresh-clone pytest took 24.7 min in one process, 19.5 min with 2 workers of 1 thread (with 2 threads each the
+# workers oversubscribed the cores: 29 min).
+TEST_WORKERS ?= 2
 test: install
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 

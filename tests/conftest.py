@@ -5,8 +5,10 @@ and how the suite shares two cores.
 ``pytest tests/test_x.py`` runs in one process, as before. Under xdist:
 
 * every test that launches whole runs (``@pytest.mark.slow``: several real processes with heartbeat deadlines)
-  is in one group, ``launches``, which one worker runs in order: two launches never starve each other, and
-  the light tests fill the other core;
+  is in one group, ``launches``, which one worker runs in order, first: the light tests fill the other core;
+  the launches that time nothing against a deadline (``LATE_LAUNCHES``) come last, on whichever worker is free;
+* each worker, and what its tests start, runs torch on cores // workers threads (no spinning OpenMP threads
+  oversubscribing the cores);
 * every other test is grouped with its file: a module fixture is built once, and a file's own resources (a
   sandbox uid range it scans for leftovers) are never used by two workers at once;
 * the session fixtures below are built by the first worker that asks, under a file lock, in a folder both
@@ -39,6 +41,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 LAUNCHES = "launches"  # the xdist group of the tests marked slow
+# Launches that time nothing against a deadline (every stage preset for 2 steps): their own group, handed out after
+# the light tests, so the worker that finishes those runs them beside the other's launches (about 4 of the 19
+# minutes of launches on 2 cores; one group of every launch left the light tests' worker idle for 8 minutes).
+LATE_LAUNCHES = {"test_stage_launches": "late-launches"}
 
 
 def groups_file(testrunuid: str) -> Path:
@@ -55,8 +61,14 @@ def pytest_collection_modifyitems(config, items) -> None:
     no longer reads, so those groups are silently ignored."""
     if not (os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("loadgroup")):
         return
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
-    groups = {item.nodeid: LAUNCHES if item.get_closest_marker("slow") else item.path.stem for item in items}
+    def group(item) -> str:
+        if item.get_closest_marker("slow") is None:
+            return item.path.stem
+        return LATE_LAUNCHES.get(item.path.stem, LAUNCHES)
+
+    groups = {item.nodeid: group(item) for item in items}
+    # stable sorts: the launches first, the late launches last, the rest in their order
+    items.sort(key=lambda item: {LAUNCHES: 0, **dict.fromkeys(LATE_LAUNCHES.values(), 2)}.get(groups[item.nodeid], 1))
     path = groups_file(os.environ["PYTEST_XDIST_TESTRUNUID"])
     mine = path.with_suffix(f".{os.environ['PYTEST_XDIST_WORKER']}")  # every worker writes the same; atomically
     mine.write_text(json.dumps(groups))
