@@ -2,34 +2,41 @@
 (``ACTIVATIONS``) and the experts (``EXPERTS``: grouped | dense | torch | triton), forward and backward::
 
     y = moe_forward(x, router_weight, gate_up, down, top_k, impl="grouped" | "dense" | "torch" | "triton")
-    weights, ids = select_experts(router_logits, Routing(top_k, normalize))     # the engine's MoE block
-    y = moe_experts(x, weights, ids, gate_up, down, impl)                       # HF's Experts.forward, the engine
+    weights, ids = select_experts(router_logits, routing, bias)          # the engine's MoE block (bias: or None)
+    y = moe_experts(x, weights, ids, gate_up, down, impl, activation)    # HF's Experts.forward, the engine
 
 Who uses it: the trainer and the teachers through modeling/experts.py (``model.moe_impl``; HF's router, our
-experts), the routing replay through ``ROUTERS[...].weigh`` (modeling/routing.py), the torch engine's ``MoE``
+experts), the routing replay through ``weigh_experts`` (modeling/routing.py), the torch engine's ``MoE``
 block (samplers/torch_model.py: our router and experts; ``choose_experts`` picks grouped or dense). The engine's
 C++ CPU op (kernels/cpu_decode.cpp, ``impl="cpu"`` there) is a second implementation of softmax_topk + SwiGLU on
 the engine's layout, checked against this one (tests/test_cpu_decode.py).
 
 Weight layout (HF's, what every function here takes): ``x [N, H]``, ``router_weight [E, H]``, ``gate_up [E, 2I, H]``
-(gate rows then up rows, HF's fused ``gate_up_proj``; an activation without a gate would take ``[E, I, H]``),
+(gate rows then up rows, HF's fused ``gate_up_proj``; an activation without a gate takes ``[E, I, H]``, ``up_proj``),
 ``down [E, H, I]``. The torch engine stores the transposes, ``w13 [E, H, 2I]`` and ``w2 [E, I, H]`` (the input dim
 first, as grouped matmuls want) and passes ``w13.transpose(1, 2)``, ``w2.transpose(1, 2)``: views, no copy; the
 kernels here transpose them back where they need the engine's order, so the engine's products see its own strides.
 
-Routing (``Routing``: the router's settings, ``ROUTERS``: the router families). Today one family, Qwen3-MoE's
-``softmax_topk``: softmax in fp32 over all experts, top-k, the k weights renormalised to sum to 1
-(``norm_topk_prob``) and cast to the logits' dtype. Renormalised, that is a softmax over the k top logits alone
-(softmax is monotonic), which is how it is computed: HF's block to fp32 rounding. Routing is discrete; the router
-gets its gradient through the k weights, by autograd. ``weigh`` gives a family's weights for experts chosen
-elsewhere (the routing replay, R3: the trainer takes the engine's experts).
+Routing (``Routing``: a family's router settings, ``ROUTERS``: the router families; kernels/moe_families.py reads
+them from an HF config):
+- ``softmax_topk`` (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE): softmax in fp32 over all experts, top-k, the k weights
+  renormalised to sum to 1 (``norm_topk_prob``) and cast to the logits' dtype. Renormalised, that is a softmax over
+  the k top logits alone (softmax is monotonic), which is how it is computed: HF's block to fp32 rounding.
+- ``sigmoid_group_topk`` (Nemotron-H, DeepSeek-V3: HF's two routers are the same code): fp32 logits from fp32
+  weights, sigmoid scores; the score-correction bias (``e_score_correction_bias``) is added for the choice only;
+  experts in ``n_group`` groups, a group scored by its two best biased scores, the ``topk_group`` best groups kept
+  and the top-k taken among their experts; the weights are the unbiased scores of the chosen experts, / (sum +
+  1e-20) when ``normalize``, times ``scaling`` (``routed_scaling_factor``), fp32 as HF returns them.
+Routing is discrete; the router gets its gradient through the k weights, by autograd. ``weigh`` gives a family's
+weights for experts chosen elsewhere (the routing replay, R3: the trainer takes the engine's experts; the bias and
+the group limit choose, they do not weigh).
 
 A new family plugs in as data: a ``Router(select, weigh)`` in ``ROUTERS`` (the fields its settings need added to
-``Routing``, with defaults) and, when its experts differ, an activation in ``ACTIVATIONS`` (``act(h, dim)`` on the
-first projection's output ``h``, its units along ``dim``). Nemotron-H, for one: a sigmoid router with a
-score-correction bias (chooses with the bias, weighs without), group-limited top-k and a routed scaling factor,
-squared-ReLU experts without a gate (``gate_up [E, I, H]``), a shared expert beside the routed ones (a dense MLP of
-the block, not an expert here). The Triton kernels fuse SwiGLU and refuse any other activation; the C++ op knows
+``Routing``, with defaults), an activation in ``ACTIVATIONS`` when its experts differ (``act(h, dim)`` on the first
+projection's output ``h``, its units along ``dim``; ``GATED`` says whether that projection holds gate and up rows),
+and its description in kernels/moe_families.py. Served: ``swiglu`` (gated, ``gate_up [E, 2I, H]``) and ``relu2``
+(Nemotron-H's squared ReLU, not gated: ``gate_up`` is HF's ``up_proj [E, I, H]``) in every impl, Triton included.
+A family's shared expert and latent projections are dense layers of the block, not experts here. The C++ op knows
 softmax_topk + SwiGLU only, so the engine must not pick it (``choose_experts``) for another family.
 
 Experts (``EXPERTS``, ``moe_experts(..., impl)``), all y[n] = Σ_k w[n,k] · down_e(act(gate_up_e x[n])):
@@ -38,8 +45,8 @@ Experts (``EXPERTS``, ``moe_experts(..., impl)``), all y[n] = Σ_k w[n,k] · dow
 - ``dense`` (``experts_dense``): every expert on every token, weighted by a routing that is zero outside the top-k:
   no sort, E/k times the arithmetic; the engine's decode on devices whose ``_grouped_mm`` lacks the dtype.
 - ``torch`` (``experts_torch``): the reference, a capacity-padded bmm (one host sync).
-- ``triton``: kernels/moe_blocked.py (block-padded layout, grouped GEMMs with fused SwiGLU, forward and backward;
-  its kernels in kernels/moe_triton.py). Imported on first use: this module does not import triton.
+- ``triton``: kernels/moe_blocked.py (block-padded layout, grouped GEMMs with the activation fused, SwiGLU or
+  squared ReLU, forward and backward; its kernels in kernels/moe_triton.py). Imported on first use: this module does not import triton.
 
 CPU fp32 fwd+bwd, one thread (bench/moe_kernels.py): the torch reference is 4.2x HF's eager loop at 32 experts
 top-4 (H 512, I 256), 0.9x at the tiny demo model's 8 experts top-2, and 0.8x at both sizes the transformers default
@@ -47,7 +54,8 @@ top-4 (H 512, I 256), 0.9x at the tiny demo model's 8 experts top-2, and 0.8x at
 MoE (8 experts top-2, bench/sampler_throughput.py's workload, 2 CPU cores, best of 5-7): grouped 0.32-0.36 s,
 dense 0.47 s, dense as one [E·2I, H] linear 0.42 s, an expert-major padded bmm 0.44 s.
 
-Run: ``.venv/bin/pytest -q tests/test_moe_kernels.py tests/test_experts.py tests/test_torch_model.py``.
+Run: ``.venv/bin/pytest -q tests/test_moe_kernels.py tests/test_moe_families.py tests/test_experts.py
+tests/test_torch_model.py``.
 """
 
 from collections.abc import Callable
@@ -65,62 +73,126 @@ Impl = Literal["grouped", "dense", "torch", "triton"]
 
 @dataclass(frozen=True)
 class Routing:
-    """How a token's router logits become its experts and their weights."""
+    """How a token's router logits become its experts and their weights (a family's router settings)."""
 
     top_k: int  # experts per token
     normalize: bool = True  # the k weights renormalised to sum to 1 (HF's ``norm_topk_prob``)
-    router: str = "softmax_topk"  # the family, a ``ROUTERS`` name
+    router: str = "softmax_topk"  # the family, a ``ROUTERS`` name: softmax_topk | sigmoid_group_topk
+    n_group: int = 1  # expert groups (sigmoid_group_topk): experts e·E/n_group.. form group e
+    topk_group: int = 1  # groups kept per token (sigmoid_group_topk): the top-k is taken among their experts only
+    scaling: float = 1.0  # routed_scaling_factor: the k weights are multiplied by it after normalising
+
+
+Bias = torch.Tensor | None  # a router's score-correction bias [E] (HF ``e_score_correction_bias``), or None
 
 
 class Router(NamedTuple):
-    """One router family: ``select(logits, routing)`` -> (weights [N, k] in the logits' dtype, expert ids [N, k]);
-    ``weigh(logits, ids, routing)`` -> the fp32 weights [N, k] of experts chosen elsewhere (routing replay)."""
+    """One router family: ``select(logits, routing, bias)`` -> (weights [N, k], expert ids [N, k]);
+    ``weigh(logits, ids, routing)`` -> the weights [N, k] of experts chosen elsewhere (routing replay: the bias
+    and the group limit choose experts, they never weigh them). ``fp32_logits``: the logits are computed in fp32
+    from fp32 weights whatever x's dtype (``route``), as HF's sigmoid routers do."""
 
-    select: Callable[[torch.Tensor, Routing], tuple[torch.Tensor, torch.Tensor]]
+    select: Callable[[torch.Tensor, Routing, Bias], tuple[torch.Tensor, torch.Tensor]]
     weigh: Callable[[torch.Tensor, torch.Tensor, Routing], torch.Tensor]
+    fp32_logits: bool = False
 
 
-def softmax_topk(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE: softmax (fp32) over all experts, top-k; renormalised, a softmax over the top-k logits alone."""
+def softmax_topk(logits: torch.Tensor, routing: Routing, bias: Bias = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE: softmax (fp32) over all experts, top-k; renormalised, a softmax over the top-k logits alone.
+    Weights in the logits' dtype, as HF returns them."""
+    if bias is not None:
+        raise ValueError("router softmax_topk takes no score-correction bias")
     if routing.normalize:
         top, experts = logits.topk(routing.top_k, dim=-1)
-        return torch.softmax(top, dim=-1, dtype=torch.float).to(logits.dtype), experts
-    weights, experts = torch.softmax(logits, dim=-1, dtype=torch.float).topk(routing.top_k, dim=-1)
-    return weights.to(logits.dtype), experts
+        weights = torch.softmax(top, dim=-1, dtype=torch.float)
+    else:
+        weights, experts = torch.softmax(logits, dim=-1, dtype=torch.float).topk(routing.top_k, dim=-1)
+    return (weights if routing.scaling == 1.0 else weights * routing.scaling).to(logits.dtype), experts
 
 
 def softmax_weights(logits: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Qwen3-MoE's weights of the given experts, as HF computes them: softmax (fp32), picked, renormalised."""
+    """Qwen3-MoE's fp32 weights of the given experts, as HF computes them: softmax (fp32), picked, renormalised."""
     picked = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
-    return picked / picked.sum(dim=-1, keepdim=True) if routing.normalize else picked
+    picked = picked / picked.sum(dim=-1, keepdim=True) if routing.normalize else picked
+    return picked if routing.scaling == 1.0 else picked * routing.scaling
 
 
-ROUTERS: dict[str, Router] = {"softmax_topk": Router(softmax_topk, softmax_weights)}
+def sigmoid_group_topk(logits: torch.Tensor, routing: Routing, bias: Bias = None) -> tuple[torch.Tensor, ...]:
+    """Nemotron-H and DeepSeek-V3 (HF ``NemotronHTopkRouter`` / ``DeepseekV3TopkRouter``, the same code, op for
+    op): sigmoid scores (fp32); the choice on scores + bias: a group's score is the sum of its two best biased
+    scores, the ``topk_group`` best groups are kept, the top-k taken among their experts; the weights are the
+    unbiased scores of the chosen experts (``sigmoid_weights``), fp32 as HF returns them."""
+    scores = logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias
+    n, experts = choice.shape
+    groups = routing.n_group
+    group_scores = choice.view(n, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
+    kept = group_scores.topk(routing.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, kept, 1).bool()
+    expert_mask = group_mask.unsqueeze(-1).expand(n, groups, experts // groups).reshape(n, experts)
+    ids = choice.masked_fill(~expert_mask, float("-inf")).topk(routing.top_k, dim=-1, sorted=False)[1]
+    return _scale_sigmoid(scores.gather(1, ids), routing), ids
 
 
-def select_experts(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [N, k] in the logits' dtype, expert ids [N, k]) of router logits [N, E]."""
+def _scale_sigmoid(picked: torch.Tensor, routing: Routing) -> torch.Tensor:
+    if routing.normalize:
+        picked = picked / (picked.sum(dim=-1, keepdim=True) + 1e-20)
+    return picked * routing.scaling
+
+
+def sigmoid_weights(logits: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The sigmoid routers' weights of the given experts: their unbiased scores, / (sum + 1e-20) when
+    ``normalize``, times ``scaling`` (HF's formula, fp32)."""
+    return _scale_sigmoid(logits.float().sigmoid().gather(1, ids), routing)
+
+
+ROUTERS: dict[str, Router] = {
+    "softmax_topk": Router(softmax_topk, softmax_weights),
+    "sigmoid_group_topk": Router(sigmoid_group_topk, sigmoid_weights, fp32_logits=True),
+}
+
+
+def _router(routing: Routing) -> Router:
     if routing.router not in ROUTERS:
         raise ValueError(f"unknown router {routing.router!r}; choose one of {sorted(ROUTERS)}")
-    return ROUTERS[routing.router].select(logits, routing)
+    return ROUTERS[routing.router]
 
 
-def route(x: torch.Tensor, router_weight: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, ...]:
-    """(router logits [N, E] = x @ router_weightᵀ, weights [N, k], expert ids [N, k])."""
+def select_experts(logits: torch.Tensor, routing: Routing, bias: Bias = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k], expert ids [N, k]) of router logits [N, E]; ``bias``: the score-correction bias [E]."""
+    return _router(routing).select(logits, routing, bias)
+
+
+def weigh_experts(logits: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The fp32 weights [N, k] the family gives experts ``ids`` [N, k] chosen elsewhere (R3)."""
+    return _router(routing).weigh(logits, ids, routing)
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, routing: Routing, bias: Bias = None) -> tuple[torch.Tensor, ...]:
+    """(router logits [N, E] = x @ router_weightᵀ, weights [N, k], expert ids [N, k]); the logits in fp32 for a
+    family whose router computes them so (``Router.fp32_logits``), else in x's dtype."""
+    if _router(routing).fp32_logits:
+        x, router_weight = x.float(), router_weight.float()
     logits = F.linear(x, router_weight)
-    return logits, *select_experts(logits, routing)
+    return logits, *select_experts(logits, routing, bias)
 
 
 # --- activations -----------------------------------------------------------------------------------------------
 
 
 def swiglu(h: torch.Tensor, dim: int) -> torch.Tensor:
-    """silu(gate) * up, ``h`` holding the gate units then the up units along ``dim``."""
+    """silu(gate) * up, ``h`` holding the gate units then the up units along ``dim`` (gate_up [E, 2I, H])."""
     gate, up = h.chunk(2, dim=dim)
     return F.silu(gate) * up
 
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {"swiglu": swiglu}
+def relu2(h: torch.Tensor, dim: int) -> torch.Tensor:
+    """Squared ReLU, relu(h)², not gated: the first projection is HF's ``up_proj`` [E, I, H] (Nemotron-H)."""
+    return F.relu(h).square()
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {"swiglu": swiglu, "relu2": relu2}
+GATED: dict[str, bool] = {"swiglu": True, "relu2": False}  # does the first projection hold gate and up rows
 
 
 # --- experts -----------------------------------------------------------------------------------------------------
@@ -155,7 +227,7 @@ def experts_torch(x, topk_weights, topk_ids, gate_up, down, activation: str = "s
     act = ACTIVATIONS[activation](torch.bmm(gate_up, xs.transpose(1, 2)), 1)  # [E, I, C]
     out = torch.bmm(down, act)  # [E, H, C]; padding columns are zeros, never read
     pair_out = out.transpose(1, 2).reshape(-1, hidden).index_select(0, dest).view(n, k, hidden)
-    return (pair_out * topk_weights.unsqueeze(-1)).sum(dim=1)
+    return (pair_out * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)  # fp32 weights (sigmoid routers): sum in fp32
 
 
 def experts_grouped(x, topk_weights, topk_ids, gate_up, down, activation: str = "swiglu") -> torch.Tensor:
@@ -192,8 +264,9 @@ def experts_dense(x, topk_weights, topk_ids, gate_up, down, activation: str = "s
     sort and no host read, E/k times grouped's arithmetic. (Gathering each pair's expert matrices for a bmm was
     5-10x slower than this in the engine: the copies cost more than the arithmetic saved.)"""
     n_experts = gate_up.shape[0]
-    dense_w = torch.zeros(x.shape[0], n_experts, dtype=x.dtype, device=x.device).scatter_(1, topk_ids, topk_weights)
-    h = torch.bmm(x.expand(n_experts, -1, -1), gate_up.transpose(1, 2))  # [E, N, 2I]
+    dense_w = torch.zeros(x.shape[0], n_experts, dtype=x.dtype, device=x.device)
+    dense_w = dense_w.scatter(1, topk_ids, topk_weights.to(x.dtype))  # the sigmoid routers' weights are fp32
+    h = torch.bmm(x.expand(n_experts, -1, -1), gate_up.transpose(1, 2))  # [E, N, 2I] (SwiGLU) or [E, N, I]
     return torch.bmm(ACTIVATIONS[activation](h, -1) * dense_w.T[..., None], down.transpose(1, 2)).sum(0)
 
 
@@ -212,9 +285,12 @@ EXPERTS: dict[str, Callable[..., torch.Tensor]] = {"grouped": experts_grouped, "
 
 def moe_experts(x, topk_weights, topk_ids, gate_up, down, impl: Impl = "torch",
                 activation: str = "swiglu") -> torch.Tensor:
-    """y [N, H] = Σ_k topk_weights[n, k] · expert_{topk_ids[n, k]}(x[n]): HF Qwen3MoeExperts.forward."""
+    """y [N, H] = Σ_k topk_weights[n, k] · expert_{topk_ids[n, k]}(x[n]), in x's dtype: HF's Experts.forward
+    (``gate_up`` [E, 2I, H] for a gated activation, HF's ``gate_up_proj``; [E, I, H] otherwise, its ``up_proj``)."""
     if impl not in EXPERTS:
         raise ValueError(f"unknown moe impl {impl!r}; choose one of {sorted(EXPERTS)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown expert activation {activation!r}; choose one of {sorted(ACTIVATIONS)}")
     return EXPERTS[impl](x, topk_weights, topk_ids, gate_up, down, activation)
 
 
@@ -223,14 +299,19 @@ def moe_forward(
     router_weight: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    top_k: int,
+    top_k: int | Routing,
     impl: Impl = "torch",
     return_router_logits: bool = False,
+    bias: Bias = None,
+    activation: str = "swiglu",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """HF Qwen3MoeSparseMoeBlock on x [..., H]: route, run the experts, combine; router logits are [N, E] as in HF.
+    """A sparse MoE block's routed part on x [..., H] (HF Qwen3MoeSparseMoeBlock for ``top_k`` an int): route,
+    run the experts, combine; router logits are [N, E] as in HF. ``top_k``: k for Qwen3-MoE's routing, or a
+    family's ``Routing``; ``bias``: its score-correction bias [E].
 
-    Differentiable in all four tensors (the router through the renormalised top-k weights)."""
+    Differentiable in all four tensors (the router through the top-k weights)."""
+    routing = top_k if isinstance(top_k, Routing) else Routing(top_k)
     flat = x.reshape(-1, x.shape[-1])
-    logits, weights, ids = route(flat, router_weight, Routing(top_k))
-    y = moe_experts(flat, weights, ids, gate_up, down, impl).view(x.shape)
+    logits, weights, ids = route(flat, router_weight, routing, bias)
+    y = moe_experts(flat, weights, ids, gate_up, down, impl, activation).view(x.shape)
     return (y, logits) if return_router_logits else y

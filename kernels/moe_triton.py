@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .moe import expert_counts
+from .moe import GATED, expert_counts
 
 # Kernels are JIT functions or interpreter functions depending on TRITON_INTERPRET when this module is imported.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -65,7 +65,7 @@ def plan_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Plan:
 class Blocks:
     m: int  # rows per block of the layout (the alignment unit) = M tile of the row GEMMs
     n: int  # N tile of grouped_mm
-    gate_up_n: int  # N tile of gate_up_swiglu (two accumulators of this width)
+    gate_up_n: int  # N tile of gate_up_act (two accumulators of this width for SwiGLU)
     k: int  # K tile of the row GEMMs, and row step of grouped_wgrad (must divide m)
     wgrad_m: int  # output tiles of grouped_wgrad
     wgrad_n: int
@@ -100,6 +100,20 @@ def launch_blocks(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> Blocks
     return CUDA_BLOCKS[dtype.itemsize * 8]
 
 
+# The activations fused into the kernels' epilogues (``ACT`` / ``ACT_BWD``, kernels/moe.py ``ACTIVATIONS`` names).
+FUSED_ACTIVATIONS = ("swiglu", "relu2")
+
+
+def fused_activation(activation: str) -> bool:
+    """Whether ``activation`` is gated (kernels/moe.py ``GATED``: its first projection holds gate then up rows);
+    refuses one the kernels do not fuse (never a silent fallback)."""
+    if activation not in FUSED_ACTIVATIONS:
+        raise NotImplementedError(
+            f"moe impl='triton' fuses {list(FUSED_ACTIVATIONS)} into its kernels, not {activation!r}"
+        )
+    return GATED[activation]
+
+
 def _blocks(t: torch.Tensor) -> Blocks:
     return launch_blocks(t.dtype)
 
@@ -109,13 +123,15 @@ def _precision(t: torch.Tensor) -> str:
 
 
 @triton.jit
-def _gate_up_swiglu_kernel(
+def _gate_up_act_kernel(
     x_ptr, w_ptr, h_ptr, act_ptr, sorted_pair_ptr, block_expert_ptr,
     H, INTER, top_k,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn, stride_am, stride_an,
-    SAVE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr, SAVE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """act = ACT(x[token of row] @ w[e]ᵀ): "swiglu" (w rows: INTER gate then INTER up; two accumulators side by
+    side) or "relu2" (w rows: INTER up; relu(h)²). SAVE_H: the pre-activations too (h [P, 2I] or [P, I])."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -127,8 +143,8 @@ def _gate_up_swiglu_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < INTER
     w_base = w_ptr + expert * stride_we
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # relu2: the up projection's
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # swiglu only
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < H
@@ -136,17 +152,24 @@ def _gate_up_swiglu_kernel(
                      mask=real[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         w_mask = k_ok[:, None] & col_ok[None, :]
         w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
-        w_up = tl.load(w_base + (cols[None, :] + INTER) * stride_wn + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
         acc_gate = tl.dot(xb, w_gate, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(xb, w_up, acc_up, input_precision=PRECISION)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        if ACT == "swiglu":
+            w_up = tl.load(w_base + (cols[None, :] + INTER) * stride_wn + ks[:, None] * stride_wk, mask=w_mask,
+                           other=0.0)  # fmt: skip
+            acc_up = tl.dot(xb, w_up, acc_up, input_precision=PRECISION)
+    if ACT == "swiglu":
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    else:  # relu2
+        pos = tl.maximum(acc_gate, 0.0)
+        act = pos * pos
     mask = col_ok[None, :]
     tl.store(act_ptr + rows[:, None] * stride_am + cols[None, :] * stride_an,
              act.to(act_ptr.dtype.element_ty), mask=mask)  # fmt: skip
     if SAVE_H:
         h_rows = h_ptr + rows[:, None] * stride_hm
         tl.store(h_rows + cols[None, :] * stride_hn, acc_gate.to(h_ptr.dtype.element_ty), mask=mask)
-        tl.store(h_rows + (cols[None, :] + INTER) * stride_hn, acc_up.to(h_ptr.dtype.element_ty), mask=mask)
+        if ACT == "swiglu":
+            tl.store(h_rows + (cols[None, :] + INTER) * stride_hn, acc_up.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -154,10 +177,11 @@ def _grouped_mm_kernel(
     a_ptr, w_ptr, c_ptr, h_ptr, block_expert_ptr,
     K, N,
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_cm, stride_cn, stride_hm, stride_hn,
-    SWIGLU_BWD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACT_BWD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """c[rows] = a[rows] @ w[e] ([K, N] through strides). SWIGLU_BWD: c is d_act, the epilogue writes dh = [dg, du]."""
+    """c[rows] = a[rows] @ w[e] ([K, N] through strides). ACT_BWD ("swiglu" | "relu2", "" for none): the product is
+    d_act, and the epilogue writes dh, the activation's derivative at h applied ([dg, du] for swiglu)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -175,7 +199,7 @@ def _grouped_mm_kernel(
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     mask = col_ok[None, :]
-    if SWIGLU_BWD:  # N = I; h = [gate | up] pre-activations; act = silu(g) * u
+    if ACT_BWD == "swiglu":  # N = I; h = [gate | up] pre-activations; act = silu(g) * u
         h_rows = h_ptr + rows[:, None] * stride_hm
         g = tl.load(h_rows + cols[None, :] * stride_hn, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_rows + (cols[None, :] + N) * stride_hn, mask=mask, other=0.0).to(tl.float32)
@@ -185,6 +209,11 @@ def _grouped_mm_kernel(
         c_rows = c_ptr + rows[:, None] * stride_cm
         tl.store(c_rows + cols[None, :] * stride_cn, d_gate.to(c_ptr.dtype.element_ty), mask=mask)
         tl.store(c_rows + (cols[None, :] + N) * stride_cn, d_up.to(c_ptr.dtype.element_ty), mask=mask)
+    elif ACT_BWD == "relu2":  # N = I; act = relu(h)², d_h = 2 relu(h) d_act
+        h = tl.load(h_ptr + rows[:, None] * stride_hm + cols[None, :] * stride_hn, mask=mask, other=0.0)
+        d_h = acc * 2.0 * tl.maximum(h.to(tl.float32), 0.0)
+        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, d_h.to(c_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
     else:
         tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
                  acc.to(c_ptr.dtype.element_ty), mask=mask)  # fmt: skip
@@ -270,25 +299,26 @@ def _combine_bwd_kernel(
 # --- launchers (their torch twins, same signatures, are in kernels/moe.py) --------------------------------------------------
 
 
-def gate_up_swiglu(
-    x: torch.Tensor, gate_up: torch.Tensor, plan: Plan, save_h: bool
+def gate_up_act(
+    x: torch.Tensor, gate_up: torch.Tensor, plan: Plan, save_h: bool, activation: str = "swiglu"
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(h [P, 2I] pre-activations or None, act [P, I] = silu(gate) * up) for every padded row."""
-    b, (_, two_i, hidden) = _blocks(x), gate_up.shape
-    inter, rows = two_i // 2, plan.sorted_pair.numel()
+    """(h pre-activations or None, act [P, I]) for every padded row: act = silu(gate) * up, h [P, 2I] (swiglu,
+    gate_up [E, 2I, H]) or relu(h)², h [P, I] (relu2, gate_up [E, I, H])."""
+    b, (_, rows_w, hidden) = _blocks(x), gate_up.shape
+    inter, rows = rows_w // (2 if fused_activation(activation) else 1), plan.sorted_pair.numel()
     act = x.new_empty(rows, inter)
-    h = x.new_empty(rows, two_i) if save_h else act  # act doubles as an unused pointer when h is not saved
+    h = x.new_empty(rows, rows_w) if save_h else act  # act doubles as an unused pointer when h is not saved
     grid = (rows // plan.block_m, triton.cdiv(inter, b.gate_up_n))
-    _gate_up_swiglu_kernel[grid](
+    _gate_up_act_kernel[grid](
         x, gate_up, h, act, plan.sorted_pair, plan.block_expert, hidden, inter, plan.top_k,
         *x.stride(), *gate_up.stride(), *h.stride(), *act.stride(),
-        SAVE_H=save_h, BLOCK_M=plan.block_m, BLOCK_N=b.gate_up_n, BLOCK_K=b.k, PRECISION=_precision(x),
-        num_warps=b.num_warps, num_stages=b.num_stages,
+        ACT=activation, SAVE_H=save_h, BLOCK_M=plan.block_m, BLOCK_N=b.gate_up_n, BLOCK_K=b.k,
+        PRECISION=_precision(x), num_warps=b.num_warps, num_stages=b.num_stages,
     )  # fmt: skip
     return (h if save_h else None), act
 
 
-def _grouped_mm_launch(a, w, plan, out_cols, h=None):
+def _grouped_mm_launch(a, w, plan, out_cols, h=None, activation=""):
     b, rows = _blocks(a), a.shape[0]
     k_dim, n_dim = w.shape[1], w.shape[2]
     c = a.new_empty(rows, out_cols)
@@ -296,7 +326,7 @@ def _grouped_mm_launch(a, w, plan, out_cols, h=None):
     _grouped_mm_kernel[grid](
         a, w, c, c if h is None else h, plan.block_expert, k_dim, n_dim,
         *a.stride(), *w.stride(), *c.stride(), *(c if h is None else h).stride(),
-        SWIGLU_BWD=h is not None, BLOCK_M=plan.block_m, BLOCK_N=b.n, BLOCK_K=b.k, PRECISION=_precision(a),
+        ACT_BWD=activation, BLOCK_M=plan.block_m, BLOCK_N=b.n, BLOCK_K=b.k, PRECISION=_precision(a),
         num_warps=b.num_warps, num_stages=b.num_stages,
     )  # fmt: skip
     return c
@@ -307,9 +337,12 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, plan: Plan) -> torch.Tensor:
     return _grouped_mm_launch(a, w, plan, w.shape[2])
 
 
-def grouped_mm_swiglu_bwd(d_o: torch.Tensor, down: torch.Tensor, h: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """dh [P, 2I] = SwiGLU'(h) applied to d_act = d_o @ down[e] (down [E, H, I])."""
-    return _grouped_mm_launch(d_o, down, plan, 2 * down.shape[2], h=h)
+def grouped_mm_act_bwd(
+    d_o: torch.Tensor, down: torch.Tensor, h: torch.Tensor, plan: Plan, activation: str = "swiglu"
+) -> torch.Tensor:
+    """dh = act'(h) applied to d_act = d_o @ down[e] (down [E, H, I]): [P, 2I] for swiglu, [P, I] for relu2."""
+    out_cols = down.shape[2] * (2 if fused_activation(activation) else 1)
+    return _grouped_mm_launch(d_o, down, plan, out_cols, h=h, activation=activation)
 
 
 def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, plan: Plan, num_experts: int, gather: bool) -> torch.Tensor:

@@ -52,7 +52,8 @@ CASES = [
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-def make_inputs(case: Case, seed: int = 0):
+def make_inputs(case: Case, seed: int = 0, activation: str = "swiglu"):
+    """(x, router, gate_up, down) leaves and dy; gate_up [E, 2I, H] for SwiGLU, [E, I, H] (up_proj) for relu2."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(case.n, case.h, generator=g)
     router = torch.randn(case.e, case.h, generator=g) * (0.1 if case.force else 0.5)
@@ -63,15 +64,17 @@ def make_inputs(case: Case, seed: int = 0):
         if case.force == "expert0_last_empty":
             router[-1, 0] = -4.0
     gate_up = torch.randn(case.e, 2 * case.i, case.h, generator=g) / case.h**0.5
+    if not moe.GATED[activation]:
+        gate_up = gate_up[:, : case.i]
     down = torch.randn(case.e, case.h, case.i, generator=g) / case.i**0.5
     dy = torch.randn(case.n, case.h, generator=g)
     tensors = [t.to(DEVICE).requires_grad_() for t in (x, router, gate_up, down)]
     return tensors, dy.to(DEVICE)
 
 
-def run_ours(case: Case, impl: str):
-    (x, router, gate_up, down), dy = make_inputs(case)
-    y = moe.moe_forward(x, router, gate_up, down, case.k, impl=impl)
+def run_ours(case: Case, impl: str, activation: str = "swiglu"):
+    (x, router, gate_up, down), dy = make_inputs(case, activation=activation)
+    y = moe.moe_forward(x, router, gate_up, down, case.k, impl=impl, activation=activation)
     return y.detach(), torch.autograd.grad(y, (x, router, gate_up, down), dy)
 
 
@@ -242,6 +245,55 @@ def test_grouped_and_dense_match_reference(case, impl):
     assert_same(run_ours(case, impl), run_ours(case, "torch"))
 
 
+def _relu2_loop(x, topk_weights, topk_ids, up, down):
+    """Squared-ReLU experts as HF NemotronHExperts computes them: a loop over (token, slot), fp32 weights."""
+    y = torch.zeros(x.shape, dtype=topk_weights.dtype)
+    for n in range(x.shape[0]):
+        for k, e in enumerate(topk_ids[n].tolist()):
+            y[n] += topk_weights[n, k] * (down[e] @ F.relu(up[e] @ x[n]) ** 2)
+    return y.to(x.dtype)
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=str)
+def test_relu2_reference_matches_a_per_token_loop(case):
+    (x, router, up, down), dy = make_inputs(case, activation="relu2")
+    y = moe.moe_forward(x, router, up, down, case.k, activation="relu2")
+    _, w, ids = moe.route(x, router, moe.Routing(case.k))
+    want = _relu2_loop(x, w, ids, up, down)
+    params = (x, router, up, down)
+    assert_same((y.detach(), torch.autograd.grad(y, params, dy)), (want.detach(), torch.autograd.grad(want, params, dy)))
+
+
+@pytest.mark.parametrize("impl", ["grouped", "dense", "blocked"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_relu2_impls_match_reference(case, impl):
+    """Squared-ReLU experts (not gated, gate_up = up_proj [E, I, H]): grouped, dense and the blocked algorithm on
+    the kernels' torch twins against the torch reference, values and gradients."""
+    if impl != "blocked":
+        got = run_ours(case, impl, "relu2")
+    else:
+        (x, router, up, down), dy = make_inputs(case, activation="relu2")
+        _, w, ids = moe.route(x, router, moe.Routing(case.k))
+        y = blocked.experts_blocked(x, w, ids, up, down, stages=blocked.TORCH_STAGES, block_m=16, activation="relu2")
+        got = y.detach(), torch.autograd.grad(y, (x, router, up, down), dy)
+    assert_same(got, run_ours(case, "torch", "relu2"))
+
+
+@pytest.mark.parametrize("impl", ["grouped", "dense", "torch"])
+def test_experts_take_fp32_weights_with_bf16_tensors(impl):
+    """The sigmoid routers' weights stay fp32 (HF's); the experts then return x's dtype, as HF's do."""
+    case = CASES[1]
+    (x, router, up, down), _ = make_inputs(case, activation="relu2")
+    routing = moe.Routing(case.k, router="sigmoid_group_topk", n_group=2, topk_group=1, scaling=2.5)
+    _, w, ids = moe.route(x.detach().bfloat16(), router.detach(), routing)
+    assert w.dtype == torch.float32
+    bf = [t.detach().bfloat16() for t in (x, up, down)]
+    y = moe.moe_experts(bf[0], w, ids, bf[1], bf[2], impl, "relu2")
+    want = moe.moe_experts(*(t.float() for t in (bf[0], w)), ids, *(t.float() for t in bf[1:]), "torch", "relu2")
+    assert y.dtype == torch.bfloat16
+    assert ((y.float() - want).norm() / want.norm()) < 2e-2
+
+
 def test_grouped_bf16_combines_in_fp32_deterministically():
     """bf16: closer to the fp32 result on the same (bf16-rounded) numbers than the old ``index_add`` in bf16,
     and the same bits on a second run (forward and gradients)."""
@@ -287,20 +339,22 @@ def test_grouped_has_no_data_dependent_shape():
 
 
 @needs_triton
-def test_each_triton_kernel_matches_its_torch_twin():
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_each_triton_kernel_matches_its_torch_twin(activation):
     case = Case(21, 40, 24, 5, 2, "expert0_last_empty")  # ragged, one expert empty, nothing a multiple of 16
-    (x, router, gate_up, down), dy = make_inputs(case)
+    (x, router, gate_up, down), dy = make_inputs(case, activation=activation)
     x, gate_up, down = x.detach(), gate_up.detach(), down.detach()
     _, w, ids = moe.route(x, router.detach(), moe.Routing(case.k))
     plan = blocked.plan_blocks(ids, case.e, blocked._blocks(x).m)
     used = int(plan.expert_start[-1])  # rows past the last used block are never written or read
     tri, ref = blocked.TRITON_STAGES, blocked.TORCH_STAGES
 
-    h, act = tri.gate_up_swiglu(x, gate_up, plan, True)
-    h_ref, act_ref = ref.gate_up_swiglu(x, gate_up, plan, True)
+    h, act = tri.gate_up_act(x, gate_up, plan, True, activation)
+    h_ref, act_ref = ref.gate_up_act(x, gate_up, plan, True, activation)
+    assert h.shape == h_ref.shape == (plan.sorted_pair.numel(), gate_up.shape[1]) and act.shape[1] == case.i
     torch.testing.assert_close(h[:used], h_ref[:used], **TOL)
     torch.testing.assert_close(act[:used], act_ref[:used], **TOL)
-    assert tri.gate_up_swiglu(x, gate_up, plan, False)[0] is None
+    assert tri.gate_up_act(x, gate_up, plan, False, activation)[0] is None
 
     o = tri.grouped_mm(act_ref, down.mT, plan)
     o_ref = ref.grouped_mm(act_ref, down.mT, plan)
@@ -313,8 +367,9 @@ def test_each_triton_kernel_matches_its_torch_twin():
     torch.testing.assert_close(d_o[:used], d_o_ref[:used], **TOL)
     torch.testing.assert_close(dw, dw_ref, **TOL)
 
-    dh = tri.grouped_mm_swiglu_bwd(d_o_ref, down, h_ref, plan)
-    dh_ref = ref.grouped_mm_swiglu_bwd(d_o_ref, down, h_ref, plan)
+    dh = tri.grouped_mm_act_bwd(d_o_ref, down, h_ref, plan, activation)
+    dh_ref = ref.grouped_mm_act_bwd(d_o_ref, down, h_ref, plan, activation)
+    assert dh.shape == h_ref.shape
     torch.testing.assert_close(dh[:used], dh_ref[:used], **TOL)
     dxp = tri.grouped_mm(dh_ref, gate_up, plan)
     torch.testing.assert_close(dxp[:used], ref.grouped_mm(dh_ref, gate_up, plan)[:used], **TOL)
@@ -332,6 +387,12 @@ def test_triton_matches_reference_and_hf(case):
     got = run_ours(case, "triton")
     assert_same(got, run_ours(case, "torch"))
     assert_same(got, run_hf(case))
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES[1:3] + CASES[5:], ids=str)
+def test_triton_relu2_matches_reference(case):
+    assert_same(run_ours(case, "triton", "relu2"), run_ours(case, "torch", "relu2"))
 
 
 @needs_triton
@@ -377,12 +438,19 @@ def test_bf16_forward_and_backward_never_sync_the_gpu(impl):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_triton_refuses_an_activation_it_does_not_fuse():
+def test_triton_fuses_every_activation_and_refuses_others():
+    """Every kernels/moe.py activation has its Triton epilogue (fused, gated as ``GATED`` says); one without is
+    refused by the kernels and their twins alike, never run by a silent fallback."""
+    assert set(blocked.FUSED_ACTIVATIONS) == set(moe.ACTIVATIONS)
     case = CASES[1]
     (x, router, gate_up, down), _ = make_inputs(case)
     _, w, ids = moe.route(x.detach(), router.detach(), moe.Routing(case.k))
-    with pytest.raises(NotImplementedError, match="SwiGLU"):
-        moe.moe_experts(x, w, ids, gate_up, down, impl="triton", activation="relu2")
+    with pytest.raises(NotImplementedError, match="gelu"):
+        blocked.experts_triton(x, w, ids, gate_up, down, "gelu")
+    with pytest.raises(NotImplementedError, match="gelu"):
+        blocked.experts_blocked(x, w, ids, gate_up, down, stages=blocked.TORCH_STAGES, activation="gelu")
+    with pytest.raises(ValueError, match="unknown expert activation"):
+        moe.moe_experts(x, w, ids, gate_up, down, impl="grouped", activation="gelu")
 
 
 @needs_triton
