@@ -1,12 +1,20 @@
-"""The built-in torch engine: continuous batching over a static KV cache.
+"""The built-in torch engine: continuous batching over a static KV cache (and Mamba state cache).
 
     engine = TorchEngine("models/tiny", max_batch=256)
     groups = engine.generate(requests)          # n Samples per GenerationRequest, in request order
     python bench/sampler_throughput.py --quick  # tokens/s against transformers' generate and vLLM
 
-The model is samplers/torch_model.py (Qwen3 / Qwen3-MoE, its ``SERVED_MODEL_TYPES``;
-logits equal to transformers' to ~1e-6 in fp32). Another ``model_type`` (llama,
-qwen2, ...) is refused at construction, before any weight is read, with an
+What it serves (samplers/models.py, ``SERVED_MODEL_TYPES``: the model class by the checkpoint's ``model_type``):
+
+- ``qwen3``, ``qwen3_moe``: samplers/torch_model.py (logits equal to transformers' to ~1e-6 in fp32), with the
+  C++ CPU kernels in fp32 on CPU; its cache a ``KVCache`` (samplers/kv_cache.py).
+- ``nemotron_h`` (Nemotron-H: Mamba-2, attention and MoE layers): samplers/nemotron_h_model.py (tests/
+  test_nemotron_h_engine.py: logits, greedy tokens and log-probs against transformers in fp32), torch ops only
+  (the C++ kernels know Qwen3 alone: ``cpu_kernels=True`` is refused with the reason); its cache a
+  ``HybridCache`` (samplers/state_cache.py): K/V of the attention layers, conv windows and SSM states of the Mamba
+  layers, prefilled, extended, saved, restored and compacted together, so everything below holds for it.
+
+Another ``model_type`` (llama, qwen2, ...) is refused at construction, before any weight is read, with an
 ``UnservedModelError`` that says to sample with ``sampler.engine=vllm``.
 ``generate`` repeats one step until every row (n per request) is done:
 
@@ -26,9 +34,9 @@ qwen2, ...) is refused at construction, before any weight is read, with an
   so the running slots are always 0..B-1 and a decode step reads views of the
   cache, never a gather of it.
 
-Multi-turn rows (``GenerationRequest.prefix_keys``): a row that stops keeps its K/V under its key;
-its next turn, a request whose prompt extends the kept tokens, restores it into its slot and
-prefills only the new tokens (the observation) with ``KVCache.extend``.
+Multi-turn rows (``GenerationRequest.prefix_keys``): a row that stops keeps its K/V (and Mamba state, taken at
+the same point: O(1) in the length) under its key; its next turn, a request whose prompt extends the kept tokens,
+restores it into its slot and prefills only the new tokens (the observation) with the cache's ``extend``.
 
 Log-probs are those of the sampled token under the temperature-scaled
 distribution before top-p truncation (what the trainer recomputes at the same
@@ -53,7 +61,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from ..kernels import cpu_decode
 from ..protocol.devices import torch_dtype
@@ -61,7 +69,9 @@ from .cuda_graphs import DecodeGraphs
 from .decode_state import Run, StepBuffers, sample_tokens
 from .engine import GenerationRequest, Sample, check_request, register_engine
 from .kv_cache import KVCache
-from .torch_model import SERVED_MODEL_TYPES, Transformer, choose_experts
+from .models import SERVED_MODEL_TYPES, model_class
+from .state_cache import HybridCache
+from .torch_model import choose_experts
 
 INFLIGHT_KV = ("recompute", "keep")  # TorchEngine(inflight_kv=): the running rows' K/V when weights change mid-generation
 
@@ -99,16 +109,24 @@ class TorchEngine:
             raise ValueError(f"inflight_kv={inflight_kv!r}: choose one of {INFLIGHT_KV}")
         self.inflight_kv = inflight_kv
         self.device, self.dtype = torch.device(device), torch_dtype(dtype)
+        # the model's class by its model_type (samplers/models.py): an unserved one is refused before any weight is read
+        model_cls = model_class(AutoConfig.from_pretrained(model_path).model_type)
+        # why the C++ kernels cannot run this model ('' if they can): then they stay off, and asking for them fails
+        self.cpu_kernels_off = model_cls.cpu_kernels_refusal
         fits = self.device.type == "cpu" and self.dtype == torch.float32
+        if cpu_kernels and self.cpu_kernels_off:
+            raise ValueError(f"cpu_kernels=True: {self.cpu_kernels_off}")
         if cpu_kernels and not fits:
             raise ValueError("cpu_kernels=True needs device=cpu and dtype=float32")
         if cpu_kernels and not cpu_decode.available():
             raise RuntimeError(f"cpu_kernels=True but the C++ kernels did not build: {cpu_decode.build_error()}")
-        self.cpu_kernels = fits and cpu_decode.available() if cpu_kernels is None else cpu_kernels
+        if cpu_kernels is None:
+            cpu_kernels = fits and not self.cpu_kernels_off and cpu_decode.available()
+        self.cpu_kernels = cpu_kernels
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.experts = choose_experts(self.device.type, self.dtype, capability, self.cpu_kernels, moe_impl)
-        self.model = Transformer.from_pretrained(model_path, self.dtype, self.device,
-                                                 moe_impl="grouped" if self.experts == "cpu" else self.experts)
+        self.model = model_cls.from_pretrained(model_path, self.dtype, self.device,
+                                               moe_impl="grouped" if self.experts == "cpu" else self.experts)
         if self.cpu_kernels:
             self.model.use_cpu_kernels()
         a = self.model.args
@@ -122,13 +140,13 @@ class TorchEngine:
         self.max_context = self.model.args.max_position_embeddings
         self.max_batch, self.prefill_tokens, self.ignore_eos = max_batch, prefill_tokens, ignore_eos
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.cache: KVCache | None = None
+        self.cache: KVCache | HybridCache | None = None  # the model's new_cache
         self.buf: StepBuffers | None = None  # with the cache
         self.graphs: DecodeGraphs | None = None  # with the cache, on CUDA
         self.version = 0
-        # multi-turn rows' K/V between their turns (GenerationRequest.prefix_keys): key -> (token ids, K/V, their
-        # routes or None)
-        self.prefixes: OrderedDict[str, tuple[np.ndarray, tuple[Tensor, Tensor], Tensor | None]] = OrderedDict()
+        # multi-turn rows' K/V (and Mamba states) between their turns (GenerationRequest.prefix_keys): key -> (token
+        # ids, the cache's save of them, their routes or None)
+        self.prefixes: OrderedDict[str, tuple[np.ndarray, object, Tensor | None]] = OrderedDict()
         self.prefix_tokens, self.prefix_cache_tokens = 0, prefix_cache_tokens
         # prefix_hits, prefix_tokens_reused, inflight_recomputed_tokens; steps, decode_steps and host_reads (every
         # device->host read of generate, through _read: one a step)
@@ -313,7 +331,7 @@ class TorchEngine:
 
     # --- multi-turn: K/V kept across calls ---
 
-    def _kept_prefix(self, run: Run, r: int) -> tuple[np.ndarray, tuple[Tensor, Tensor], Tensor | None] | None:
+    def _kept_prefix(self, run: Run, r: int) -> tuple[np.ndarray, object, Tensor | None] | None:
         """The kept K/V of row ``r``'s earlier turns, if its request names it and its prompt extends them (taken:
         the row keeps it again when it stops)."""
         req = run.requests[run.row_request[r]]
@@ -456,7 +474,7 @@ class TorchEngine:
             slots, length = max(slots, old.slots), max(length, old.max_len)
         length = min(-(-length // 128) * 128, self.max_context)
         self.cache = self.buf = self.graphs = None  # free the old ones first (the graphs hold the old cache)
-        self.cache = KVCache(self.model.args, slots, length, self.dtype, self.device)
+        self.cache = self.model.new_cache(slots, length, self.dtype, self.device)
         self.buf = StepBuffers.empty(slots, self.device, self.route_shape)
         if self.use_graphs:
             self.graphs = DecodeGraphs(self._step, slots, length)

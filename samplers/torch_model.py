@@ -49,19 +49,9 @@ from torch import Tensor, nn
 from ..kernels import cpu_decode
 from ..kernels.moe import EXPERTS, Routing, moe_experts, select_experts, swiglu
 from .kv_cache import Attend, KVCache
+from .models import MODELS, SERVED_MODEL_TYPES, UnservedModelError  # the latter two also read here (supervisor)
 
-# The HF ``model_type``s this model implements, hence the ones the torch engine serves. Others (llama, qwen2, ...)
-# differ in ways this file does not model (no q/k norms, q/k/v biases, ...); vLLM samples them.
-SERVED_MODEL_TYPES = ("qwen3", "qwen3_moe")
-
-
-class UnservedModelError(ValueError):
-    """A checkpoint whose ``model_type`` is not in ``SERVED_MODEL_TYPES``; the message names the way out."""
-
-    def __init__(self, model_type: str) -> None:
-        super().__init__(f"model_type {model_type!r} is not served by the torch engine (it serves "
-                         f"{', '.join(SERVED_MODEL_TYPES)}): sample with sampler.engine=vllm")
-        self.model_type = model_type
+MODEL_TYPES = ("qwen3", "qwen3_moe")  # the HF model_types this file implements (samplers/models.py maps them here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +78,8 @@ class ModelArgs:
         """From a transformers ``Qwen3Config`` / ``Qwen3MoeConfig``; refuses what this model does not implement."""
         if cfg.model_type not in SERVED_MODEL_TYPES:
             raise UnservedModelError(cfg.model_type)
+        if cfg.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {cfg.model_type!r} is implemented by {MODELS[cfg.model_type]}, not here")
         rope = cfg.rope_parameters
         if rope.get("rope_type", "default") != "default":
             raise NotImplementedError(f"rope_type {rope['rope_type']!r}: only the default RoPE")
@@ -260,6 +252,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    Args = ModelArgs  # its arguments, ``Args.from_hf(hf_config)`` (samplers/models.py)
+    cpu_kernels_refusal = ""  # kernels/cpu_decode.cpp implements this model
+
     def __init__(self, args: ModelArgs, moe_impl: str = "grouped") -> None:
         super().__init__()
         self.args = args
@@ -289,6 +284,10 @@ class Transformer(nn.Module):
 
     def moe_blocks(self) -> list[MoE]:
         return [b.ffn for b in self.layers if isinstance(b.ffn, MoE)]
+
+    def new_cache(self, slots: int, max_len: int, dtype=torch.float32, device="cpu") -> KVCache:
+        """The engine's cache for this model: K/V of every layer."""
+        return KVCache(self.args, slots, max_len, dtype, device)
 
     def record_routes(self, on: bool = True) -> Transformer:
         """Keep the experts every MoE layer picks for each token of the next forward (``last_routes``)."""
