@@ -30,10 +30,20 @@ def load_model(path: str, cfg, device: torch.device | str = "cpu") -> nn.Module:
     return use_moe_impl(model, cfg.model.moe_impl).to(device)
 
 
+# How HF configs name their routed-expert count: Qwen3-MoE/Qwen3-Next num_experts, Nemotron-H/DeepSeek-V3
+# n_routed_experts, gpt-oss/Mixtral num_local_experts.
+EXPERT_COUNT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def num_experts(config) -> int:
+    """Routed experts per MoE layer of an HF config (0: a dense model), whichever field its family uses."""
+    return next((int(n) for f in EXPERT_COUNT_FIELDS if (n := getattr(config, f, None))), 0)
+
+
 def describe(model: nn.Module) -> str:
-    """Where and how ``model`` runs, for logs and heartbeats: 'cuda:0 (NVIDIA H200) bfloat16 varlen'."""
+    """Where and how ``model`` runs, for logs and heartbeats: 'cuda:0 (NVIDIA H200) bfloat16 varlen experts=...'."""
     p = next(model.parameters())
     name = f" ({torch.cuda.get_device_name(p.device)})" if p.device.type == "cuda" else ""
-    experts = getattr(model.config, "_experts_implementation", None) if getattr(model.config, "num_experts", 0) else None
+    experts = getattr(model.config, "_experts_implementation", None) if num_experts(model.config) else None
     return (f"{p.device}{name} {str(p.dtype).removeprefix('torch.')} {model.config._attn_implementation}"
             + (f" experts={experts}" if experts else ""))

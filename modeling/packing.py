@@ -27,6 +27,10 @@ How attention stays block-diagonal (transformers 5.19):
   them (rather than letting it infer them from position ids) saves a device sync
   per layer.
 
+Mamba-2 layers (Nemotron-H) see neither mask nor cu_seqlens: ``packed_forward`` (and the trainer's lanes,
+modeling/policy.py) pass them ``seq_idx``, each token's row, which modeling/mamba.py's mixer forward honours
+(its conv never reads another row, its SSM state restarts at every row).
+
 Run the tests with ``pytest tests/test_packing.py``; the benchmark with
 ``python bench/packing.py --quick``.
 """
@@ -39,6 +43,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from . import mamba
 from .logprobs import token_logprobs
 
 # Attention implementations for which transformers builds the block-diagonal mask itself
@@ -162,7 +167,7 @@ def packed_forward(model, packed: Packed, hidden_states: bool = False) -> Tensor
     # derives the per-row causal mask from position_ids (see the module docstring).
     net = model.base_model if hidden_states else model
     out = net(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-              use_cache=False, **kwargs)
+              use_cache=False, **kwargs, **mamba.row_kwargs(model, packed.position_ids))
     return out.last_hidden_state if hidden_states else out.logits
 
 
@@ -247,9 +252,12 @@ class SharedPrefix:
     row_offset: Tensor  # [N] long: the row's suffix token t (column row_start + t) is at [row_lane, row_offset + t]
 
 
-def share_prefixes(input_ids: Tensor, lengths: Tensor, target_mask: Tensor, pad_id: int = 0) -> SharedPrefix | None:
+def share_prefixes(input_ids: Tensor, lengths: Tensor, target_mask: Tensor, pad_id: int = 0,
+                   row_per_lane: bool = False) -> SharedPrefix | None:
     """The shared-prefix layout of a right-padded batch, or None when no two rows share a prefix (then
-    it would only cost a second pass). Rows without targets are left out."""
+    it would only cost a second pass). Rows without targets are left out. ``row_per_lane``: one suffix per lane,
+    for a model with recurrent (Mamba) layers: a lane continues its prefix's state, which a second suffix in the
+    same lane would not see (it would continue the first suffix's)."""
     n = input_ids.shape[0]
     has = target_mask.any(dim=1)
     start = torch.where(has, target_mask.int().argmax(dim=1), 0)
@@ -276,7 +284,8 @@ def share_prefixes(input_ids: Tensor, lengths: Tensor, target_mask: Tensor, pad_
     row_lane, row_offset = [0] * n, [0] * n
     for i in sorted((i for i in range(n) if with_targets[i]), key=lambda r: (row_prefix[r], -suffix[r])):
         u = row_prefix[i]
-        k = next((j for j in range(len(lanes) - 1, -1, -1) if lanes[j][0] == u and lanes[j][1] >= suffix[i]), None)
+        k = None if row_per_lane else next(
+            (j for j in range(len(lanes) - 1, -1, -1) if lanes[j][0] == u and lanes[j][1] >= suffix[i]), None)
         if k is None:
             lanes.append((u, width))
             k = len(lanes) - 1
@@ -306,17 +315,28 @@ def share_prefixes(input_ids: Tensor, lengths: Tensor, target_mask: Tensor, pad_
 def shared_prefix_hidden(model, s: SharedPrefix, rows: Tensor, cols: Tensor, around=None) -> Tensor:
     """Last hidden states [M, H] at positions ``cols - 1`` of ``rows`` (the ones predicting tokens
     ``cols``), through the two passes of ``s`` (an HF causal LM's base model, sdpa or eager attention).
-    ``around(i)``: a context for pass i (0: the prefixes, 1: the suffix lanes), e.g. routing replay's."""
+    ``around(i)``: a context for pass i (0: the prefixes, 1: the suffix lanes), e.g. routing replay's.
+
+    Mamba layers (modeling/mamba.py; ``s`` built with ``row_per_lane``): pass 1 stores each prefix's conv window
+    and SSM state at its last real token, and each lane starts from its prefix's, as a cache continues."""
     from transformers import DynamicCache
 
     around = around or (lambda i: contextlib.nullcontext())
     base = model.base_model
-    padding = (torch.arange(s.prefix_ids.shape[1], device=s.prefix_ids.device)[None] < s.prefix_lens[:, None])
-    with around(0):
-        out = base(input_ids=s.prefix_ids, attention_mask=padding.long(), use_cache=True)
+    positions = torch.arange(s.prefix_ids.shape[1], device=s.prefix_ids.device)[None]
+    padding = positions < s.prefix_lens[:, None]
+    with around(0):  # seq_idx (Mamba layers): one row each, the states at its end
+        out = base(input_ids=s.prefix_ids, attention_mask=padding.long(), use_cache=True,
+                   **mamba.row_kwargs(model, positions.expand(padding.shape)))
     past = DynamicCache(config=model.config)
     for layer, cached in enumerate(out.past_key_values.layers):
-        past.update(cached.keys.index_select(0, s.lane_prefix), cached.values.index_select(0, s.lane_prefix), layer)
+        if getattr(cached, "conv_states", None) is not None and cached.is_conv_states_initialized[0]:  # Mamba
+            past.update_conv_state(cached.conv_states[0].index_select(0, s.lane_prefix), layer,
+                                   conv_kernel_size=cached.conv_states[0].shape[-1])
+            past.update_recurrent_state(cached.recurrent_states[0].index_select(0, s.lane_prefix), layer)
+        if getattr(cached, "keys", None) is not None:  # attention (a MoE or MLP layer caches nothing)
+            past.update(cached.keys.index_select(0, s.lane_prefix), cached.values.index_select(0, s.lane_prefix),
+                        layer)
     mask = s.mask
     if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
         mask = torch.zeros(mask.shape, dtype=out.last_hidden_state.dtype, device=mask.device).masked_fill(

@@ -19,6 +19,10 @@ at all). Layouts (``modeling.packing``), all giving the same numbers
   would make SDPA attend over T x T (measured: 7x slower steps in the demo).
 - ``pack=False``: the right-padded batch with an attention mask.
 
+Mamba-2 layers (Nemotron-H) keep rows apart through ``seq_idx`` (modeling/mamba.py, installed here); the shared
+prefix layout gives them each prefix's conv and SSM state, one suffix a lane. A model with a recurrent layer
+mamba.py does not know runs padded (logged once): its state would leak from row to row in a lane or a pack.
+
 The module is the unit FSDP2 shards last (``learner.parallel.parallelize``):
 its forward runs the base model and reads the LM head weight, so the root's
 parameters are gathered for exactly that span.
@@ -27,6 +31,7 @@ parameters are gathered for exactly that span.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +39,7 @@ from torch import Tensor, nn
 from cascade_rl.protocol.registry import Registry
 
 from . import logprobs as torch_logprobs
-from . import routing
+from . import mamba, routing
 from .packing import (
     VARLEN_KWARGS,
     pack,
@@ -45,6 +50,8 @@ from .packing import (
     shared_prefix_hidden,
     unpack,
 )
+
+log = logging.getLogger(__name__)
 
 # name -> fn(hidden [M, H], weight [V, H], targets [M], temperature, chunk_tokens, with_entropy)
 #         -> (logprob [M], entropy [M] | None)            (``trainer.logprob_impl``)
@@ -74,6 +81,11 @@ class Policy(nn.Module):
         self.linear_logprobs = LOGPROB_IMPLS[logprob_impl]
         self.share_prefix = share_prefix
         self.replay = routing.RoutingReplay.install(model, routing_replay)  # None for a dense model
+        self.recurrent = mamba.install(model) > 0  # Mamba layers that take seq_idx: one suffix a lane
+        if pack and (unknown := mamba.unsupported_recurrence(model)):
+            log.warning("%s keeps no row boundary in a packed sequence (its state would leak from row to row): "
+                        "this model's log-probs run padded (trainer.pack off)", unknown)
+            self.pack = False
 
     def forward(self, input_ids: Tensor, lengths: Tensor, target_mask: Tensor,
                 with_entropy: bool = False, routes: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -90,8 +102,9 @@ class Policy(nn.Module):
             routes = None  # a dense model: nothing to route
         if self.pack and self.model.config._attn_implementation in VARLEN_KWARGS:
             return self._varlen(input_ids, lengths, target_mask, head, with_entropy, routes)
-        shared = (share_prefixes(input_ids, lengths, target_mask) if self.pack and self.share_prefix
-                  and self.model.config._attn_implementation in ("sdpa", "eager") else None)
+        shared = (share_prefixes(input_ids, lengths, target_mask, row_per_lane=self.recurrent)
+                  if self.pack and self.share_prefix and self.model.config._attn_implementation in ("sdpa", "eager")
+                  else None)
         if shared is not None:  # each distinct prompt once, then the responses with its keys/values as the past
             passes = (routing.prefix_sources(shared, lengths, target_mask.any(dim=1), length)
                       if routes is not None else (None, None))
@@ -102,7 +115,8 @@ class Policy(nn.Module):
                                                                    *lanes.input_ids.shape, length)
             with self._routed(routes, src):
                 hidden = self.model.base_model(input_ids=lanes.input_ids, position_ids=lanes.position_ids,
-                                               attention_mask=None, use_cache=False).last_hidden_state
+                                               attention_mask=None, use_cache=False,
+                                               **mamba.row_kwargs(self.model, lanes.position_ids)).last_hidden_state
             h = hidden[lanes.lane[rows], lanes.offset[rows] + cols - 1]
         else:
             src = None if routes is None else routing.padded_sources(lengths, length)
