@@ -8,12 +8,17 @@
 A rollout's routes are the expert ids the sampler's engine picked for each token at each MoE layer
 (``Rollout.routes``). The trainer's forward of the same tokens can pick others: its kernels and precision
 differ, so a router logit near a tie flips (about 10 % of routes of a 30B MoE in bf16). With ``replay`` the
-hook keeps the router's own logits but swaps its choice for the engine's:
+hook keeps the router's own logits but swaps its choice for the engine's, weighted by the model's MoE family
+(kernels/moe_families.py ``moe_family(model.config).routing``; kernels/moe.py ``weigh_experts``), e = engine's ids:
 
-    p = softmax(logits) (fp32),  w_k = p[e_k] / Σ_j p[e_j]  (norm_topk_prob; else w_k = p[e_k]),  e = engine's ids
+    softmax_topk (Qwen3-MoE, Qwen3-Next, Qwen3.5):  p = softmax(logits) (fp32),  w_k = p[e_k] / Σ_j p[e_j]
+                                                    (norm_topk_prob; else w_k = p[e_k])
+    sigmoid_group_topk (Nemotron-H, DeepSeek-V3):   s = sigmoid(logits),  w_k = scaling · s[e_k] / (Σ_j s[e_j] + 1e-20)
+                                                    (norm_topk_prob; else scaling · s[e_k])
 
-(the router family's ``weigh``, kernels/moe.py ``ROUTERS``), so the experts, hence the log-probs, are the
-engine's and the router still gets its gradient through w. The hook wraps the router (HF ``Qwen3MoeTopKRouter``:
+The correction bias and the group limit decide which experts the router picks, not how the picked ones are weighed,
+so neither enters a replayed weight. The experts, hence the log-probs, are the engine's and the router still gets
+its gradient through w. The hook wraps the router (HF ``Qwen3MoeTopKRouter``, ``NemotronHTopkRouter``, ...:
 ``(logits, weights, ids)``) and leaves the experts alone, so it holds for every ``model.moe_impl`` (hf, grouped,
 torch, triton). Either way it counts the (token, layer) routes whose expert set differs from the engine's:
 ``routing/disagree_frac`` in the step's metrics.
@@ -32,7 +37,8 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from ..kernels.moe import ROUTERS, Routing
+from ..kernels.moe import Routing, weigh_experts
+from ..kernels.moe_families import moe_family
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
@@ -63,8 +69,8 @@ class _RouterHooks:
 
 
 class RoutingReplay:
-    def __init__(self, routers: list[nn.Module], replay: bool) -> None:
-        self.routers, self.replay = routers, replay
+    def __init__(self, routers: list[nn.Module], replay: bool, routing: Routing) -> None:
+        self.routers, self.replay, self.routing = routers, replay, routing  # routing: the model's MoE family's
         self._ids: Tensor | None = None  # [tokens of the call, layers, k] the routes' dtype (int16), -1: route freely
         self._disagree: Tensor | int = 0
         self._routes: Tensor | int = 0
@@ -73,7 +79,13 @@ class RoutingReplay:
     @classmethod
     def install(cls, model: nn.Module, replay: bool = True) -> RoutingReplay | None:
         routers = moe_routers(model)
-        return cls(routers, replay) if routers else None
+        if not routers:
+            return None
+        family = moe_family(model.config)
+        if family is None:
+            raise ValueError(f"routing replay: model_type {model.config.model_type!r} has MoE routers but no "
+                             "kernels/moe_families.py family to weigh replayed experts with")
+        return cls(routers, replay, family.routing)
 
     @property
     def layers(self) -> int:
@@ -120,8 +132,7 @@ class RoutingReplay:
         if not self.replay:
             return None
         ids = torch.where(given[:, None], forced, own)
-        routing = Routing(ids.shape[1], getattr(router, "norm_topk_prob", True))  # HF's Qwen3-MoE router
-        return logits, ROUTERS[routing.router].weigh(logits, ids, routing).to(weights.dtype), ids
+        return logits, weigh_experts(logits, ids, self.routing).to(weights.dtype), ids
 
 
 

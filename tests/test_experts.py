@@ -129,3 +129,50 @@ def test_the_tiny_demo_moe_trains_the_same_with_triton_experts(tiny_model, tmp_p
         results[impl] = [metrics["loss"], metrics["grad_norm"]]
     assert results["torch"][1] > 0  # rewards [1, 0]: a real gradient to compare
     assert results["triton"] == pytest.approx(results["torch"], rel=1e-4, abs=1e-6)
+
+
+# --- Nemotron-H: squared-ReLU experts without a gate (HF ``up_proj``), the sigmoid router, a shared expert ----------
+
+
+def micro_nemotron_h(seed: int = 0):
+    """A 4-layer Nemotron-H (Mamba-2, MoE, attention, MoE; d=32, 4 experts top-2 in 2 groups, a random correction
+    bias): small enough for Triton's interpreter."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    cfg = NemotronHConfig(vocab_size=300, hidden_size=32, layers_block_type=["linear_attention", "moe", "full_attention",
+                                                                               "moe"],
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, mamba_num_heads=2,
+                          mamba_head_dim=16, n_groups=1, ssm_state_size=8, chunk_size=8, n_routed_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+                          n_group=2, topk_group=1, routed_scaling_factor=2.5, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = NemotronHForCausalLM(cfg)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.uniform_(-0.3, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("impl", ["grouped", "torch", "triton"])
+def test_nemotron_h_swapped_experts_match_hf(impl, monkeypatch):
+    """``use_moe_impl`` on Nemotron-H (``n_routed_experts``, no ``num_experts``): our experts run with the family's
+    squared ReLU on HF's ``up_proj``, and the model's logits and every gradient are HF's."""
+    from cascade_rl.kernels import moe
+
+    calls = []
+    inner = moe.EXPERTS[impl]
+    monkeypatch.setitem(moe.EXPERTS, impl, lambda *a: calls.append(a[-1]) or inner(*a))
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    out = {}
+    for name in ("hf", impl):
+        model = use_moe_impl(micro_nemotron_h(), name).to(DEVICE)
+        logits = model(input_ids=ids).logits
+        logits.square().mean().backward()
+        out[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert calls == ["relu2", "relu2"]  # kernels/moe.py ran the experts of both MoE layers, squared ReLU
+    torch.testing.assert_close(out[impl][0], out["hf"][0], atol=1e-5, rtol=1e-5)
+    assert out[impl][1].keys() == out["hf"][1].keys()
+    for n, g in out["hf"][1].items():
+        torch.testing.assert_close(out[impl][1][n], g, atol=1e-6, rtol=1e-4, msg=n)
+    assert any("experts.up_proj" in n for n in out["hf"][1]) and any("gate.weight" in n for n in out["hf"][1])

@@ -237,6 +237,7 @@ def test_sources_index_the_int16_routes_first_and_each_layer_widens_its_own():
     """``sources`` gathers the call's tokens from the engine's int16 routes without widening them (a micro-batch's
     routes in int64 are 4x its int16 bytes: ~3 GB at 64 x 16K x 48 layers x 8); each router's hook widens only
     its own layer, and replays exactly the routes of the tokens ``src`` names (-1: the router's own choice)."""
+    from cascade_rl.kernels.moe import Routing
     from cascade_rl.modeling.routing import RoutingReplay
 
     class Router(torch.nn.Module):  # HF Qwen3MoeTopKRouter's output: (logits, weights, ids)
@@ -252,7 +253,7 @@ def test_sources_index_the_int16_routes_first_and_each_layer_widens_its_own():
     routes = torch.randint(0, 8, (n, length, layers, k), dtype=torch.int16, generator=g)
     routes[1, 3:] = -1  # no routes there: the router's own
     src = torch.tensor([[7, -1, 0, 14, 8, 9]])  # a lane: rows 1 and 0 and 2, a free slot
-    replay = RoutingReplay([Router(), Router()], replay=True)
+    replay = RoutingReplay([Router(), Router()], replay=True, routing=Routing(2))  # Qwen3-MoE's
     with replay.sources(routes, src):
         held = replay._ids
         assert held.dtype == torch.int16 and tuple(held.shape) == (6, layers, k)  # indexed, not widened
