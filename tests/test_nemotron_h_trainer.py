@@ -113,21 +113,25 @@ def test_every_layout_gives_transformers_logprobs_values_and_gradients(nh_model,
             torch.testing.assert_close(p.grad, q.grad, atol=1e-5 + 4e-6 * scale, rtol=1e-4, msg=name)
 
 
-def test_a_grpo_step_trains_it(nh_model, tmp_path):
-    """The trainer as a launch builds it (compose("tiny"), learner.trainer.build) takes a GRPO step on 60-token
-    rows: finite loss, every kind of layer's weights moved, rewarded rows up and the others down."""
+def test_a_grpo_step_with_a_reference_trains_it(nh_model, tmp_path):
+    """The trainer as a launch builds it (compose("tiny"), learner.trainer.build, a KL term: the frozen reference
+    too) takes a GRPO step on 60-token rows: the reference gives the policy's log-probs before it, the loss is
+    finite, every kind of layer's weights moved, rewarded rows went up and the others down."""
     from cascade_rl.learner import parallel
     from cascade_rl.learner.trainer import build
     from cascade_rl.supervisor.config import compose
 
     c = compose("tiny", [f"model.path={nh_model}", f"run_dir={tmp_path}", "trainer.lr=1e-2", "trainer.warmup_steps=0",
-                         "trainer.correction=none", "run.algorithm=grpo"], check=False)
-    policy, _, opt, _, _ = build(c, parallel.Ranks())
+                         "trainer.correction=none", "run.algorithm=grpo", "trainer.kl_coef=0.01"], check=False)
+    policy, reference, opt, _, _ = build(c, parallel.Ranks())
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
     batch = make_batch(prompt=20, resp=40)
     lp0 = policy_logprobs(policy.model, batch)
-    metrics = train_step(policy, opt, batch, c.trainer, 0, run=c.run)
-    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    with torch.no_grad():
+        ref_lp = reference(batch.input_ids, batch.lengths, batch.response_mask)[0]
+    torch.testing.assert_close(ref_lp, lp0, atol=1e-5, rtol=0)
+    metrics = train_step(policy, opt, batch, c.trainer, 0, reference, run=c.run)
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0 and metrics["kl_ref"] == pytest.approx(0, abs=1e-6)
     after = policy.model.state_dict()
     for part in ("mixer.A_log", "mixer.conv1d.weight", "mixer.in_proj.weight", "mixer.q_proj.weight",
                  "mixer.experts.down_proj", "mixer.shared_experts.up_proj.weight"):
@@ -188,3 +192,32 @@ def test_describe_counts_routed_experts_by_any_name(nh_model):
     model = AutoModelForCausalLM.from_pretrained(nh_model)
     assert num_experts(model.config) == 8  # Nemotron-H: n_routed_experts
     assert "experts=" in describe(model)
+
+
+def test_a_recurrent_layer_without_row_support_runs_padded_with_one_warning(caplog):
+    """A linear-attention layer modeling/mamba.py does not know (Qwen3-Next's gated delta net) would leak its state
+    in lanes too: such a model's Policy runs padded, says so once, and gives transformers' numbers."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                             linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                             linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+                             layer_types=["linear_attention", "full_attention"], max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(0)
+    ids, lengths = torch.randint(3, 60, (3, 30), generator=g), torch.tensor([30, 12, 17])
+    target = torch.zeros(ids.shape, dtype=torch.bool)
+    for i, n in enumerate(lengths.tolist()):
+        ids[i, n:] = 0
+        target[i, 5:n] = True
+    with caplog.at_level("WARNING", logger="cascade_rl.modeling.policy"):
+        policy = Policy(model, pack=True)
+    assert not policy.pack
+    assert [r.getMessage() for r in caplog.records] == [
+        "Qwen3NextGatedDeltaNet keeps no row boundary in a packed sequence (its state would leak from row to row): "
+        "this model's log-probs run padded (trainer.pack off)"]
+    with torch.no_grad():
+        torch.testing.assert_close(policy(ids, lengths, target)[0], naive(model, ids, lengths, target, 1.0)[0],
+                                   atol=1e-6, rtol=0)
