@@ -32,12 +32,21 @@ the boundary as a decay of -inf (a factor 0) wherever a sum crosses rows:
 is mamba_ssm's ``seq_idx`` contract. A row then gives the numbers it gives alone, whatever shares its lane
 (tests/test_nemotron_h_trainer.py, fp32, 1e-5).
 
+Why not through transformers' own switch: ``use_kernel_func_from_hub_with_fallback`` fixes each function when
+the modeling file is imported (the ``kernels`` package's hub kernel if ``use_kernels=True``, else ``mamba_ssm`` /
+``causal_conv1d`` if importable, else the torch function); another function can only come in through the
+``kernels`` package's kernel mapping (a hub or local kernel repository, ``kernelize``), which is not installed
+here and would swap it for every model of the process. So this stays scoped to the models a Policy wraps:
+
 Installed by swapping each mixer's class for a subclass whose ``forward`` takes ``seq_idx`` (``MIXERS``: one
 entry per mixer family; others may follow): the subclass is still a ``NemotronHMamba2Mixer``, FSDP2's per-layer
 wrapping of the blocks is untouched, and without ``seq_idx`` (the padded layout, generation, a cache) it is
 transformers' own forward. It also serves the shared-prefix layout's first pass (``seq_idx`` all 0, a fresh cache,
 a right padding mask): it stores each row's conv window and SSM state at the row's last real token, where
 transformers' own forward stores them after the padding (the state decays through it, the window holds padding).
+
+What it buys (tiny Nemotron-H, 12 long-tailed rows: 1404 tokens, the longest 500; Policy forward + backward on
+one CPU thread): padded 1.02 s, lanes 0.27 s, varlen packs 0.26 s.
 """
 
 from __future__ import annotations
