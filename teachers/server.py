@@ -17,7 +17,8 @@ each). The forward is the trainer's own (``modeling.policy.Policy`` with the
 run's ``trainer.pack``/``pack_tokens``/``logprob_chunk_tokens``/
 ``logprob_impl``: packed rows, LM head in chunks, no [tokens x vocab] logits),
 so a teacher's log-probs of a checkpoint equal the trainer's of the same
-checkpoint. Requests of a batch that ask for different temperatures run one
+checkpoint, a hybrid Mamba-2 one (Nemotron-H) included: the Policy keeps packed rows
+apart in its Mamba layers too (modeling/mamba.py; tests/test_nemotron_h_trainer.py). Requests of a batch that ask for different temperatures run one
 forward per temperature (a stage samples at one, so in practice one).
 
 A request the model cannot serve (a domain not served here, an empty prompt, a
