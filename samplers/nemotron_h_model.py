@@ -16,10 +16,11 @@ Semantics are those of transformers 5.19 (models/nemotron_h/modeling_nemotron_h.
   channels, then the weight); out_proj.
 - ``full_attention``: grouped-query attention, no RoPE (the Mamba layers carry position), scaled by
   head_dim**-0.5, on the engine's KV cache (attention layers indexed compactly).
-- ``moe``: kernels/moe.py's routing and experts for the family (a sigmoid router in fp32 whose correction bias
-  chooses but does not weigh, group-limited top-k, the weights renormalised and scaled by
-  ``routed_scaling_factor``; squared-ReLU experts without a gate, HF's layout ``up_proj [E, I, H]``,
-  ``down_proj [E, H, I]``), between the optional latent projections, plus the shared expert (a squared-ReLU MLP).
+- ``moe``: kernels/moe.py's routing and experts for the family kernels/moe_families.py reads from the config (a
+  sigmoid router in fp32 whose correction bias chooses but does not weigh, group-limited top-k, the weights
+  renormalised and scaled by ``routed_scaling_factor``; squared-ReLU experts without a gate, HF's layout
+  ``up_proj [E, I, H]``, ``down_proj [E, H, I]``), between the optional latent projections, plus the shared expert
+  (a squared-ReLU MLP).
 - ``mlp``: a squared-ReLU MLP.
 
 RMSNorm multiplies the weight in fp32 before casting back (unlike Qwen3's). The LM head is never tied to the
@@ -41,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..kernels.moe import ACTIVATIONS, Routing, moe_experts, route
+from ..kernels.moe import ACTIVATIONS, moe_experts, route
+from ..kernels.moe_families import MoeFamily, moe_family
 from .kv_cache import KVCache
 from .models import UnservedModelError
 from .state_cache import HybridCache, KVShape, Pass, StateCache
@@ -80,7 +82,7 @@ class NemotronHArgs:
     moe_intermediate_size: int
     shared_intermediate_size: int
     latent_size: int | None  # experts run in this width between fc1/fc2 latent projections (None: hidden size)
-    routing: Routing  # kernels/moe.py: how the router's scores become experts and weights (sigmoid_group_topk)
+    moe: MoeFamily | None  # kernels/moe_families.py: the router (with its correction bias), the experts' activation
 
     @property
     def n_layers(self) -> int:
@@ -125,8 +127,7 @@ class NemotronHArgs:
             n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
             moe_intermediate_size=cfg.moe_intermediate_size,
             shared_intermediate_size=cfg.moe_shared_expert_intermediate_size, latent_size=cfg.moe_latent_size,
-            routing=Routing(cfg.num_experts_per_tok, cfg.norm_topk_prob, "sigmoid_group_topk", cfg.n_group,
-                            cfg.topk_group, float(cfg.routed_scaling_factor)),
+            moe=moe_family(cfg),
         )
 
 
@@ -239,12 +240,12 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed squared-ReLU experts (kernels/moe.py: routing by ``args.routing``, the ``relu2`` activation, experts
-    by ``impl``, an ``EXPERTS`` name) between the latent projections, plus the shared expert."""
+    """Routed squared-ReLU experts (kernels/moe.py: routing and activation by the family, ``args.moe``; experts by
+    ``impl``, an ``EXPERTS`` name) between the latent projections, plus the shared expert."""
 
     def __init__(self, a: NemotronHArgs, impl: str) -> None:
         super().__init__()
-        self.routing, self.activation, self.impl = a.routing, "relu2", impl
+        self.routing, self.activation, self.impl = a.moe.routing, a.moe.activation, impl
         width = a.latent_size or a.dim
         self.gate = Router(a.dim, a.n_experts)
         self.experts = Experts(a.n_experts, width, a.moe_intermediate_size)
