@@ -168,7 +168,8 @@ class Mamba2(nn.Module):
     def __init__(self, a: NemotronHArgs, index: int) -> None:
         super().__init__()
         self.index = index
-        self.heads, self.head_dim, self.groups, self.state_size = a.mamba_heads, a.mamba_head_dim, a.n_groups, a.state_size
+        self.heads, self.head_dim, self.groups = a.mamba_heads, a.mamba_head_dim, a.n_groups
+        self.state_size = a.state_size
         self.inner, self.conv_dim, self.chunk_size, self.dt_min = a.mamba_inner, a.conv_dim, a.chunk_size, a.dt_min
         self.in_proj = nn.Linear(a.dim, self.inner + self.conv_dim + self.heads, bias=a.use_bias)  # z | xBC | dt
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, a.conv_kernel, groups=self.conv_dim,
@@ -231,7 +232,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts in HF's layout, which kernels/moe.py takes as is: ``up_proj [E, I, H]``, ``down_proj [E, H, I]``."""
+    """Routed experts in HF's layout, which kernels/moe.py takes as is: ``up_proj [E, I, H]``, ``down_proj
+    [E, H, I]``."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
         super().__init__()

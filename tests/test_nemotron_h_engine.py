@@ -115,6 +115,37 @@ def test_right_padding_leaves_each_rows_state_at_its_end(nh_model):
     torch.testing.assert_close(both.state.ssm[:, 0], alone.state.ssm[:, 0], atol=1e-6, rtol=0)
 
 
+def test_chunked_scan_equals_the_recurrence():
+    """samplers/state_cache.py's two forms of the SSM agree: the chunked scan (prefill, extend) from an initial state
+    over 45 steps in chunks of 8 (a partial last chunk) gives the outputs and final state of 45 one-step updates
+    h = exp(dt·A) h + dt·x Bᵀ, y = h C (2 groups of 2 heads)."""
+    from cascade_rl.samplers.state_cache import chunk_scan
+
+    g = torch.Generator().manual_seed(5)
+    b, t, h, p, grp, n = 2, 45, 4, 3, 2, 5
+    x = torch.randn(b, t, h, p, generator=g)
+    B, C = torch.randn(b, t, grp, n, generator=g), torch.randn(b, t, grp, n, generator=g)
+    dt, A = torch.rand(b, t, h, generator=g) * 0.5, -torch.rand(h, generator=g) * 2
+    initial = torch.randn(b, h, p, n, generator=g)
+    y, final = chunk_scan(x, dt, A, B, C, 8, initial)
+    state, ys = initial.clone(), []
+    for i in range(t):
+        Bi, Ci = B[:, i].repeat_interleave(h // grp, 1), C[:, i].repeat_interleave(h // grp, 1)  # [b, h, n]
+        decay = torch.exp(dt[:, i] * A)[..., None, None]
+        state = decay * state + (dt[:, i, :, None] * x[:, i])[..., None] * Bi[:, :, None]
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, Ci))
+    torch.testing.assert_close(y, torch.stack(ys, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, state, atol=1e-5, rtol=1e-5)
+
+
+def test_unserved_model_types_are_refused_by_the_registry():
+    from cascade_rl.samplers.models import SERVED_MODEL_TYPES, UnservedModelError, model_class
+
+    assert model_class("nemotron_h") is NemotronH and "nemotron_h" in SERVED_MODEL_TYPES
+    with pytest.raises(UnservedModelError, match="'llama' is not served .*nemotron_h.*sampler.engine=vllm"):
+        model_class("llama")
+
+
 def test_weights_load_in_both_hf_layouts(nh_model, hf, tmp_path):
     """In-memory names (what the trainer publishes: fused experts, ``model.``) and save_pretrained's (``backbone.``,
     one tensor per expert) load the same; ``hf_state_dict`` gives back HF's own state dict (the correction biases
