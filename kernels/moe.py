@@ -256,7 +256,10 @@ def experts_grouped(x, topk_weights, topk_ids, gate_up, down, activation: str = 
     h = _grouped_mm(x.index_select(0, order // k), gate_up.transpose(1, 2), offs=offsets)
     out = _grouped_mm(ACTIVATIONS[activation](h, -1), down.transpose(1, 2), offs=offsets)  # [N·k, H], by expert
     pair_out = out.new_empty(out.shape).index_copy(0, order, out).view(n, k, out.shape[1])  # row n·k + slot
-    return torch.bmm(topk_weights.to(out.dtype).unsqueeze(1), pair_out).squeeze(1).to(x.dtype)
+    # fp32 weights (the sigmoid routers') with bf16 experts: the combine in fp32, as HF's experts do it (no bf16
+    # rounding of weights up to ``scaling``); one [N·k, H] fp32 copy, only then
+    dtype = torch.promote_types(topk_weights.dtype, out.dtype)
+    return torch.bmm(topk_weights.to(dtype).unsqueeze(1), pair_out.to(dtype)).squeeze(1).to(x.dtype)
 
 
 def experts_dense(x, topk_weights, topk_ids, gate_up, down, activation: str = "swiglu") -> torch.Tensor:
