@@ -113,6 +113,33 @@ def test_every_layout_gives_transformers_logprobs_values_and_gradients(nh_model,
             torch.testing.assert_close(p.grad, q.grad, atol=1e-5 + 4e-6 * scale, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("layout", ["lanes", "varlen", "shared_prefix"])
+def test_routing_replay_in_every_layout_gives_the_padded_numbers(nh_model, layout, monkeypatch):
+    """R3 (modeling/routing.py) on Nemotron-H: random routes (the same at each position of every row, as a group's
+    shared prompt has them) replayed in a packed layout give the padded layout's replayed log-probs, Mamba layers
+    and all: the routes follow each token wherever the layout puts it."""
+    from cascade_rl.modeling.routing import moe_routers
+
+    ids, lengths, target = grouped_rows()
+    model = AutoModelForCausalLM.from_pretrained(nh_model)
+    layers, k = len(moe_routers(model)), model.config.num_experts_per_tok
+    picks = torch.rand((ids.shape[1], layers, 8), generator=torch.Generator().manual_seed(5)).argsort(-1)[..., :k]
+    real = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+    routes = torch.where(real[..., None, None], picks.expand(len(ids), -1, -1, -1), -1).to(torch.int16)
+    with torch.no_grad():
+        padded = Policy(model, pack=False, routing_replay=True)(ids, lengths, target, routes=routes)[0]
+        own = Policy(model, pack=False)(ids, lengths, target)[0]
+        if layout == "varlen":
+            from test_packing import reference_varlen_attention
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "flash_attention_2", reference_varlen_attention)
+            model.config._attn_implementation = "flash_attention_2"
+        got = Policy(model, routing_replay=True, **LAYOUTS[layout])(ids, lengths, target, routes=routes)[0]
+    assert (padded - own).abs().max() > 0.05  # the routes replayed are not the model's own
+    torch.testing.assert_close(got, padded, atol=1e-5, rtol=0)
+
+
 def test_a_grpo_step_with_a_reference_trains_it(nh_model, tmp_path):
     """The trainer as a launch builds it (compose("tiny"), learner.trainer.build, a KL term: the frozen reference
     too) takes a GRPO step on 60-token rows: the reference gives the policy's log-probs before it, the loss is
