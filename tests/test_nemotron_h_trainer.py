@@ -113,6 +113,27 @@ def test_every_layout_gives_transformers_logprobs_values_and_gradients(nh_model,
             torch.testing.assert_close(p.grad, q.grad, atol=1e-5 + 4e-6 * scale, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("responses", [(1, 1, 1), (1, 3, 40)])
+def test_shared_prefixes_shorter_than_the_conv_and_one_token_suffixes(nh_model, responses):
+    """Edge cases of the shared-prefix layout's Mamba states: a 2-token prompt (shorter than the conv window: its
+    window is zero-padded), suffixes of one token (transformers' continuation then takes its one-step decode path)."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 300, (n,), generator=g) for n in (2, 33)]
+    spec = [(p, r) for p in (0, 1) for r in responses]
+    ids = torch.zeros(len(spec), max(len(prompts[p]) + r for p, r in spec), dtype=torch.long)
+    target = torch.zeros(ids.shape, dtype=torch.bool)
+    lengths = torch.tensor([len(prompts[p]) + r for p, r in spec])
+    for i, (p, r) in enumerate(spec):
+        n = len(prompts[p])
+        ids[i, :n], ids[i, n: n + r] = prompts[p], torch.randint(3, 300, (r,), generator=g)
+        target[i, n: n + r] = True
+    model = AutoModelForCausalLM.from_pretrained(nh_model)
+    with torch.no_grad():
+        got = Policy(model, share_prefix=True)(ids, lengths, target)[0]
+        want = naive(model, ids, lengths, target, 1.0)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("layout", ["lanes", "varlen", "shared_prefix"])
 def test_routing_replay_in_every_layout_gives_the_padded_numbers(nh_model, layout, monkeypatch):
     """R3 (modeling/routing.py) on Nemotron-H: random routes (the same at each position of every row, as a group's
