@@ -46,7 +46,8 @@ a right padding mask): it stores each row's conv window and SSM state at the row
 transformers' own forward stores them after the padding (the state decays through it, the window holds padding).
 
 What it buys (tiny Nemotron-H, 12 long-tailed rows: 1404 tokens, the longest 500; Policy forward + backward on
-one CPU thread): padded 1.02 s, lanes 0.27 s, varlen packs 0.26 s.
+one CPU thread): padded 1.02 s, lanes 0.27 s, varlen packs 0.26 s. What the row masks cost: one mixer's forward +
+backward on 4 x 2048 tokens, transformers' torch path 0.334 s, this one 0.337 s.
 """
 
 from __future__ import annotations
