@@ -18,12 +18,14 @@ and a torch twin of every launcher. The layout and the kernels are in kernels/mo
   4. ``combine``: un-permute + weighted sum, ``y[n] = Σ_k w[n,k] · o[pair_row[n,k]]``, one program per
      (token, H tile), fp32 accumulation, no atomics (deterministic).
   Backward (``torch.autograd.Function``): ``combine_bwd`` scatters ``d_o[row] = w · dy[n]`` into the padded layout and
-  reduces ``dw[n,k] = <o[row], dy[n]>``; ``grouped_mm_act_bwd`` computes ``d_act = d_o @ down[e]`` with the activation's
-  derivative in its epilogue (→ ``dh``, h's shape); ``dx`` = ``combine(grouped_mm(dh, gate_up[e]), w=None)``;
+  reduces ``dw[n,k] = <o[row], dy[n]>``; ``grouped_mm_act_bwd`` computes ``d_act = d_o @ down[e]`` with the
+  activation's derivative in its epilogue (→ ``dh``, h's shape); ``dx`` = ``combine(grouped_mm(dh, gate_up[e]),
+  w=None)``;
   ``grouped_wgrad`` computes per-expert weight gradients ``d gate_up[e] = dhₑᵀ x[tokens of e]`` and
   ``d down[e] = d_oₑᵀ actₑ``, each program looping over its expert's rows only (an expert with no rows writes zeros).
-  Saved for backward: h, act, o (P·(3I + H) elements) plus the plan. Inputs fp32 or bf16; every GEMM accumulates
-  in fp32 (``tl.dot``; fp32 inputs use ``input_precision="ieee"``); intermediates are stored in x's dtype.
+  Saved for backward: h, act, o (P·(3I + H) elements; P·(2I + H) for squared ReLU) plus the plan. Inputs fp32 or
+  bf16; every GEMM accumulates in fp32 (``tl.dot``; fp32 inputs use ``input_precision="ieee"``); intermediates are
+  stored in x's dtype.
 
 The activation is fused into the kernels (``gate_up_act``, ``grouped_mm_act_bwd``; a constexpr, so one compiled
 kernel per activation): ``FUSED_ACTIVATIONS`` = swiglu (Qwen3-MoE, DeepSeek-V3, Qwen3-Next) and relu2 (Nemotron-H,
@@ -41,8 +43,10 @@ ahead-of-time compile test (tests/test_triton_aot.py: every kernel, forward and 
 Nemotron-3-Nano- and Qwen3-30B-A3B-like shapes, bf16 and fp32) use.
 
 Untested here: running on a GPU. The kernels were executed only by the interpreter (fp32) and compiled for sm_90
-ahead of time (triton 3.6.0, 3.7.1, 3.9.0: shared memory within limits, no register spills); bf16 numerics and
-all speed figures are pending a GPU run (tests/test_moe_kernels.py runs on CUDA when there is one).
+ahead of time (triton 3.6.0, 3.7.1, 3.9.0: shared memory within limits, no register spills; the squared-ReLU
+variants, which that test does not build, once by hand with triton 3.9.0 at its shapes: at most 72 KB of shared
+memory, 116 registers, no spills); bf16 numerics and all speed figures are pending a GPU run
+(tests/test_moe_kernels.py runs on CUDA when there is one).
 ``impl="triton"`` on a CPU tensor without the interpreter raises.
 """
 

@@ -151,7 +151,8 @@ def block_weights(block: nn.Module, family: MoeFamily) -> MoeWeights:
     shared_up = None
     if shared is not None:
         gated_shared = GATED[family.shared_activation]
-        shared_up = torch.cat([shared.gate_proj.weight, shared.up_proj.weight]) if gated_shared else shared.up_proj.weight
+        up = shared.up_proj.weight
+        shared_up = torch.cat([shared.gate_proj.weight, up]) if gated_shared else up
     return MoeWeights(
         router=block.gate.weight,
         gate_up=experts.gate_up_proj if family.gated else experts.up_proj,

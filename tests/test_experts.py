@@ -139,8 +139,8 @@ def micro_nemotron_h(seed: int = 0):
     bias): small enough for Triton's interpreter."""
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    cfg = NemotronHConfig(vocab_size=300, hidden_size=32, layers_block_type=["linear_attention", "moe", "full_attention",
-                                                                               "moe"],
+    layers = ["linear_attention", "moe", "full_attention", "moe"]
+    cfg = NemotronHConfig(vocab_size=300, hidden_size=32, layers_block_type=layers,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, mamba_num_heads=2,
                           mamba_head_dim=16, n_groups=1, ssm_state_size=8, chunk_size=8, n_routed_experts=4,
                           num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,

@@ -261,7 +261,8 @@ def test_relu2_reference_matches_a_per_token_loop(case):
     _, w, ids = moe.route(x, router, moe.Routing(case.k))
     want = _relu2_loop(x, w, ids, up, down)
     params = (x, router, up, down)
-    assert_same((y.detach(), torch.autograd.grad(y, params, dy)), (want.detach(), torch.autograd.grad(want, params, dy)))
+    got = y.detach(), torch.autograd.grad(y, params, dy)
+    assert_same(got, (want.detach(), torch.autograd.grad(want, params, dy)))
 
 
 @pytest.mark.parametrize("impl", ["grouped", "dense", "blocked"])
