@@ -227,12 +227,13 @@ def row_kwargs(model: nn.Module, position_ids: Tensor) -> dict:
 
 
 def unsupported_recurrence(model: nn.Module) -> str | None:
-    """The class name of a recurrent mixer (Mamba, gated delta net) that ``MIXERS`` cannot keep rows apart in, if
+    """The class name of a recurrent mixer (Mamba, gated delta net, short conv) ``MIXERS`` cannot keep rows apart in, if
     the model has one: packed layouts would leak its state from row to row, so such a model runs padded."""
     for module in model.modules():
         name = type(module).__name__
         if type(module) in _SUBCLASSES.values() or name in MIXERS:
             continue
-        if ("Mamba" in name and name.endswith("Mixer")) or name.endswith("GatedDeltaNet"):
+        # a state-space decay (Mamba-1/2, Falcon-H1, Bamba, gated delta nets: A_log) or a short conv (LFM2)
+        if isinstance(getattr(module, "A_log", None), nn.Parameter) or name.endswith("ShortConv"):
             return name
     return None
