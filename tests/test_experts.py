@@ -176,3 +176,43 @@ def test_nemotron_h_swapped_experts_match_hf(impl, monkeypatch):
     for n, g in out["hf"][1].items():
         torch.testing.assert_close(out[impl][1][n], g, atol=1e-6, rtol=1e-4, msg=n)
     assert any("experts.up_proj" in n for n in out["hf"][1]) and any("gate.weight" in n for n in out["hf"][1])
+
+
+def _tiny_causal_lm(model_type: str):
+    """A 2-layer causal LM of a kernels/moe_families.py family, d=32, 4 experts top-2 (random weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    common = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  intermediate_size=32, moe_intermediate_size=16, num_experts_per_tok=2)
+    extra = {
+        "deepseek_v3": dict(n_routed_experts=4, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+                            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+        "qwen3_next": dict(num_experts=4, shared_expert_intermediate_size=16, head_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                           layer_types=["linear_attention", "full_attention"]),
+    }[model_type]
+    cfg = AutoConfig.for_model(model_type, **common, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.uniform_(-0.3, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next"])
+def test_other_families_swapped_experts_match_hf(model_type):
+    """``use_moe_impl`` on the other families of kernels/moe_families.py: grouped experts, HF's logits and gradients."""
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    out = {}
+    for name in ("hf", "grouped"):
+        model = use_moe_impl(_tiny_causal_lm(model_type), name).to(DEVICE)
+        assert (model.config._experts_implementation == "cascade_grouped_swiglu") == (name == "grouped")
+        logits = model(input_ids=ids).logits
+        logits.square().mean().backward()
+        out[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(out["grouped"][0], out["hf"][0], atol=1e-5, rtol=1e-5)
+    for n, g in out["hf"][1].items():
+        torch.testing.assert_close(out["grouped"][1][n], g, atol=1e-6, rtol=1e-4, msg=n)
+    assert any("experts.gate_up_proj" in n for n in out["hf"][1])
