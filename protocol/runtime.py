@@ -98,7 +98,7 @@ class Service(abc.ABC):
         """Serve ``batch``, answering each with ``reply(item, msg)`` (later, from ``poll``, for async services);
         ``collect()`` takes in what arrived meanwhile, without waiting (see the module docstring)."""
 
-    def poll(self, reply: Reply) -> None:
+    def poll(self, reply: Reply) -> None:  # noqa: B027 (optional hook: most services have nothing to deliver)
         """Deliver finished asynchronous work with ``reply(None, msg)``; may block a few ms."""
 
     def busy(self) -> int:
@@ -109,7 +109,7 @@ class Service(abc.ABC):
     def error_reply(self, request: Any, reason: str) -> list[Any]:
         """The messages that answer ``request`` with failure ``reason``."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook: most services hold nothing)
         """Release what the service holds (processes, threads) when the worker exits."""
 
 

@@ -174,9 +174,9 @@ def _registered_names(cfg: DictConfig) -> list[tuple[str, str, dict]]:
     """(key, value, registry) of every setting that names a registered implementation."""
     from cascade_rl.learner.losses import CORRECTIONS
     from cascade_rl.learner.objectives import OBJECTIVES
-    from cascade_rl.weights.registry import TRANSPORTS
     from cascade_rl.modeling.policy import LOGPROB_IMPLS
     from cascade_rl.samplers.engine import ENGINES, register_builtin_engines
+    from cascade_rl.weights.registry import TRANSPORTS
 
     register_builtin_engines()
     return [("run.algorithm", cfg.run.algorithm, OBJECTIVES),
