@@ -35,6 +35,10 @@ MOE_SHAPES = {
     "nemotron3-nano-like": (2688, 1856, 128, 6),
     "qwen3-30b-a3b-like": (2048, 768, 128, 8),
 }
+# name -> the expert activations compiled at that shape: Nano's own squared ReLU (no gate: up [E, I, H]), and SwiGLU
+# (gate | up [E, 2I, H]) at both
+MOE_ACTIVATIONS = {"nemotron3-nano-like": ("relu2", "swiglu"), "qwen3-30b-a3b-like": ("swiglu",)}
+GATED = {"swiglu": 2, "relu2": 1}  # rows of the first projection per expert unit
 # name -> (hidden, vocabulary)
 LM_HEADS = {"nemotron3-nano-like": (2688, 131072), "qwen3-30b-a3b-like": (2048, 151936)}
 TOKENS = 8192
@@ -66,17 +70,20 @@ def _moe_launches(launches: list) -> None:
     from cascade_rl.kernels import moe_blocked
 
     for (label, (hidden, inter, experts, top_k)) in MOE_SHAPES.items():
-        for dtype in DTYPES:
-            meta = dict(device="meta", dtype=getattr(torch, dtype), requires_grad=True)
-            x, w = torch.empty(TOKENS, hidden, **meta), torch.empty(TOKENS, top_k, **meta)
-            gate_up, down = torch.empty(experts, 2 * inter, hidden, **meta), torch.empty(experts, hidden, inter, **meta)
-            ids = torch.empty(TOKENS, top_k, dtype=torch.long, device="meta")
-            start = len(launches)
-            y = moe_blocked.experts_blocked(x, w, ids, gate_up, down)  # the training step: h saved, then every backward
-            torch.autograd.grad(y, (x, w, gate_up, down), torch.empty_like(y))
-            with torch.no_grad():  # inference: h not saved
-                moe_blocked.experts_blocked(x, w, ids, gate_up, down)
-            launches[start:] = [(*launch, f"{label} {dtype}") for launch in launches[start:]]
+        for act in MOE_ACTIVATIONS[label]:
+            for dtype in DTYPES:
+                meta = dict(device="meta", dtype=getattr(torch, dtype), requires_grad=True)
+                x, w = torch.empty(TOKENS, hidden, **meta), torch.empty(TOKENS, top_k, **meta)
+                gate_up = torch.empty(experts, GATED[act] * inter, hidden, **meta)
+                down = torch.empty(experts, hidden, inter, **meta)
+                ids = torch.empty(TOKENS, top_k, dtype=torch.long, device="meta")
+                start = len(launches)
+                # the training step: h saved, then every backward; then inference: h not saved
+                y = moe_blocked.experts_blocked(x, w, ids, gate_up, down, activation=act)
+                torch.autograd.grad(y, (x, w, gate_up, down), torch.empty_like(y))
+                with torch.no_grad():
+                    moe_blocked.experts_blocked(x, w, ids, gate_up, down, activation=act)
+                launches[start:] = [(*launch, f"{label} {act} {dtype}") for launch in launches[start:]]
 
 
 def _logprob_launches(launches: list) -> None:
@@ -185,6 +192,9 @@ def test_every_kernel_compiles_for_sm90_within_its_shared_memory():
         print(f"{k['module']:>10} {k['kernel']:<28} {k['dtype']:<8} {k['num_warps']}w/{k['num_stages']}s "
               f"shared {k['shared']:>6}  regs {k['regs']:>3}  spill {k['spill_stack']:>4}  {k['constexprs']}")
     assert {k["kernel"] for k in kernels} == _kernel_names()  # every kernel, at least once
+    fused = {(k["kernel"], k["constexprs"].get("ACT", k["constexprs"].get("ACT_BWD"))) for k in kernels}
+    for act in ("swiglu", "relu2"):  # each fused activation, forward and backward
+        assert {("_gate_up_act_kernel", act), ("_grouped_mm_kernel", act)} <= fused, (act, sorted(map(str, fused)))
     for k in kernels:
         assert k["shared"] <= SM90_SHARED_LIMIT, k
         assert k["spill_stack"] <= SPILL_BOUND, k
