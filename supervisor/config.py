@@ -121,6 +121,8 @@ def validate(cfg: DictConfig) -> None:
                         f"cascade-rl make-tiny-model --out DIR)")
     if s.engine == "torch" and (unserved := _unserved_model_type(cfg.model.path)):
         problems.append(unserved)
+    if s.engine == "vllm" and not uses_gpus(cfg, "sampler") and (refused := _vllm_cpu_refusal(cfg.model.path)):
+        problems.append(refused)
     if not cfg.data.files:
         problems.append("data.files is empty: name the training prompts, e.g. data.files=[prompts.jsonl] "
                         "(built-in miniature sets: cascade-rl make-data NAME --out DIR)")
@@ -152,6 +154,10 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"trainer.routing_replay / sampler.return_routes need an engine that returns routes: the "
                             f"torch engine, or vllm on GPUs (gpus.samplers); {engine}"
                             f"{' on the CPU' if engine == 'vllm' else ''} does not")
+    if t.router_bias_update_rate != 0:
+        problems.append(f"trainer.router_bias_update_rate={t.router_bias_update_rate}: only 0 is served (MoE correction "
+                        f"biases stay frozen during RL, so the sampler's routes are the trainer's; see its docstring in "
+                        f"supervisor/schema.py)")
     if cfg.sampler.inflight_updates:
         if o.max_staleness < 1:
             problems.append("sampler.inflight_updates needs orchestrator.max_staleness >= 1 (strictly on-policy, no "
@@ -184,6 +190,16 @@ def _registered_names(cfg: DictConfig) -> list[tuple[str, str, dict]]:
             ("trainer.correction", cfg.trainer.correction, CORRECTIONS),
             ("weights_transport", cfg.weights_transport, TRANSPORTS),
             ("sampler.engine", cfg.sampler.engine, ENGINES)]
+
+
+def _vllm_cpu_refusal(path: str) -> str:
+    """vLLM's CPU build's refusal of the model's layers (samplers/vllm_engine.py CPU_REFUSALS: Nemotron-H's MoE
+    layers), found before any process starts ("" if it can run them)."""
+    from cascade_rl.samplers.vllm_engine import cpu_refusal
+
+    if not (reason := cpu_refusal(path)):
+        return ""
+    return f"sampler.engine=vllm on the CPU (no gpus.samplers): {reason}: sample with sampler.engine=torch"
 
 
 def _unserved_model_type(path: str) -> str:

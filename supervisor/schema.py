@@ -174,6 +174,16 @@ class TrainerConfig:
     engine that returns routes (torch). The trainer's setting: composing the config turns sampler.return_routes
     on with it (supervisor/config.py), so the samplers read only their own section. Off: the routes still come
     back when the engine gives them, for the ``routing/disagree_frac`` metric."""
+    router_bias_update_rate: float = 0.0
+    """MoE routers with a correction bias (``e_score_correction_bias``: Nemotron-H, DeepSeek-V3; it shifts which
+    experts a token picks, never their weights): the step of DeepSeek-V3's aux-loss-free update, bias_e += rate *
+    sign(mean load - load_e) after each step. Only 0 is served: the bias stays at the checkpoint's values for the
+    whole RL run. Why: the bias moves routes without any gradient behind it, so updating it would change the
+    sampler's experts from one version to the next for load balance alone, while on-policy RL wants the trainer's
+    routes to be the sampler's (R3 replays them) and GRPO's few, skewed batches are a poor load estimate; NeMo-RL's
+    GRPO configs freeze it too (Megatron's ``moe_router_bias_update_rate: 0.0``, "disable bias updates for grpo",
+    with ``freeze_moe_router``); the paper names no setting. The bias is a persistent buffer (no gradient, not in the
+    optimizer), and every published version carries it (tests/test_nemotron_h_launch.py)."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the LM-head log-prob pass (memory ~ chunk x vocab x 4 bytes, never the batch's)."""
     logprob_impl: str = "torch"
