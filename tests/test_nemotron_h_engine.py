@@ -203,10 +203,12 @@ def test_greedy_generation_equals_transformers_generate(nh_model, hf):
         assert sample.response_ids.tolist() == out[0, len(p):].tolist()
 
 
-def test_sampled_logprobs_equal_the_trainers(nh_model, hf):
+@pytest.mark.parametrize("max_batch", [256, 5], ids=["all-at-once", "5-slots"])
+def test_sampled_logprobs_equal_the_trainers(nh_model, hf, max_batch):
     """Temperature 1, 4 samples a prompt, 40 tokens: rows cross the 32-token chunks in both the prefill and the
-    trainer's forward, and the engine's decode (the recurrence) gives the trainer's (the chunked scan) log-probs."""
-    engine = TorchEngine(nh_model)
+    trainer's forward, and the engine's decode (the recurrence) gives the trainer's (the chunked scan) log-probs.
+    With 5 slots for 12 rows, rows join as others finish (prefills beside running slots, states compacted)."""
+    engine = TorchEngine(nh_model, max_batch=max_batch)
     reqs = [GenerationRequest(f"r{i}", prompt_ids(engine, q), 4, 1.0, 1.0, 40, [], seed=i)
             for i, q in enumerate(QUESTIONS)]
     groups = engine.generate(reqs)
