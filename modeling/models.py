@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cascade_rl.protocol.devices import torch_dtype
+from cascade_rl.protocol.devices import MODEL_LOADING, torch_dtype
 
 from .attention import resolve_attn_impl
 from .experts import use_moe_impl
@@ -26,8 +26,10 @@ def load_model(path: str, cfg, device: torch.device | str = "cpu") -> nn.Module:
 
     device = torch.device(device)
     attn = resolve_attn_impl(cfg.model.attn_impl, device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg.model.dtype), attn_implementation=attn)
-    return use_moe_impl(model, cfg.model.moe_impl).to(device)
+    with MODEL_LOADING:  # one load at a time in a process (roles are threads under launch --inline)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg.model.dtype),
+                                                     attn_implementation=attn)
+        return use_moe_impl(model, cfg.model.moe_impl).to(device)
 
 
 # How HF configs name their routed-expert count: Qwen3-MoE/Qwen3-Next num_experts, Nemotron-H/DeepSeek-V3

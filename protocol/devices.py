@@ -14,7 +14,13 @@ code that picks ``cuda`` on a GPU machine (docs/ARCHITECTURE.md §10).
 from __future__ import annotations
 
 import os
+import threading
 from enum import StrEnum
+
+# Held while a model is built and loaded. Roles are threads of one process under ``launch --inline``: transformers'
+# loading (modules built on the meta device, then materialised) is not thread-safe, and two at once left a trainer
+# or a teacher with meta tensors ("Cannot copy out of meta tensor") in 2 inline MOPD launches of 3.
+MODEL_LOADING = threading.Lock()
 
 # the config's ``gpus`` key of each role that runs a model
 GPU_KEYS = {"trainer": "trainer", "sampler": "samplers", "teacher": "teachers"}

@@ -358,10 +358,11 @@ def test_async_mode_samples_up_to_k_batches_while_the_trainer_steps(k, tiny_mode
 @pytest.mark.slow
 def test_inline_runs_every_role_in_one_process_to_the_same_books(tiny_model, math_data, tmp_path):
     """`launch tiny --inline`: every role a thread of the supervisor's process (inproc sockets); the books, the
-    ledger and the trainer's ids are those of a launch of processes."""
+    ledger and the trainer's ids are those of a launch of processes. MOPD: a teacher too, so three threads load a
+    model at once (before protocol/devices.py MODEL_LOADING, 2 launches of 3 failed with meta tensors)."""
     run_dir = tmp_path / "run"
     r = cli("launch", "tiny", "--inline", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
-            "supervisor.progress=plain", timeout=240)
+            "supervisor.progress=plain", "stage=mopd", f"+teacher.checkpoints.math={tiny_model}", timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     books = summary["books"]
@@ -369,7 +370,7 @@ def test_inline_runs_every_role_in_one_process_to_the_same_books(tiny_model, mat
     assert books["trainer_ids"]["match"] and len(read_ledger(run_dir)) == books["dispatched"]
     pids = {w["pid"] for w in summary["workers"]}
     assert len(pids) == 1 and {w["role"] for w in summary["workers"]} == {"orchestrator", "trainer", "sampler",
-                                                                            "verifier"}
+                                                                            "verifier", "teacher"}
     log = (run_dir / "logs" / "inline.log").read_text()
     assert "trainer-0 INFO" in log and "orchestrator INFO" in log  # one log, lines named by thread
     assert not (run_dir / "auth.keys").exists()  # inproc: nothing to authenticate
