@@ -1,5 +1,6 @@
 """The torch engine's static KV cache: K and V of every decode slot, allocated once, and the attention of each
-kind of forward pass over it (samplers/torch_model.py's ``Transformer`` takes an ``Attend``).
+kind of forward pass over it (samplers/torch_model.py's ``Transformer`` takes an ``Attend``; a hybrid model's
+attention layers have one of their own inside samplers/state_cache.py's ``HybridCache``).
 
     cache = KVCache(model.args, slots=64, max_len=512)
     model(prompts, positions, cache.prefill(slots, src), last=lengths - 1)     # prompts from position 0
