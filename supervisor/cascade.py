@@ -56,7 +56,7 @@ class EvalConfig:
     per_domain: int = 0
     """At most this many held-out rows per domain, the first in file order (0: all)."""
     engine: str = "torch"
-    """Sampler engine of the evaluation: torch (qwen3, qwen3_moe) | vllm (any architecture vLLM serves)."""
+    """Sampler engine of the evaluation: torch (qwen3, qwen3_moe, nemotron_h) | vllm (any architecture vLLM serves)."""
     device: str = "auto"
     """Where the evaluation samples, between stages (no stage holds a GPU then): auto (the first GPU this
     process sees, else the CPU) | cpu | cuda | cuda:N."""

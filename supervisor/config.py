@@ -155,9 +155,9 @@ def validate(cfg: DictConfig) -> None:
                             f"torch engine, or vllm on GPUs (gpus.samplers); {engine}"
                             f"{' on the CPU' if engine == 'vllm' else ''} does not")
     if t.router_bias_update_rate != 0:
-        problems.append(f"trainer.router_bias_update_rate={t.router_bias_update_rate}: only 0 is served (MoE correction "
-                        f"biases stay frozen during RL, so the sampler's routes are the trainer's; see its docstring in "
-                        f"supervisor/schema.py)")
+        problems.append(f"trainer.router_bias_update_rate={t.router_bias_update_rate}: only 0 is served (MoE "
+                        f"correction biases stay frozen during RL, so the sampler's routes are the trainer's; see "
+                        f"its docstring in supervisor/schema.py)")
     if cfg.sampler.inflight_updates:
         if o.max_staleness < 1:
             problems.append("sampler.inflight_updates needs orchestrator.max_staleness >= 1 (strictly on-policy, no "

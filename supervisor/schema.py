@@ -262,8 +262,8 @@ class SamplerConfig:
     count: int = 1
     """Sampler processes at launch (``cascade-rl ctl scale samplers=N`` changes it while the run goes on)."""
     engine: str = "torch"
-    """An engine registered in samplers/engine.py: torch (qwen3, qwen3_moe) | vllm (any architecture vLLM serves)
-    | sglang (a server per sampler, GPU)."""
+    """An engine registered in samplers/engine.py: torch (qwen3, qwen3_moe, nemotron_h) | vllm (any architecture vLLM
+    serves; on CPU not Nemotron-H's MoE layers) | sglang (a server per sampler, GPU)."""
     slots: int = 256
     """Sequences (group members) one sampler takes at once; they decode together in one batch."""
     batch_window_s: float = 0.003
