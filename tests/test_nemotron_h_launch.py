@@ -38,7 +38,8 @@ def biases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_launch_tiny_on_nemotron_h_end_to_end(nh_model, math_data, tmp_path):
     """Two GRPO steps with R3: every process exits 0, the books close, the trainer trained exactly the ledger's
-    ids, the engine's log-probs are the trainer's (fp32: 2.4e-7 mean measured) and R3 reports its routes."""
+    ids, the engine's log-probs are the trainer's (fp32: 2.4e-7 mean measured) and R3 reports its routes (35 s on
+    2 shared cores, most of it four processes importing torch)."""
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     steps, groups, g = 2, 8, 4  # configs/run/tiny.yaml, two steps
@@ -61,7 +62,8 @@ def test_launch_tiny_on_nemotron_h_end_to_end(nh_model, math_data, tmp_path):
     assert [m["version"] for m in train_steps] == list(range(1, steps + 1))
     for m in train_steps:
         assert m["trainer/mismatch/abs_diff_mean"] < 1e-3 and m["trainer/mismatch/outside_band"] == 0.0
-        assert m["trainer/routing/routes"] > 0 and 0.0 <= m["trainer/routing/disagree_frac"] <= 1.0
+        # R3: the trainer's own routers pick the engine's experts (fp32; 0.0 measured)
+        assert m["trainer/routing/routes"] > 0 and m["trainer/routing/disagree_frac"] <= 0.01
     assert summary["mismatch"]["abs_diff_mean"] < 1e-3 and "logp mismatch" in out
 
 
