@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import built_once
 from safetensors.torch import save_model
-from test_torch_engine import QUESTIONS, prompt_ids, trainer_logprobs
+from test_torch_engine import QUESTIONS, HostReadGuard, prompt_ids, trainer_logprobs
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cascade_rl.modeling.logprobs import token_logprobs
@@ -326,6 +326,19 @@ def test_routes_equal_the_routers_choices(nh_model, hf):
     finally:
         for h in hooks:
             h.remove()
+
+
+def test_the_decode_step_reads_nothing_on_the_host(nh_model):
+    """``TorchEngine._step`` on Nemotron-H (what a CUDA graph captures: the Mamba recurrence on the slots' states in
+    place, the sigmoid group router, grouped experts) runs no op that reads the device from the host or sizes its
+    output by the data, with routes, top-p and greedy rows on: checked op by op."""
+    engine = TorchEngine(nh_model, return_routes=True)
+    engine.generate([GenerationRequest("r", prompt_ids(engine, QUESTIONS[0]), 4, 1.0, 1.0, 3, [])])
+    guard = HostReadGuard()
+    with torch.inference_mode(), guard:
+        engine._step(4, 64, True, True)
+    assert guard.ops and not guard.reads()
+    assert "_grouped_mm" in guard.ops
 
 
 def test_cpu_kernels_stay_off_with_the_reason(nh_model):
