@@ -41,10 +41,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 LAUNCHES = "launches"  # the xdist group of the tests marked slow
-# Launches that time nothing against a deadline (every stage preset for 2 steps): their own group, handed out after
-# the light tests, so the worker that finishes those runs them beside the other's launches (about 4 of the 19
+# Files of launches that time nothing against a deadline (every stage preset for 2 steps): each test a unit of its
+# own, handed out after the light tests, to whichever worker is free, so both finish together (about 4 of the 19
 # minutes of launches on 2 cores; one group of every launch left the light tests' worker idle for 8 minutes).
-LATE_LAUNCHES = {"test_stage_launches": "late-launches"}
+LATE_LAUNCHES = {"test_stage_launches"}
+LATE = "late:"  # the prefix of their units
 
 
 def groups_file(testrunuid: str) -> Path:
@@ -64,11 +65,14 @@ def pytest_collection_modifyitems(config, items) -> None:
     def group(item) -> str:
         if item.get_closest_marker("slow") is None:
             return item.path.stem
-        return LATE_LAUNCHES.get(item.path.stem, LAUNCHES)
+        return LATE + item.nodeid if item.path.stem in LATE_LAUNCHES else LAUNCHES
+
+    def order(item) -> int:  # the launches first, the late launches last, the rest between
+        unit = groups[item.nodeid]
+        return 0 if unit == LAUNCHES else 2 if unit.startswith(LATE) else 1
 
     groups = {item.nodeid: group(item) for item in items}
-    # stable sorts: the launches first, the late launches last, the rest in their order
-    items.sort(key=lambda item: {LAUNCHES: 0, **dict.fromkeys(LATE_LAUNCHES.values(), 2)}.get(groups[item.nodeid], 1))
+    items.sort(key=order)  # stable: each part keeps its order
     path = groups_file(os.environ["PYTEST_XDIST_TESTRUNUID"])
     mine = path.with_suffix(f".{os.environ['PYTEST_XDIST_WORKER']}")  # every worker writes the same; atomically
     mine.write_text(json.dumps(groups))
