@@ -49,7 +49,9 @@ transformers' ``generate`` at 64 sequences x 64 tokens, 5.06x at 32 prompts x
 kernels/cpu_decode.cpp (a decode step is one op: ~1.7 ms at 64 rows on the
 tiny MoE, 0.4 ms at one row); elsewhere, or with ``cpu_kernels=False``, torch
 ops (1.75x). MoE experts: ``choose_experts`` (samplers/torch_model.py), grouped
-on CUDA in bf16 on sm_90 / sm_100.
+on CUDA in bf16 on sm_90 / sm_100. The tiny Nemotron-H, torch ops only: 1.58x
+``generate``'s tokens/s at 16 prompts x 64 tokens (2 threads, best of 3; a
+one-off script, on a machine other jobs shared).
 """
 
 from __future__ import annotations
