@@ -66,7 +66,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from ..kernels import cpu_decode
-from ..protocol.devices import torch_dtype
+from ..protocol.devices import MODEL_LOADING, torch_dtype
 from .cuda_graphs import DecodeGraphs
 from .decode_state import Run, StepBuffers, sample_tokens
 from .engine import GenerationRequest, Sample, check_request, register_engine
@@ -127,8 +127,9 @@ class TorchEngine:
         self.cpu_kernels = cpu_kernels
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.experts = choose_experts(self.device.type, self.dtype, capability, self.cpu_kernels, moe_impl)
-        self.model = model_cls.from_pretrained(model_path, self.dtype, self.device,
-                                               moe_impl="grouped" if self.experts == "cpu" else self.experts)
+        with MODEL_LOADING:  # built on the meta device: one load at a time in a process (launch --inline)
+            self.model = model_cls.from_pretrained(model_path, self.dtype, self.device,
+                                                   moe_impl="grouped" if self.experts == "cpu" else self.experts)
         if self.cpu_kernels:
             self.model.use_cpu_kernels()
         a = self.model.args

@@ -31,8 +31,9 @@ from cascade_rl.modeling.packing import share_prefixes
 from cascade_rl.modeling.policy import Policy
 from cascade_rl.protocol.messages import TeacherRequest, TrainBatch, WorkKey
 from cascade_rl.samplers.engine import GenerationRequest
+from cascade_rl.samplers.models import model_class
 from cascade_rl.samplers.torch_engine import TorchEngine
-from cascade_rl.samplers.torch_model import ModelArgs, UnservedModelError
+from cascade_rl.samplers.torch_model import UnservedModelError
 from cascade_rl.supervisor.config import compose
 from cascade_rl.teachers.server import Teacher
 
@@ -220,8 +221,8 @@ def test_torch_engine_refuses_them_and_names_the_vllm_engine(model_path):
     message = str(e.value)
     assert f"model_type {model_type!r}" in message and "qwen3, qwen3_moe" in message
     assert "sampler.engine=vllm" in message and isinstance(e.value, ValueError)
-    for served in TorchEngine.served_model_types:  # the constant lists only what from_hf accepts
-        assert ModelArgs.from_hf(AutoConfig.for_model(served)).n_layers > 0
+    for served in TorchEngine.served_model_types:  # the constant lists only what its model classes accept
+        assert model_class(served).Args.from_hf(AutoConfig.for_model(served)).n_layers > 0
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
