@@ -26,6 +26,10 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     NemotronHConfig,
@@ -33,6 +37,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -90,6 +96,41 @@ def _nemotron_h_kwargs(common: dict, expert_ffn: int) -> dict:
                 n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
 
 
+def _deepseek_v3_kwargs(common: dict, expert_ffn: int) -> dict:
+    """DeepSeek-V3 in miniature: multi-head latent attention (q and kv low-rank, a RoPE part and a no-RoPE part per
+    head), the first layer dense, then MoE layers of SwiGLU experts beside a shared expert, the sigmoid router with
+    group-limited top-k (2 groups of 4, 1 picked) and routed scaling 2.5. Trainer and teachers only (transformers);
+    the torch engine does not serve it."""
+    common.pop("head_dim")
+    rope_theta = common.pop("rope_theta")
+    common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: every head its own K and V from the latent
+    return dict(common, moe_intermediate_size=expert_ffn, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32,
+                q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, routed_scaling_factor=2.5,
+                norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+
+
+def _gpt_oss_kwargs(common: dict, expert_ffn: int) -> dict:
+    """gpt-oss in miniature: sliding-window and full attention layers in turn (64-token window), attention sinks,
+    8 experts top-2 of biased, clamped SwiGLU (its experts keep transformers' own implementation here:
+    kernels/moe_families.py says why). Trainer and teachers only."""
+    rope_theta = common.pop("rope_theta")
+    layers = common["num_hidden_layers"]
+    return dict(common, intermediate_size=expert_ffn, num_local_experts=8, num_experts_per_tok=2, sliding_window=64,
+                layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
+                rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+
+
+def _qwen3_5_moe_kwargs(common: dict, expert_ffn: int) -> dict:
+    """Qwen3.5-MoE's text model in miniature: three gated-delta-net (linear attention) layers to one full attention
+    layer, as in the real model, every layer MoE (8 experts top-2) beside a sigmoid-gated shared expert. Trains
+    padded (modeling/mamba.py does not know its recurrent layer); the torch engine does not serve it."""
+    layers = common["num_hidden_layers"]
+    return dict(common, moe_intermediate_size=expert_ffn, shared_expert_intermediate_size=expert_ffn, num_experts=8,
+                num_experts_per_tok=2, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * -(-layers // 4),
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+
+
 # arch -> (config class, model class, the config kwargs given the common ones (model_config's dimensions) and the
 # size's expert width). Qwen2Config has no head_dim field, but hidden // heads is what Qwen2 uses anyway.
 ARCHS: dict[str, tuple[type, type, Callable[[dict, int], dict]]] = {
@@ -98,6 +139,9 @@ ARCHS: dict[str, tuple[type, type, Callable[[dict, int], dict]]] = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, lambda common, expert_ffn: common),  # q/k/v biases, no q/k norms
     "llama": (LlamaConfig, LlamaForCausalLM, lambda common, expert_ffn: common),
     "nemotron_h": (NemotronHConfig, NemotronHForCausalLM, _nemotron_h_kwargs),
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, _deepseek_v3_kwargs),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, _gpt_oss_kwargs),
+    "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, _qwen3_5_moe_kwargs),
 }
 
 
