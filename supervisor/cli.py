@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
     m = sub.add_parser("make-tiny-model", help="build a small random HF model + tokenizer offline")
     m.add_argument("--out", required=True)
-    m.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3", "qwen2", "llama", "nemotron_h", "deepseek_v3", "gpt_oss", "qwen3_5_moe"],
+    m.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3", "qwen2", "llama", "nemotron_h",
+                                                           "deepseek_v3", "gpt_oss", "qwen3_5_moe"],
                    help="qwen2 and llama are sampled with sampler.engine=vllm "
                         "(the torch engine serves qwen3*, nemotron_h)")
     m.add_argument("--untied", action="store_true", help="an LM head of its own instead of the tied embedding")
