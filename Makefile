@@ -95,8 +95,8 @@ tools: install
 # TEST_WORKERS=N: pytest-xdist workers (0: one process). Launches of whole runs one at a time on one worker and
 # first, light tests beside them, the launches that time nothing last on whichever worker is free; each worker's
 # torch on cores / N threads (the groups, their order, the threads: tests/conftest.py). On this 2-core machine a
-# fresh-clone pytest took 24.7 min in one process, 19.5 min with 2 workers of 1 thread (with 2 threads each the
-# workers oversubscribed the cores: 29 min).
+# fresh-clone pytest took 24.7 min in one process and 19.5 min with 2 workers of 1 thread (with 2 threads each the
+# workers oversubscribed the cores: 29 min); 21.8 min with 2 workers once the Nemotron-H tests came in.
 TEST_WORKERS ?= 2
 test: install
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
