@@ -44,3 +44,15 @@ def model_class(model_type: str) -> type:
         raise UnservedModelError(model_type)
     module, name = MODELS[model_type].split(":")
     return getattr(importlib.import_module(f".{module}", __package__), name)
+
+
+def eos_token_ids(model_path: str, tokenizer) -> list[int]:
+    """The model's EOS ids: its generation config's, else the tokenizer's."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return [eos] if isinstance(eos, int) else list(eos)

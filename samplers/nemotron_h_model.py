@@ -47,7 +47,7 @@ from ..kernels.moe_families import MoeFamily, moe_family
 from .kv_cache import KVCache
 from .models import UnservedModelError
 from .state_cache import HybridCache, KVShape, Pass, StateCache
-from .torch_model import read_safetensors
+from .torch_model import RecordsRoutes, read_safetensors
 
 MIXERS = ("linear_attention", "full_attention", "moe", "mlp")  # HF's layers_block_type values
 
@@ -296,7 +296,7 @@ MIXER_TYPES = {  # HF layer type -> (args, index among its kind, experts impl) -
 }
 
 
-class NemotronH(nn.Module):
+class NemotronH(RecordsRoutes, nn.Module):
     Args = NemotronHArgs
     cpu_kernels_refusal = ("kernels/cpu_decode.cpp knows Qwen3's layers only (RoPE attention, softmax router, SwiGLU "
                            "experts), not Nemotron-H's Mamba-2 layers, sigmoid group router or squared-ReLU experts")
@@ -325,18 +325,6 @@ class NemotronH(nn.Module):
 
     def moe_blocks(self) -> list[MoE]:
         return [b.mixer for b in self.layers if isinstance(b.mixer, MoE)]
-
-    def record_routes(self, on: bool = True) -> NemotronH:
-        """Keep the experts every MoE layer picks for each token of the next forward (``last_routes``)."""
-        self.keep_routes = on
-        for m in self.moe_blocks():
-            m.keep_routes, m.routes = on, None
-        return self
-
-    def last_routes(self) -> Tensor:
-        """The experts of the last forward or decode step: int64 ``[B, T, MoE layers, top_k]`` (T = 1 for a
-        decode step); ``record_routes`` must be on."""
-        return torch.stack([m.routes for m in self.moe_blocks()], dim=-2)
 
     def forward(self, tokens: Tensor, positions: Tensor, p: Pass, last: Tensor | None = None) -> Tensor:
         """Logits ``[B, T, V]`` of right-padded ``tokens [B, T]``; with ``last [B]`` (each row's last position:

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from ..kernels import cpu_decode
 from ..protocol.devices import MODEL_LOADING, torch_dtype
@@ -71,7 +71,7 @@ from .cuda_graphs import DecodeGraphs
 from .decode_state import Run, StepBuffers, sample_tokens
 from .engine import GenerationRequest, Sample, check_request, register_engine
 from .kv_cache import KVCache
-from .models import SERVED_MODEL_TYPES, model_class
+from .models import SERVED_MODEL_TYPES, eos_token_ids, model_class
 from .state_cache import HybridCache
 from .torch_model import choose_experts
 
@@ -495,13 +495,3 @@ class TorchEngine:
 
     def _samples(self, run: Run) -> list[list[Sample]]:
         return [self._request_samples(run, i) for i in range(len(run.requests))]
-
-
-def eos_token_ids(model_path: str, tokenizer) -> list[int]:
-    """The model's EOS ids: its generation config's, else the tokenizer's."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        eos = None
-    eos = tokenizer.eos_token_id if eos is None else eos
-    return [eos] if isinstance(eos, int) else list(eos)

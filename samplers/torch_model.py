@@ -251,7 +251,24 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
-class Transformer(nn.Module):
+class RecordsRoutes:
+    """The engine's routes (R3) of a model whose ``moe_blocks()`` each keep their last forward's experts in
+    ``routes`` while ``keep_routes`` is on: every model class of samplers/models.py."""
+
+    def record_routes(self, on: bool = True):
+        """Keep the experts every MoE layer picks for each token of the next forward (``last_routes``)."""
+        self.keep_routes = on
+        for m in self.moe_blocks():
+            m.keep_routes, m.routes = on, None
+        return self
+
+    def last_routes(self) -> Tensor:
+        """The experts of the last forward or decode step: int64 ``[B, T, MoE layers, top_k]`` (T = 1 for a
+        decode step); ``record_routes`` must be on."""
+        return torch.stack([m.routes for m in self.moe_blocks()], dim=-2)
+
+
+class Transformer(RecordsRoutes, nn.Module):
     Args = ModelArgs  # its arguments, ``Args.from_hf(hf_config)`` (samplers/models.py)
     cpu_kernels_refusal = ""  # kernels/cpu_decode.cpp implements this model
 
@@ -288,18 +305,6 @@ class Transformer(nn.Module):
     def new_cache(self, slots: int, max_len: int, dtype=torch.float32, device="cpu") -> KVCache:
         """The engine's cache for this model: K/V of every layer."""
         return KVCache(self.args, slots, max_len, dtype, device)
-
-    def record_routes(self, on: bool = True) -> Transformer:
-        """Keep the experts every MoE layer picks for each token of the next forward (``last_routes``)."""
-        self.keep_routes = on
-        for m in self.moe_blocks():
-            m.keep_routes, m.routes = on, None
-        return self
-
-    def last_routes(self) -> Tensor:
-        """The experts of the last forward or decode step: int64 ``[B, T, MoE layers, top_k]`` (T = 1 for a
-        decode step); ``record_routes`` must be on."""
-        return torch.stack([m.routes for m in self.moe_blocks()], dim=-2)
 
     def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int | None = None) -> Tensor:
         """Logits ``[B, V]`` of one new token per slot ``0..B-1`` (``tokens [B]`` at ``positions [B]``), its
