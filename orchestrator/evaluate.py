@@ -22,15 +22,16 @@ judged domains need the judge endpoint in ``verifiers.registry.SETTINGS`` (the c
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
-import torch
-from transformers import AutoTokenizer
 
 from cascade_rl.data.render import PromptRenderer
 from cascade_rl.data.rows import Row
+from cascade_rl.data.tokenizer import load_tokenizer
 from cascade_rl.protocol.messages import SamplingParams
 from cascade_rl.samplers.engine import ENGINES, register_builtin_engines
 from cascade_rl.verifiers.registry import EVAL_VERIFIERS, SETTINGS, VERIFIERS
@@ -38,7 +39,11 @@ from cascade_rl.verifiers.registry import EVAL_VERIFIERS, SETTINGS, VERIFIERS
 
 def model_context(path: str) -> int:
     """The model's context length (``max_position_embeddings`` of its HF config; 0 when it has none): prompts and
-    multi-turn trajectories are sampled within it (``Rules.context``)."""
+    multi-turn trajectories are sampled within it (``Rules.context``). Read from config.json when it is written
+    there (the orchestrator then starts without torch, which AutoConfig imports), else the config class's default."""
+    config = Path(path) / "config.json"
+    if config.is_file() and "max_position_embeddings" in (written := json.loads(config.read_text())):
+        return int(written["max_position_embeddings"] or 0)
     from transformers import AutoConfig
 
     return int(getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 0) or 0)
@@ -95,6 +100,8 @@ def evaluate_checkpoint(path: str, heldout: list[Row], n: int = 4, temperature: 
     "errors": {reason: count}, "seconds": wall time}``. Multi-turn rows (their ``env``, else ``env_defaults``
     of their domain) are sampled with their environment's tools (settings: the ``environment`` section), up to
     ``max_turns`` turns, through the same rules as a stage (orchestrator/offline.py)."""
+    import torch  # here, not at the top: the orchestrator imports this module for its statistics, without torch
+
     from cascade_rl.environments.base import EnvSettings
     from cascade_rl.environments.registry import build_environment
 
@@ -106,7 +113,7 @@ def evaluate_checkpoint(path: str, heldout: list[Row], n: int = 4, temperature: 
         raise ValueError(f"no per-response verifier for {unknown} (verifiers/registry.py VERIFIERS, EVAL_VERIFIERS)")
     register_builtin_engines()
     t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     sampler = ENGINES[engine](path, device=device)

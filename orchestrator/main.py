@@ -27,11 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from transformers import AutoTokenizer
 
 from cascade_rl.data.promptset import PromptSet, PromptStream
 from cascade_rl.data.render import PromptRenderer, TurnRenderer
-from cascade_rl.learner import checkpoint
+from cascade_rl.data.tokenizer import load_tokenizer
+from cascade_rl.learner import checkpoint_dirs
 from cascade_rl.protocol.messages import (
     EnvReply,
     Ready,
@@ -71,7 +71,7 @@ class Orchestrator:
     def __init__(self, cfg) -> None:
         # --- data: the prepared prompt sets, the held-out rows rendered once
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         self.render = PromptRenderer(self.tokenizer, cfg.data.thinking)
         data_dir = self.run_dir / "data"  # prepared by the supervisor (supervisor/run_data.py)
         self.prompts = PromptStream(data_dir, cfg.data.seed)  # its draw count is the data cursor
@@ -299,10 +299,10 @@ class Orchestrator:
 
     def _resume(self) -> int:
         """With ``run.resume_from``: the checkpoint's step, with the data cursor replayed to it."""
-        path = checkpoint.resolve(self.cfg.run.resume_from, self.run_dir)
+        path = checkpoint_dirs.resolve(self.cfg.run.resume_from, self.run_dir)
         if path is None:
             return 0
-        info = json.loads((path / checkpoint.STATE_JSON).read_text())
+        info = json.loads((path / checkpoint_dirs.STATE_JSON).read_text())
         self.prompts.restore(info["extra"].get("orchestrator", {}).get("examples_drawn", 0))
         log.info("resuming at step %d (%d prompts drawn)", info["step"], self.prompts.drawn)
         return info["step"]

@@ -63,7 +63,6 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
-from transformers import AutoConfig, AutoTokenizer
 
 from ..kernels import cpu_decode
 from ..protocol.devices import MODEL_LOADING, torch_dtype
@@ -107,6 +106,10 @@ class TorchEngine:
         token's log-prob is then exactly its version's) or ``keep`` it (no prefill; the tokens after the update
         attend to K/V of the old weights); ``cuda_graphs``: on CUDA, each decode step replays a CUDA graph
         (samplers/cuda_graphs.py; eager if a capture fails)."""
+        # here, not at the top: the supervisor imports this module for its registry entry, and transformers' auto
+        # classes cost a process ~3 s of CPU to import
+        from transformers import AutoConfig, AutoTokenizer
+
         if inflight_kv not in INFLIGHT_KV:
             raise ValueError(f"inflight_kv={inflight_kv!r}: choose one of {INFLIGHT_KV}")
         self.inflight_kv = inflight_kv

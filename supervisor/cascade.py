@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from cascade_rl.data.prepare import prepare
 from cascade_rl.data.promptset import PromptSet
-from cascade_rl.learner import checkpoint
+from cascade_rl.learner import checkpoint_dirs
 from cascade_rl.verifiers.registry import JUDGED_DOMAINS, SETTINGS
 
 from .config import CONFIG_DIR, compose, validate
@@ -135,7 +135,7 @@ class Cascade:
 
     def load_heldout(self) -> list:
         """The held-out rows, validated as a launch validates its data (bad rows refuse the cascade)."""
-        from transformers import AutoTokenizer
+        from cascade_rl.data.tokenizer import load_tokenizer
 
         e = self.cfg.eval
         # what every stage launches with (the cascade's run preset and overrides): its reward modules score the
@@ -147,7 +147,7 @@ class Cascade:
                                                thinking=self.thinking))
         out = self.run_dir / "eval_data"
         plugins = list(common.verifier.plugins)
-        report = prepare(data, AutoTokenizer.from_pretrained(self.cfg.model), out, registered_domains(plugins))
+        report = prepare(data, load_tokenizer(self.cfg.model), out, registered_domains(plugins))
         if report.bad:
             raise BadData(report)
         return PromptSet(out / "eval.arrow").rows()
@@ -199,7 +199,7 @@ class Cascade:
         ckpts = sorted((p for p in (stage_dir / "checkpoints").glob("step_*") if p.is_dir()),
                        key=lambda p: int(p.name.removeprefix("step_")))
         entry["checkpoints"] = [self.evaluate(str(p), int(p.name.removeprefix("step_"))) for p in ckpts]
-        final = checkpoint.latest(stage_dir / "checkpoints")
+        final = checkpoint_dirs.latest(stage_dir / "checkpoints")
         entry.update(status="done", final=str(final))
         self.save()
         return 0
@@ -209,7 +209,7 @@ class Cascade:
         e = self.cfg.eval
         overrides = [f"model.path={model}", f"run_dir={stage_dir}",
                      *([f"stage={stage.stage}"] if stage.stage else []), *self.cfg.overrides, *stage.overrides]
-        if checkpoint.latest(stage_dir / "checkpoints") is not None:  # cut off earlier: continue it
+        if checkpoint_dirs.latest(stage_dir / "checkpoints") is not None:  # cut off earlier: continue it
             overrides.append("resume=true")
         launch = compose(stage.run or self.cfg.run or None, overrides, check=False)
         launch.data.eval_files, launch.data.eval_per_domain = list(e.files), e.per_domain

@@ -27,9 +27,9 @@ def check(files: list[str], model: str | None, overrides: list[str]) -> int:
     cfg.data.files = list(files)
     tokenizer = None
     if model:
-        from transformers import AutoTokenizer
+        from cascade_rl.data.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = load_tokenizer(model)
     domains = registered_domains(list(cfg.verifier.plugins))
 
     def show(line: BadLine) -> None:

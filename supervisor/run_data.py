@@ -53,14 +53,14 @@ def registered_domains(plugins: list[str]) -> set[str]:
 
 
 def prepare_run_data(cfg: DictConfig) -> Report:
-    from transformers import AutoTokenizer
+    from cascade_rl.data.tokenizer import load_tokenizer
 
     v = cfg.verifier
     # workers run with their own working directory in mind: give them absolute paths to the user's modules
     v.plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in v.plugins]
     domains = registered_domains(list(v.plugins))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path={cfg.model.path}: no tokenizer loads from it: {e}") from None
     with _reading(cfg.supervisor.progress) as on_read:
