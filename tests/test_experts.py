@@ -117,12 +117,19 @@ def test_trainer_trains_the_moe_to_the_same_losses_with_each_impl(micro_moe, tmp
 
 @pytest.mark.slow
 def test_the_tiny_demo_moe_trains_the_same_with_triton_experts(tiny_model, tmp_path, monkeypatch):
-    """The demo's own model (4 layers, d=128, 8 experts): one step, torch vs triton experts, the same loss and
-    gradient norm. One step: Triton's interpreter takes ~2 minutes for it on 2 cores (several steps are
-    covered on a smaller model above)."""
+    """The demo's own layer shapes (d=128, 8 experts; its first layer of 4, its weights): one step, torch vs
+    triton experts, the same loss and gradient norm. One layer, one step: Triton's interpreter pays per tile
+    (the four layers took a minute on 2 cores; several steps are covered on a smaller model above)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(tiny_model)
+    cfg.num_hidden_layers = 1
+    sliced = tmp_path / "one-layer"
+    AutoModelForCausalLM.from_pretrained(tiny_model, config=cfg).save_pretrained(sliced)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(sliced)
     results = {}
     for impl in ("torch", "triton"):
-        cfg = trainer_cfg(tiny_model, tmp_path / impl, impl)
+        cfg = trainer_cfg(sliced, tmp_path / impl, impl)
         policy, _, opt, _, _ = build(cfg, parallel.Ranks(), DEVICE)
         batch = make_batch(groups=1, g=2, prompt=3, resp=3, seed=0).to(DEVICE)
         metrics = train_step(policy, opt, batch, cfg.trainer, 0, run=cfg.run)
