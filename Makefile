@@ -41,13 +41,23 @@ JUDGE_DATA ?= runs/data/judge
 SFT_FILES := $(DATA)/sft/arithmetic.jsonl:1,$(DATA)/sft/arithmetic_mcqa.jsonl:1,$(DATA)/sft/arithmetic_json.jsonl:1,$(DATA)/sft/arithmetic_if.jsonl:1,$(DATA)/sft/chat.jsonl:2
 # pairs twice QA's share (the `judge` mixture's weights): at 1:1 the 300-step judge called every held-out pair a tie
 JUDGE_FILES := $(JUDGE_DATA)/sft/judge_pairs.jsonl:2,$(JUDGE_DATA)/sft/judge_qa.jsonl:1
+# MODEL_ARCH=nemotron_h: the same cascade on the paper's architecture (a tiny Nemotron-H: Mamba-2, attention and MoE
+# layers in Nano's order, squared-ReLU experts, the sigmoid group router), in models/tiny-nemotron_h(-sft) and
+# runs/demo-nemotron_h; any `make-tiny-model --arch` works the same way.
+MODEL_ARCH ?= qwen3_moe
+ifeq ($(MODEL_ARCH),qwen3_moe)
+TINY := models/tiny
+else
+TINY := models/tiny-$(MODEL_ARCH)
+RUN_DIR := runs/demo-$(MODEL_ARCH)
+endif
 run: install judge
 	test -f $(DATA)/manifest.json || $(CLI) make-data demo --out $(DATA) --heldout 128 --sft 2000
-	grep -qs '"task": "demo"' models/tiny/cascade_rl.json || (rm -rf models/tiny models/tiny-sft && \
-		$(CLI) make-tiny-model --out models/tiny --task demo --vocab-size 1024)
-	test -f models/tiny-sft/config.json || $(CLI) sft model=models/tiny out=models/tiny-sft "files=[$(SFT_FILES)]" steps=800
+	grep -qs '"task": "demo"' $(TINY)/cascade_rl.json || (rm -rf $(TINY) $(TINY)-sft && \
+		$(CLI) make-tiny-model --out $(TINY) --arch $(MODEL_ARCH) --task demo --vocab-size 1024)
+	test -f $(TINY)-sft/config.json || $(CLI) sft model=$(TINY) out=$(TINY)-sft "files=[$(SFT_FILES)]" steps=800
 	rm -rf $(RUN_DIR)
-	$(CLI) cascade demo run_dir=$(RUN_DIR)
+	$(CLI) cascade demo run_dir=$(RUN_DIR) model=$(TINY)-sft
 
 # The judge model of RLHF and long-context RL: a tiny model SFT'd on pairwise verdicts of chat replies and on QA
 # correctness (data/judge.py), served by the supervisor (verifier.judge.serve=torch) wherever a stage needs it.
