@@ -1,5 +1,7 @@
 """The strict binary math reward in verifiers/math.py."""
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -134,3 +136,19 @@ def test_verdicts_are_remembered_per_answer_and_reference():
     assert first == [1.0, 1.0, 0.0, 1.0] and again == [1.0, 1.0, 0.0]
     after = _equivalent.cache_info()
     assert after.hits - before.hits >= 4 and after.misses - before.misses <= 3
+
+
+def test_scoring_off_the_main_thread_keeps_math_verifys_timeout_warning_off_the_console():
+    """Off the main thread score_math calls math-verify without its signal timeout, knowingly: the library's
+    warning about it (once a process, so a fresh one) reaches neither stderr nor the logs; the score is right."""
+    probe = """
+import threading
+from cascade_rl.verifiers.math import score_math
+scores = []
+t = threading.Thread(target=lambda: scores.append(score_math("so \\\\boxed{42}", "42")))
+t.start(); t.join()
+print(scores)
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[1.0]", r.stdout + r.stderr
+    assert "Timeout is disabled" not in r.stderr, r.stderr
