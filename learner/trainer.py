@@ -202,7 +202,7 @@ def build(cfg, ranks: parallel.Ranks, device: torch.device | str = "cpu"):
                            t.share_prefix, t.routing_replay)
     policy = parallel.parallelize(
         Policy(model, cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl,
-               t.share_prefix, t.routing_replay),
+               t.share_prefix, t.routing_replay, activation_checkpointing=t.activation_checkpointing),
         ranks)
     optimizer = MasterAdamW(policy.parameters(), lr=lr_at(0, t, cfg.run.steps), betas=tuple(t.betas),
                             weight_decay=t.weight_decay)

@@ -70,11 +70,14 @@ def triton_logprobs(*args, **kwargs):
 class Policy(nn.Module):
     def __init__(self, model: nn.Module, temperature: float = 1.0, chunk_tokens: int = 1024,
                  pack: bool = True, pack_tokens: int = 8192, logprob_impl: str = "torch",
-                 share_prefix: bool = True, routing_replay: bool = False) -> None:
+                 share_prefix: bool = True, routing_replay: bool = False,
+                 activation_checkpointing: bool = False) -> None:
         """``pack_tokens`` caps one packed sequence: with SDPA transformers builds a [T, T] mask for it
         (flash-attn varlen needs none), so a micro-batch runs as several packs of at most that size.
         ``routing_replay``: an MoE model's routers take the experts of the ``routes`` a forward is given
-        (modeling/routing.py); without it the routes are only compared with the model's own choice."""
+        (modeling/routing.py); without it the routes are only compared with the model's own choice.
+        ``activation_checkpointing``: each decoder layer recomputed in the backward (schema ``trainer.
+        activation_checkpointing``); no shared prefixes then."""
         super().__init__()
         self.model = model
         self.temperature, self.chunk_tokens, self.pack, self.pack_tokens = temperature, chunk_tokens, pack, pack_tokens
@@ -82,6 +85,13 @@ class Policy(nn.Module):
         self.share_prefix = share_prefix
         self.replay = routing.RoutingReplay.install(model, routing_replay)  # None for a dense model
         self.recurrent = mamba.install(model) > 0  # Mamba layers that take seq_idx: one suffix a lane
+        if activation_checkpointing:
+            # non-reentrant: FSDP2 and kwargs-only layer inputs work with it; R3's context is restored for the recompute
+            kwargs = {"use_reentrant": False}
+            if self.replay is not None:
+                kwargs["context_fn"] = self.replay.checkpoint_context
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            self.share_prefix = False  # the recompute would append the prefix's K/V to its cache again
         if pack and (unknown := mamba.unsupported_recurrence(model)):
             log.warning("%s keeps no row boundary in a packed sequence (its state would leak from row to row): "
                         "this model's log-probs run padded (trainer.pack off)", unknown)

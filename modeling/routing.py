@@ -74,6 +74,7 @@ class RoutingReplay:
         self._ids: Tensor | None = None  # [tokens of the call, layers, k] the routes' dtype (int16), -1: route freely
         self._disagree: Tensor | int = 0
         self._routes: Tensor | int = 0
+        self._counting = True  # off while a checkpointed layer recomputes: its routes were counted in the forward
         self._hooks = _RouterHooks.of(routers)
 
     @classmethod
@@ -110,6 +111,30 @@ class RoutingReplay:
         finally:
             self._ids, self._hooks.active = None, outer
 
+    def checkpoint_context(self):
+        """``torch.utils.checkpoint``'s ``context_fn`` for activation checkpointing: called as a checkpointed layer
+        runs forward, it keeps the replay open then (its ``sources``, if any); the layer's recompute runs in the
+        backward, after ``sources`` closed, and routes inside the second context exactly as its forward did,
+        without counting those routes again."""
+        hooks = self._hooks
+        active = hooks.active
+        ids = None if active is None else active._ids
+
+        @contextlib.contextmanager
+        def recompute():
+            outer = hooks.active, None if active is None else (active._ids, active._counting)
+            hooks.active = active
+            if active is not None:
+                active._ids, active._counting = ids, False
+            try:
+                yield
+            finally:
+                if active is not None:
+                    active._ids, active._counting = outer[1]
+                hooks.active = outer[0]
+
+        return contextlib.nullcontext(), recompute()
+
     def take_stats(self) -> dict[str, Tensor | int]:
         """(token, layer) routes compared since the last call, and how many of them the trainer chose otherwise."""
         out = {"disagree": self._disagree, "routes": self._routes}
@@ -126,9 +151,10 @@ class RoutingReplay:
         if forced.shape[0] != own.shape[0]:
             raise RuntimeError(f"routing replay: {forced.shape[0]} routes for a forward of {own.shape[0]} tokens")
         given = (forced >= 0).all(dim=-1)
-        differ = (own.sort(dim=-1).values != forced.sort(dim=-1).values).any(dim=-1) & given
-        self._disagree = self._disagree + differ.sum()
-        self._routes = self._routes + given.sum()
+        if self._counting:
+            differ = (own.sort(dim=-1).values != forced.sort(dim=-1).values).any(dim=-1) & given
+            self._disagree = self._disagree + differ.sum()
+            self._routes = self._routes + given.sum()
         if not self.replay:
             return None
         ids = torch.where(given[:, None], forced, own)

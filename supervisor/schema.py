@@ -196,6 +196,12 @@ class TrainerConfig:
     share_prefix: bool = True
     """With pack (SDPA, eager): run each group's prompt once and its responses on the prompt's keys and
     values (modeling/packing.py SharedPrefix); the same numbers, ~40 % less work at the demo's shape."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (transformers' gradient
+    checkpointing, non-reentrant; Mamba-2, attention and MoE layers alike): activation memory ~ layers x tokens x
+    hidden (each layer's input) instead of every intermediate of every layer, for about one more forward of
+    compute. R3's routes are replayed in the recompute too. Shared prefixes are not used with it (a layer's
+    recompute would write the prefix's K/V cache a second time): the policy runs lanes or varlen packs."""
     world_size: int = 1
     """Trainer ranks (torchrun; FSDP2 over gloo on CPU, NCCL on GPU)."""
 
