@@ -223,8 +223,10 @@ def test_scaling_samplers_up_and_down_during_a_run(tiny_model, math_data, tmp_pa
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     steps = 30
+    # each generate call 0.2 s longer: the run outlasts a sampler's start, its first rollouts and its drain (with
+    # launches ~5 s quicker to start, 30 plain steps once ended while sampler-1 drained)
     proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
-                             f"run.steps={steps}", "supervisor.progress=none"], env=env,
+                             f"run.steps={steps}", "supervisor.progress=none", "sampler.delay_s=0.2"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def table() -> dict:
@@ -233,11 +235,12 @@ def test_scaling_samplers_up_and_down_during_a_run(tiny_model, math_data, tmp_pa
 
     def wait_for(cond, what: str, limit: float = 90) -> dict:
         t_end = time.monotonic() + limit
-        while time.monotonic() < t_end:
+        while time.monotonic() < t_end and proc.poll() is None:
             if cond(t := table()):
                 return t
             time.sleep(0.3)
-        raise AssertionError(f"never: {what}")
+        ended = "" if proc.poll() is None else f" (the run ended first: {proc.communicate()[0][-2000:]})"
+        raise AssertionError(f"never: {what}{ended}")
 
     wait_for(lambda t: t.get("orchestrator", {}).get("version", 0) >= 2, "training began")
     up = cli("ctl", "--run-dir", str(run_dir), "scale", "samplers=2", env=env, timeout=30)

@@ -17,8 +17,8 @@ HELPER = Path(__file__).parent / "helpers" / "dist_steps.py"
 TOL = 2e-5
 
 
-def run(world: int, model: str, out: Path, dtype: str = "float32") -> tuple[dict, list]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
+def run(world: int, model: str, out: Path, dtype: str = "float32", checkpointing: bool = False) -> tuple[dict, list]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1", DIST_STEPS_CHECKPOINTING=str(int(checkpointing)))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
         if world > 1 else [sys.executable]
     r = subprocess.run([*launcher, str(HELPER), model, str(out), dtype], capture_output=True, text=True, env=env,
@@ -32,11 +32,13 @@ def run(world: int, model: str, out: Path, dtype: str = "float32") -> tuple[dict
     return load_file(out), report
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_model", "tiny_dense_model"])
-def test_two_ranks_equal_one_rank(model_fixture, request, tmp_path):
+@pytest.mark.parametrize("model_fixture, checkpointing", [("tiny_model", False), ("tiny_dense_model", True)])
+def test_two_ranks_equal_one_rank(model_fixture, checkpointing, request, tmp_path):
+    """The dense model's two ranks also recompute each layer in the backward (trainer.activation_checkpointing
+    under FSDP2: each layer's weights gathered again for its recompute), against one rank that keeps them."""
     model = request.getfixturevalue(model_fixture)
     one, m1 = run(1, model, tmp_path / "one.safetensors")
-    two, m2 = run(2, model, tmp_path / "two.safetensors")
+    two, m2 = run(2, model, tmp_path / "two.safetensors", checkpointing=checkpointing)
     assert one.keys() == two.keys()
     start = load_file(Path(model) / "model.safetensors")
     moved = 0.0

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 tests/helpers/dist_steps.py MODEL_DIR OUT.safetensors [bfloat16]
     python tests/helpers/dist_steps.py MODEL_DIR OUT.safetensors [bfloat16]          # one rank
+    DIST_STEPS_CHECKPOINTING=1 torchrun ...       # the policy with activation checkpointing (the resume too)
 
 Writes the final weights (rank 0) and a report next to them (OUT.json: the per-step metrics; the checksums
 of the weights published as the trainer does and as one rank would; the largest difference between the
@@ -55,7 +56,9 @@ def main() -> None:
                                 micro_batch_groups=1, correction="icepop", geo_band=[0.99, 1.01], eps_low=0.5, eps_high=2.0,
                                 kl_coef=0.0, entropy_coef=0.01, steps=100, lr_decay="none"))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    policy = parallel.parallelize(Policy(model, temperature=1.0, chunk_tokens=7, pack=True), ranks)
+    checkpointing = os.environ.get("DIST_STEPS_CHECKPOINTING") == "1"
+    policy = parallel.parallelize(Policy(model, temperature=1.0, chunk_tokens=7, pack=True,
+                                         activation_checkpointing=checkpointing), ranks)
     optimizer = MasterAdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)  # the trainer's
     metrics = []
     for step in range(2):
@@ -68,7 +71,8 @@ def main() -> None:
     report = {"metrics": metrics, "published": published(policy, ranks, model_dir, dtype)}
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)  # what trainer.build does on resume
-    resumed = parallel.parallelize(Policy(model, temperature=1.0, chunk_tokens=7, pack=True), ranks)
+    resumed = parallel.parallelize(Policy(model, temperature=1.0, chunk_tokens=7, pack=True,
+                                          activation_checkpointing=checkpointing), ranks)
     opt2 = MasterAdamW(resumed.parameters(), lr=cfg.lr, weight_decay=0.0)
     load_state(Path(ckpt), resumed, opt2, ranks)
     train_step(resumed, opt2, my_rows(1, ranks), cfg, 1, run=cfg)
