@@ -106,7 +106,8 @@ tools: install
 # first, light tests beside them, the launches that time nothing last on whichever worker is free; each worker's
 # torch on cores / N threads (the groups, their order, the threads: tests/conftest.py). On this 2-core machine a
 # fresh-clone pytest took 24.7 min in one process and 19.5 min with 2 workers of 1 thread (with 2 threads each the
-# workers oversubscribed the cores: 29 min); 21.8 min with 2 workers once the Nemotron-H tests came in.
+# workers oversubscribed the cores: 29 min); 21.8 min with 2 workers once the Nemotron-H tests came in, and 12.8 min
+# (14.8 with the install) once a launch's orchestrator and supervisor started without torch.
 TEST_WORKERS ?= 2
 test: install
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
