@@ -1,10 +1,10 @@
 """Trainer memory and step time against sequence length, activations kept against checkpointed (issue 36, part).
 
-    .venv/bin/python bench/lengths.py [--quick | --smoke] [--lengths 1024,4096,16384]
+    .venv/bin/python bench/lengths.py [--quick | --smoke] [--lengths 1024,4096,16384] [--size 50m]
 
-One sequence of T tokens (64 of prompt, the rest response) through the trainer's Policy on the tiny Qwen3-MoE
-(``make-tiny-model --size tiny``, random weights, fp32, padded layout), one forward and backward of the summed
-response log-probs, each (T, mode) in a child process of its own so that its peak RSS is that step's alone:
+One sequence of T tokens (64 of prompt, the rest response) through the trainer's Policy on a random Qwen3-MoE
+(``make-tiny-model --size``: tiny by default, or 10m, 50m; fp32, padded layout), one forward and backward of the
+summed response log-probs, each (T, mode) in a child process of its own so that its peak RSS is that step's alone:
 ``step GiB`` = the child's peak RSS minus its RSS once the model is loaded (activations, the [T, T] attention
 mask SDPA is given, the chunked log-prob pass, the gradients). Modes: ``kept`` (every activation held for the
 backward) and ``checkpointed`` (``trainer.activation_checkpointing``: each decoder layer recomputed in the
@@ -82,10 +82,11 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     ap = bench_parser(__doc__, quick="1K-8K tokens", smoke="256 tokens (the code path, no figures)")
     ap.add_argument("--lengths", default="", help="comma-separated sequence lengths (default: by mode)")
+    ap.add_argument("--size", default="tiny", help="make-tiny-model --size of the random model: tiny | 10m | 50m")
     args = ap.parse_args(argv)
     lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths else [256] if args.smoke
                else [1024, 2048, 4096, 8192] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768])
-    model, params = random_model("tiny", results_dir(args.smoke) / "models" if args.smoke else None)
+    model, params = random_model(args.size, results_dir(args.smoke) / "models" if args.smoke else None)
     rows: dict[int, dict] = {}
     for length in lengths:
         rows[length] = {mode: measure(str(model), length, mode, timeout=900) for mode in MODES}
@@ -93,10 +94,11 @@ def main(argv: list[str] | None = None) -> dict:
     longest = max(t for t, r in rows.items() if all("step_gib" in r[m] for m in MODES))
     kept, ckpt = rows[longest]["kept"], rows[longest]["checkpointed"]
     ratio = round(kept["step_gib"] / ckpt["step_gib"], 2) if ckpt["step_gib"] > 0 else None
-    summary = {"name": "lengths", "metric": f"trainer step memory at {longest} tokens, GiB (checkpointed)",
+    name = "lengths" if args.size == "tiny" else f"lengths-{args.size}"
+    summary = {"name": name, "metric": f"trainer step memory at {longest} tokens, GiB (checkpointed)",
                "value": ckpt["step_gib"], "baseline": "activations kept", "baseline_value": kept["step_gib"],
                "ratio": ratio, "target": None, "pass": None}
-    record = {**summary, "machine": machine(), "model": f"tiny Qwen3-MoE, {params} parameters, fp32, sdpa",
+    record = {**summary, "machine": machine(), "model": f"{args.size} Qwen3-MoE, {params} parameters, fp32, sdpa",
               "rows": {str(t): r for t, r in rows.items()},
               "per_token_kib": {m: per_token_kib(rows, m) for m in MODES},
               "time_ratio_at_longest": round(ckpt["seconds"] / kept["seconds"], 2)}
