@@ -186,8 +186,10 @@ def test_swapping_a_verifier_during_a_run_loses_and_doubles_no_score(tiny_model,
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     steps = 8
+    # each generate call 0.5 s longer: the run outlasts the swap (a new verifier's start, the old one's drain); with
+    # launches ~5 s quicker to start, 8 plain steps once ended first ("supervisor stopped answering")
     proc = subprocess.Popen([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data,
-                             f"run.steps={steps}", "supervisor.progress=none"], env=env,
+                             f"run.steps={steps}", "supervisor.progress=none", "sampler.delay_s=0.5"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:  # wait until training has begun (some scores are in)
