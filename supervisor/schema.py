@@ -175,15 +175,10 @@ class TrainerConfig:
     on with it (supervisor/config.py), so the samplers read only their own section. Off: the routes still come
     back when the engine gives them, for the ``routing/disagree_frac`` metric."""
     router_bias_update_rate: float = 0.0
-    """MoE routers with a correction bias (``e_score_correction_bias``: Nemotron-H, DeepSeek-V3; it shifts which
-    experts a token picks, never their weights): the step of DeepSeek-V3's aux-loss-free update, bias_e += rate *
-    sign(mean load - load_e) after each step. Only 0 is served: the bias stays at the checkpoint's values for the
-    whole RL run. Why: the bias moves routes without any gradient behind it, so updating it would change the
-    sampler's experts from one version to the next for load balance alone, while on-policy RL wants the trainer's
-    routes to be the sampler's (R3 replays them) and GRPO's few, skewed batches are a poor load estimate; NeMo-RL's
-    GRPO configs freeze it too (Megatron's ``moe_router_bias_update_rate: 0.0``, "disable bias updates for grpo",
-    with ``freeze_moe_router``); the paper names no setting. The bias is a persistent buffer (no gradient, not in the
-    optimizer), and every published version carries it (tests/test_nemotron_h_launch.py)."""
+    """The aux-loss-free update of MoE routers' correction bias (``e_score_correction_bias``: Nemotron-H,
+    DeepSeek-V3), bias_e += rate * sign(mean load - load_e) a step. Only 0: the bias stays frozen for RL, as in
+    NeMo-RL's GRPO configs. It moves routes with no gradient behind it, against on-policy routes (R3), on GRPO's poor
+    load estimates. Every published version carries it (a persistent buffer; tests/test_nemotron_h_launch.py)."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the LM-head log-prob pass (memory ~ chunk x vocab x 4 bytes, never the batch's)."""
     logprob_impl: str = "torch"
@@ -197,11 +192,9 @@ class TrainerConfig:
     """With pack (SDPA, eager): run each group's prompt once and its responses on the prompt's keys and
     values (modeling/packing.py SharedPrefix); the same numbers, ~40 % less work at the demo's shape."""
     activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward instead of keeping them (transformers' gradient
-    checkpointing, non-reentrant; Mamba-2, attention and MoE layers alike): activation memory ~ layers x tokens x
-    hidden (each layer's input) instead of every intermediate of every layer, for about one more forward of
-    compute. R3's routes are replayed in the recompute too. Shared prefixes are not used with it (a layer's
-    recompute would write the prefix's K/V cache a second time): the policy runs lanes or varlen packs."""
+    """Recompute each decoder layer in the backward (transformers' non-reentrant gradient checkpointing; Mamba-2,
+    attention, MoE): activations ~ layers x tokens x hidden, for one more forward. R3 replays in the recompute too.
+    No shared prefixes with it (a recompute would write the prefix's K/V twice): lanes or varlen packs."""
     world_size: int = 1
     """Trainer ranks (torchrun; FSDP2 over gloo on CPU, NCCL on GPU)."""
 
