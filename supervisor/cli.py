@@ -9,13 +9,16 @@
     cascade-rl launch PRESET|CONFIG.yaml [hydra overrides]   e.g. launch tiny run_dir=/tmp/r
     cascade-rl launch PRESET --dry-run                       print the resolved config
     cascade-rl launch PRESET --inline                        every role a thread of one process (debuggers, py-spy)
+    cascade-rl plan [PRESET|CONFIG.yaml] [hydra overrides] [--gpu-memory 80GiB|h200] [--json] [--check]
+                                                             peak memory per role and GPU; what to change if it does not fit
     cascade-rl ctl [--run-dir DIR] status [--json]
     cascade-rl ctl [--run-dir DIR] stop
     cascade-rl ctl [--run-dir DIR] swap verifier DOMAIN NAME   # new workers score DOMAIN with NAME; old ones drain
     cascade-rl ctl [--run-dir DIR] scale samplers=N            # add samplers, or drain the newest
 
 Exit codes: 0 done; 1 the run failed, or the data has bad rows (each printed as FILE:LINE: reason);
-2 a config or command-line mistake (printed as one message that says what to change).
+2 a config or command-line mistake (printed as one message that says what to change); 3 ``plan --check``: some
+role does not fit its GPU (the plan says which setting to change; without --check, plan exits 0 once printed).
 """
 
 from __future__ import annotations
@@ -80,6 +83,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from .launch import Supervisor
 
     return Supervisor(cfg, inline=args.inline).run()
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .memory_report import plan_command
+
+    return plan_command(args.preset, args.overrides, args.gpu_memory, args.json, args.check)
 
 
 def cmd_cascade(args: argparse.Namespace) -> int:
@@ -233,6 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--inline", action="store_true",
                         help="every role a thread of this process (inproc sockets): for a debugger or py-spy")
     launch.set_defaults(fn=cmd_launch)
+
+    pl = sub.add_parser("plan", help="expected peak memory per role and GPU (no model is built), what to change")
+    pl.add_argument("preset", nargs="?", default=None,
+                    help="a preset of configs/run/ or a YAML file; none (or a first key=value): the paper's scale")
+    pl.add_argument("overrides", nargs="*", help="hydra overrides, e.g. stage=code_rl model.dtype=bf16")
+    pl.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU: 80GiB, 141, or h100 | h200 | b200 ...")
+    pl.add_argument("--json", action="store_true", help="the plan as JSON")
+    pl.add_argument("--check", action="store_true", help="exit 3 when a role does not fit")
+    pl.set_defaults(fn=cmd_plan)
 
     cas = sub.add_parser("cascade", help="run RL stages in order, evaluate every checkpoint, MOPD from the best")
     cas.add_argument("config", help="a config of configs/cascade/ (e.g. demo) or a YAML file")
