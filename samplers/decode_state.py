@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .engine import GenerationRequest
+from .engine import GenerationRequest, Sample
 
 
 def sample_tokens(logits: Tensor, temperature: Tensor, top_p: Tensor, u: Tensor, top_p_on: bool = True,
@@ -116,6 +117,9 @@ class Run:
     first_row: list[int] = dataclasses.field(default_factory=list)  # each request's first row
     finished: list[int] = dataclasses.field(default_factory=list)  # requests whose rows all finished this step
     routes: Tensor | None = None  # [rows, prompt + max_tokens, MoE layers, k] int16 on the device, -1 unset
+    admitted: np.ndarray | None = None  # [rows] int64: each row's admission order (a paged cache preempts the newest)
+    admissions: int = 0
+    resumed: dict[int, int] = dataclasses.field(default_factory=dict)  # preempted rows waiting: tokens sampled so far
 
     @classmethod
     def start(cls, requests: list[GenerationRequest], n_slots: int, device, route_shape: tuple[int, int] | None = None
@@ -130,4 +134,38 @@ class Run:
         return cls(requests, row_request, deque(range(n)), Slots.empty(n_slots), np.zeros((n, width), np.int64),
                    np.zeros((n, width), np.float32), np.zeros((n, width), np.int32), [0] * n, ["length"] * n,
                    any(r.stop for r in requests), left=[r.n for r in requests],
-                   first_row=np.cumsum([0] + [r.n for r in requests[:-1]]).tolist(), routes=routes)
+                   first_row=np.cumsum([0] + [r.n for r in requests[:-1]]).tolist(), routes=routes,
+                   admitted=np.zeros(n, np.int64))
+
+    def note_admitted(self, rows: list[int]) -> None:
+        """Rows ``rows`` join the running ones now (a paged cache preempts the newest first)."""
+        self.admitted[rows] = self.admissions + np.arange(len(rows))
+        self.admissions += len(rows)
+
+    def context(self, r: int) -> np.ndarray:
+        """Row ``r``'s prompt and the tokens it sampled before it was preempted (its prompt if it never was)."""
+        prompt = self.requests[self.row_request[r]].prompt_ids
+        return np.concatenate([prompt, self.tokens[r, : self.resumed[r]].astype(np.int32)]) if r in self.resumed \
+            else prompt
+
+    def stop_hits(self, tokenizer) -> np.ndarray:
+        """Running slots whose response text now ends in one of their stop strings."""
+        s, b = self.slots, self.active
+        hit = np.zeros(b, bool)
+        for i, (r, n) in enumerate(zip(s.row[:b].tolist(), s.n_gen[:b].tolist())):
+            stop = self.requests[self.row_request[r]].stop
+            if stop:
+                tail = tokenizer.decode(self.tokens[r, max(0, n - 16) : n].tolist())
+                hit[i] = any(tail.endswith(x) for x in stop)
+        return hit
+
+    def samples(self, i: int, read: Callable[[Tensor], np.ndarray]) -> list[Sample]:
+        """Request ``i``'s samples; ``read`` copies its rows' routes to the host (the engine's counted read)."""
+        first = self.first_row[i]
+        routes = None if self.routes is None else read(self.routes[first: first + self.requests[i].n])
+        # a row's routes: every token the engine ran, the prompt's and the response's but the last
+        ran = len(self.requests[i].prompt_ids) - 1
+        return [Sample(self.tokens[r, : self.length[r]].astype(np.int32), self.logps[r, : self.length[r]].copy(),
+                       self.finish[r], None if routes is None else routes[k, : ran + self.length[r]].copy(),
+                       self.versions[r, : self.length[r]].copy())
+                for k, r in enumerate(range(first, first + self.requests[i].n))]

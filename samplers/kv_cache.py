@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -73,6 +74,12 @@ class KVCache(nn.Module):
 
         return attend
 
+    def release(self, slots: list[int]) -> None:
+        """Nothing to free: every slot keeps its ``max_len`` positions (samplers/paged_kv.py frees blocks)."""
+
+    def plan_decode(self, positions: np.ndarray) -> None:
+        """Nothing to plan: a decode step reads ``[:B, :, :kv_len]`` (samplers/paged_kv.py lays out blocks)."""
+
     def save(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
         """A copy of slot ``slot``'s K/V at positions ``< length``: ``[layers, kv_heads, length, hd]`` each."""
         return self.k[:, slot, :, :length].clone(), self.v[:, slot, :, :length].clone()
@@ -108,7 +115,8 @@ class KVCache(nn.Module):
 
         return attend
 
-    def move(self, dst: Tensor, src: Tensor, kv_len: int) -> None:
-        """Copy slots ``src`` into slots ``dst`` (positions ``< kv_len``): compacts the running slots."""
+    def move(self, dst: Tensor, src: Tensor, kv_len: int, host: tuple[np.ndarray, ...] | None = None) -> None:
+        """Copy slots ``src`` into slots ``dst`` (positions ``< kv_len``): compacts the running slots (``host``: the
+        same indices on the host, which a paged cache reads)."""
         self.k[:, dst, :, :kv_len] = self.k[:, src, :, :kv_len]
         self.v[:, dst, :, :kv_len] = self.v[:, src, :, :kv_len]

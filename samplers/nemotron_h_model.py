@@ -313,12 +313,11 @@ class NemotronH(RecordsRoutes, nn.Module):
     def use_cpu_kernels(self) -> NemotronH:
         raise ValueError(f"no C++ CPU kernels for Nemotron-H: {self.cpu_kernels_refusal}")
 
-    def new_cache(self, slots: int, max_len: int, dtype=torch.float32, device="cpu") -> HybridCache:
-        """The engine's cache for this model: K/V of the attention layers, conv windows and SSM states of the
-        Mamba layers."""
+    def new_cache(self, slots: int, max_len: int, dtype=torch.float32, device="cpu", kv=KVCache) -> HybridCache:
+        """The engine's cache for this model: K/V of the attention layers (``kv``: its class, static or paged),
+        conv windows and SSM states of the Mamba layers."""
         a = self.args
-        kv = KVCache(KVShape(len(a.layers_of("full_attention")), a.n_kv_heads, a.head_dim), slots, max_len, dtype,
-                     device)
+        kv = kv(KVShape(len(a.layers_of("full_attention")), a.n_kv_heads, a.head_dim), slots, max_len, dtype, device)
         state = StateCache(len(a.layers_of("linear_attention")), slots, a.conv_dim, a.conv_kernel, a.mamba_heads,
                            a.mamba_head_dim, a.state_size, dtype, device)
         return HybridCache(kv, state)

@@ -33,11 +33,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .kv_cache import Attend, KVCache
+from .paged_kv import PagedKVCache
 
 
 class MambaParams(Protocol):
@@ -251,7 +253,7 @@ class HybridCache:
     """K/V of the attention layers (a ``KVCache`` over them alone) and the state of the Mamba layers (a
     ``StateCache``), with ``KVCache``'s interface: each pass returns a ``Pass`` of both."""
 
-    def __init__(self, kv: KVCache, state: StateCache) -> None:
+    def __init__(self, kv: KVCache | PagedKVCache, state: StateCache) -> None:
         self.kv, self.state = kv, state
         self.slots, self.max_len = kv.slots, kv.max_len
 
@@ -273,6 +275,31 @@ class HybridCache:
         self.kv.restore(slot, saved[0])
         self.state.restore(slot, saved[1])
 
-    def move(self, dst: Tensor, src: Tensor, kv_len: int) -> None:
-        self.kv.move(dst, src, kv_len)
+    def move(self, dst: Tensor, src: Tensor, kv_len: int, host: tuple[np.ndarray, ...] | None = None) -> None:
+        self.kv.move(dst, src, kv_len, host)
         self.state.move(dst, src)
+
+    # the K/V part's allocator, paged or not (samplers/paged_kv.py); the Mamba state is O(1) a slot, one per slot
+
+    def release(self, slots: list[int]) -> None:
+        self.kv.release(slots)
+
+    def plan_decode(self, positions: np.ndarray) -> None:
+        self.kv.plan_decode(positions)
+
+    def grow(self, slot: int, tokens: int, strict: bool = False) -> bool:
+        return self.kv.grow(slot, tokens, strict)
+
+    def make_room(self, positions: np.ndarray, age: np.ndarray) -> list[int]:
+        return self.kv.make_room(positions, age)
+
+    def blocks_for(self, tokens: int) -> int:
+        return self.kv.blocks_for(tokens)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.kv.free_blocks
+
+    @property
+    def used_blocks(self) -> int:
+        return self.kv.used_blocks

@@ -1,4 +1,4 @@
-"""The built-in torch engine: continuous batching over a static KV cache (and Mamba state cache).
+"""The built-in torch engine: continuous batching over a static or paged KV cache (and Mamba state cache).
 
     engine = TorchEngine("models/tiny", max_batch=256)
     groups = engine.generate(requests)          # n Samples per GenerationRequest, in request order
@@ -38,6 +38,10 @@ Multi-turn rows (``GenerationRequest.prefix_keys``): a row that stops keeps its 
 the same point: O(1) in the length) under its key; its next turn, a request whose prompt extends the kept tokens,
 restores it into its slot and prefills only the new tokens (the observation) with the cache's ``extend``.
 
+``kv_cache="paged"`` (samplers/paged_kv.py): K/V in blocks of a pool of ``kv_cache_tokens`` tokens instead of
+``max_len`` positions reserved for every slot; rows wait for blocks, and the newest are preempted and recomputed
+when running rows need blocks none are free for (samplers/scheduler.py).
+
 Log-probs are those of the sampled token under the temperature-scaled
 distribution before top-p truncation (what the trainer recomputes at the same
 temperature); temperature 0 is greedy (log-prob at T=1). The response
@@ -56,7 +60,8 @@ one-off script, on a machine other jobs shared).
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+import functools
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -71,10 +76,15 @@ from .decode_state import Run, StepBuffers, sample_tokens
 from .engine import GenerationRequest, Sample, check_request, register_engine
 from .kv_cache import KVCache
 from .models import SERVED_MODEL_TYPES, eos_token_ids, model_class
+from .paged_kv import PagedKVCache
+from .prefix_cache import Kept, PrefixCache
+from .scheduler import admissible, preempt
 from .state_cache import HybridCache
 from .torch_model import choose_experts
 
 INFLIGHT_KV = ("recompute", "keep")  # TorchEngine(inflight_kv=): the running rows' K/V when weights change mid-generation
+KV_CACHES = ("static", "paged")  # TorchEngine(kv_cache=): slots x max length reserved, or blocks of a shared pool
+PAGED_NO_CPU_KERNELS = "kernels/cpu_decode.cpp reads the static KV cache's layout: kv_cache='paged' runs torch ops"
 
 
 @register_engine("torch")
@@ -85,39 +95,46 @@ class TorchEngine:
     @classmethod
     def from_config(cls, cfg, device: torch.device, url: str = "") -> TorchEngine:
         """The run's model in ``model.dtype`` on the sampler's ``device``."""
-        return cls(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
-                   return_routes=cfg.sampler.return_routes,
-                   inflight_kv=cfg.sampler.inflight_kv, cuda_graphs=cfg.sampler.cuda_graphs)
+        s = cfg.sampler
+        return cls(cfg.model.path, dtype=cfg.model.dtype, device=str(device), return_routes=s.return_routes,
+                   inflight_kv=s.inflight_kv, cuda_graphs=s.cuda_graphs, kv_cache=s.kv_cache,
+                   kv_cache_tokens=s.kv_cache_tokens, kv_block_size=s.kv_block_size)
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", max_batch: int = 256,
                  prefill_tokens: int = 8192, moe_impl: str | None = None, ignore_eos: bool = False,
                  cpu_kernels: bool | None = None, prefix_cache_tokens: int = 1 << 18, return_routes: bool = False,
-                 inflight_kv: str = "recompute", cuda_graphs: bool = True) -> None:
-        """``max_batch``: decode slots (rows sampled at once); ``prefill_tokens``: most padded prompt tokens
-        in one prefill pass; ``moe_impl``: one of kernels/moe.py's ``EXPERTS`` without the C++ kernels,
-        by default ``choose_experts``'s pick for the device and dtype (grouped on CPU and on CUDA in bf16 on
-        sm_90 / sm_100, dense elsewhere on CUDA); ``ignore_eos``: rows run to ``max_tokens`` (benchmarks);
-        ``cpu_kernels``: the C++ kernels (kernels/cpu_decode.cpp: MoE, RMS norm, decode
-        attention), by default on for fp32 on CPU when they build; ``prefix_cache_tokens``: most tokens of
-        multi-turn rows' K/V kept between their turns (0: none kept, every turn prefills its whole trajectory);
-        ``return_routes``: each sample carries the experts every MoE layer chose for each of its tokens
-        (``Sample.routes``; routing replay); ``inflight_kv``: what the rows running when new weights arrive
-        mid-generation do with their K/V (``generate(between=)``): ``recompute`` it under the new weights (each
-        token's log-prob is then exactly its version's) or ``keep`` it (no prefill; the tokens after the update
-        attend to K/V of the old weights); ``cuda_graphs``: on CUDA, each decode step replays a CUDA graph
-        (samplers/cuda_graphs.py; eager if a capture fails)."""
+                 inflight_kv: str = "recompute", cuda_graphs: bool = True, kv_cache: str = "static",
+                 kv_cache_tokens: int = 1 << 18, kv_block_size: int = 16) -> None:
+        """``max_batch``: decode slots (rows sampled at once); ``prefill_tokens``: most padded prompt tokens in one
+        prefill pass; ``moe_impl``: one of kernels/moe.py's ``EXPERTS`` without the C++ kernels, by default
+        ``choose_experts``'s pick for the device and dtype (grouped on CPU and on CUDA in bf16 on sm_90 / sm_100,
+        dense elsewhere on CUDA); ``ignore_eos``: rows run to ``max_tokens`` (benchmarks); ``cpu_kernels``: the C++
+        kernels (kernels/cpu_decode.cpp: MoE, RMS norm, decode attention), by default on for fp32 on CPU when they
+        build; ``prefix_cache_tokens``: most tokens of multi-turn rows' K/V kept between their turns (0: none kept,
+        every turn prefills its whole trajectory); ``return_routes``: each sample carries the experts every MoE
+        layer chose for each of its tokens (``Sample.routes``; routing replay); ``inflight_kv``: what the rows
+        running when new weights arrive mid-generation do with their K/V (``generate(between=)``): ``recompute`` it
+        under the new weights (each token's log-prob is then exactly its version's) or ``keep`` it (no prefill; the
+        tokens after the update attend to K/V of the old weights); ``cuda_graphs``: on CUDA, each decode step
+        replays a CUDA graph (samplers/cuda_graphs.py; eager if a capture fails); ``kv_cache``: ``static`` (every
+        slot reserves the call's longest prompt + max_tokens) or ``paged`` (blocks of ``kv_block_size`` tokens from
+        a pool of ``kv_cache_tokens``, allocated at the first call; torch ops only, since the C++ decode op reads
+        the static layout, and no CUDA graphs, since a step's shapes follow the blocks in flight)."""
         # here, not at the top: the supervisor imports this module for its registry entry, and transformers' auto
         # classes cost a process ~3 s of CPU to import
         from transformers import AutoConfig, AutoTokenizer
 
         if inflight_kv not in INFLIGHT_KV:
             raise ValueError(f"inflight_kv={inflight_kv!r}: choose one of {INFLIGHT_KV}")
-        self.inflight_kv = inflight_kv
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache={kv_cache!r}: choose one of {KV_CACHES}")
+        self.inflight_kv, self.paged, self.kv_block_size = inflight_kv, kv_cache == "paged", kv_block_size
+        self.kv_blocks = kv_cache_tokens // kv_block_size + 1  # paged: the pool, its scratch block included
         self.device, self.dtype = torch.device(device), torch_dtype(dtype)
         # the model's class by its model_type (samplers/models.py): an unserved one is refused before any weight is read
         model_cls = model_class(AutoConfig.from_pretrained(model_path).model_type)
         # why the C++ kernels cannot run this model ('' if they can): then they stay off, and asking for them fails
-        self.cpu_kernels_off = model_cls.cpu_kernels_refusal
+        self.cpu_kernels_off = model_cls.cpu_kernels_refusal or (PAGED_NO_CPU_KERNELS if self.paged else "")
         fits = self.device.type == "cpu" and self.dtype == torch.float32
         if cpu_kernels and self.cpu_kernels_off:
             raise ValueError(f"cpu_kernels=True: {self.cpu_kernels_off}")
@@ -145,18 +162,17 @@ class TorchEngine:
         self.vocab_size = self.model.args.vocab_size
         self.max_context = self.model.args.max_position_embeddings
         self.max_batch, self.prefill_tokens, self.ignore_eos = max_batch, prefill_tokens, ignore_eos
-        self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.cache: KVCache | HybridCache | None = None  # the model's new_cache
+        self.use_graphs = cuda_graphs and self.device.type == "cuda" and not self.paged
+        self.cache: KVCache | PagedKVCache | HybridCache | None = None  # the model's new_cache
         self.buf: StepBuffers | None = None  # with the cache
         self.graphs: DecodeGraphs | None = None  # with the cache, on CUDA
         self.version = 0
-        # multi-turn rows' K/V (and Mamba states) between their turns (GenerationRequest.prefix_keys): key -> (token
-        # ids, the cache's save of them, their routes or None)
-        self.prefixes: OrderedDict[str, tuple[np.ndarray, object, Tensor | None]] = OrderedDict()
-        self.prefix_tokens, self.prefix_cache_tokens = 0, prefix_cache_tokens
         # prefix_hits, prefix_tokens_reused, inflight_recomputed_tokens; steps, decode_steps and host_reads (every
-        # device->host read of generate, through _read: one a step)
+        # device->host read of generate, through _read: one a step); paged: kv_waits (admissions stopped for want
+        # of blocks), kv_preempted (rows), kv_peak_blocks
         self.counters = Counter()
+        # multi-turn rows' K/V (and Mamba states) between their turns (GenerationRequest.prefix_keys)
+        self.prefixes = PrefixCache(prefix_cache_tokens, self.counters)
 
     @property
     def eos_ids(self) -> Tensor:
@@ -168,6 +184,9 @@ class TorchEngine:
         self._eos_ids, self.eos_host = ids, ids.cpu().numpy().astype(np.int64)
 
     def check(self, request: GenerationRequest) -> str:
+        need, pool = len(request.prompt_ids) + request.max_tokens, (self.kv_blocks - 1) * self.kv_block_size
+        if self.paged and need > pool and not check_request(request, self.vocab_size, self.max_context):
+            return f"prompt + max_tokens ({need}) exceed the paged KV cache ({pool}): raise sampler.kv_cache_tokens"
         return check_request(request, self.vocab_size, self.max_context)
 
     def load_weights(self, path: str, version: int) -> None:
@@ -180,7 +199,6 @@ class TorchEngine:
         self.model.load_hf_state_dict(tensors)
         self.version = version
         self.prefixes.clear()  # K/V computed by the old weights
-        self.prefix_tokens = 0
 
     streams_groups = True  # generate(..., on_done=) reports each request as soon as its rows are done
     inflight_updates = True  # generate(..., between=) may load new weights between decode steps
@@ -204,8 +222,9 @@ class TorchEngine:
         seeds = [r.seed for r in requests if r.seed is not None]
         generator = torch.Generator(self.device).manual_seed(hash(tuple(seeds)) & 0xFFFFFFFF) if seeds else None
         while True:
-            running = run.active  # rows with a token to feed: one decode step for them, then new rows join
-            if running:
+            if run.active and self.paged and (out := preempt(run, self.cache, self.counters)) is not None:
+                self._retire(run, out)  # paged: rows preempted so that the others' next tokens have blocks
+            if run.active:  # rows with a token to feed: one decode step for them, then new rows join
                 self._decode(run, generator)
             if run.waiting and run.active < self.cache.slots:
                 self._admit(run, generator)
@@ -218,14 +237,14 @@ class TorchEngine:
                 self._retire(run, done)
                 if on_done is not None:
                     for i in run.finished:
-                        on_done(i, self._request_samples(run, i))
+                        on_done(i, run.samples(i, self._read))
                 run.finished.clear()
             if between is not None and run.active:
                 version = self.version
                 between()
                 if self.version != version and self.inflight_kv == "recompute":
                     self._recompute(run)
-        return self._samples(run)
+        return [run.samples(i, self._read) for i in range(len(run.requests))]
 
     def _read(self, t: Tensor) -> np.ndarray:
         """A copy of ``t`` on the host. Every device->host read of ``generate`` goes through here and is
@@ -252,6 +271,7 @@ class TorchEngine:
         if self.graphs is not None and self.graphs.enabled:
             n, kv_len = self.graphs.shape(b, kv_len)
         d.u[:n].uniform_(generator=generator)
+        self.cache.plan_decode(s.pos[:b])  # paged: the blocks the step reads (host bookkeeping)
         if self.graphs is None or not self.graphs.replay((n, kv_len, top_p_on, greedy_on)):
             self._step(b, kv_len, top_p_on, greedy_on)
         d.last[:b] = d.next[:b]
@@ -273,34 +293,49 @@ class TorchEngine:
             d.routes[:n] = self.model.last_routes()[:, 0]
 
     def _admit(self, run: Run, generator: torch.Generator | None) -> None:
-        """Move waiting rows into free slots; prefill their prompts, once per request; sample their first tokens
-        into ``buf``."""
-        take = [run.waiting.popleft() for _ in range(min(self.cache.slots - run.active, len(run.waiting)))]
-        groups, src = [], []  # rows are in request order: one request's admitted rows are adjacent
-        for r in take:
-            if not groups or groups[-1] != run.row_request[r]:
-                groups.append(run.row_request[r])
-            src.append(len(groups) - 1)
+        """Move waiting rows into free slots (samplers/scheduler.py); prefill their prompts, once per request (a
+        preempted row: its prompt and the tokens it sampled); sample their next tokens into ``buf``."""
+        take = admissible(run, self.cache, self.paged, self.counters)
+        if not take:  # paged: the head waits for blocks
+            return
+        k = next((j for j, r in enumerate(take) if r not in run.resumed), len(take))  # preempted rows come first
+        contexts = [run.context(r) for r in take[:k]]
         reqs = [run.requests[run.row_request[r]] for r in take]
         s, d, a, b = run.slots, self.buf, run.active, run.active + len(take)
         s.row[a:b] = take
-        s.pos[a:b] = [len(q.prompt_ids) for q in reqs]
-        s.n_gen[a:b] = 0
+        s.pos[a:b] = [len(c) for c in contexts] + [len(q.prompt_ids) for q in reqs[k:]]
+        s.n_gen[a:b] = [run.resumed.pop(r) for r in take[:k]] + [0] * (len(take) - k)
         s.max_tokens[a:b] = [q.max_tokens for q in reqs]
         s.temperature[a:b] = [q.temperature for q in reqs]
         s.top_p[a:b] = [q.top_p for q in reqs]
         d.row[a:b], d.pos[a:b] = self._to_device(s.row[a:b]), self._to_device(s.pos[a:b])
         d.temperature[a:b], d.top_p[a:b] = self._to_device(s.temperature[a:b]), self._to_device(s.top_p[a:b])
+        run.note_admitted(take)
+        for slot in range(a, b) if self.paged else ():  # blocks for what the prefill writes (admissible counted)
+            self.cache.grow(slot, int(s.pos[slot]), strict=True)
         run.active = b
-        logits = self._admitted_logits(run, take, groups, src, a)
+        parts = []
+        if k:
+            routes: list[Tensor] | None = [] if run.routes is not None else None
+            parts.append(self._prefill(contexts, np.arange(a, a + k), np.arange(k), routes))
+            for r, x in zip(take[:k], routes or ()):
+                run.routes[r, : len(x)] = x
+        if k < len(take):
+            parts.append(self._admitted_logits(run, take[k:], a + k))
+        logits = torch.cat(parts)
         d.u[a:b].uniform_(generator=generator)
         d.put(a, *sample_tokens(logits, d.temperature[a:b], d.top_p[a:b], d.u[a:b],
                                 bool((s.top_p[a:b] < 1.0).any()), bool((s.temperature[a:b] <= 0).any())))
         d.last[a:b] = d.next[a:b]
 
-    def _admitted_logits(self, run: Run, take: list[int], groups: list[int], src: list[int], a: int) -> Tensor:
+    def _admitted_logits(self, run: Run, take: list[int], a: int) -> Tensor:
         """The first logits of rows ``take`` (now in slots a..): their prompts prefilled, or only what follows
         their kept K/V."""
+        groups, src = [], []  # rows are in request order: one request's admitted rows are adjacent
+        for r in take:
+            if not groups or groups[-1] != run.row_request[r]:
+                groups.append(run.row_request[r])
+            src.append(len(groups) - 1)
         reqs = [run.requests[run.row_request[r]] for r in take]
         kept = {j: hit for j, r in enumerate(take) if (hit := self._kept_prefix(run, r)) is not None}
         routes: list[Tensor] | None = [] if run.routes is not None else None  # each prefilled prompt's
@@ -337,39 +372,23 @@ class TorchEngine:
 
     # --- multi-turn: K/V kept across calls ---
 
-    def _kept_prefix(self, run: Run, r: int) -> tuple[np.ndarray, object, Tensor | None] | None:
-        """The kept K/V of row ``r``'s earlier turns, if its request names it and its prompt extends them (taken:
-        the row keeps it again when it stops)."""
+    def _kept_prefix(self, run: Run, r: int) -> Kept | None:
+        """The kept K/V of row ``r``'s earlier turns, if its request names it and its prompt extends them."""
         req = run.requests[run.row_request[r]]
         if not req.prefix_keys:
             return None
-        key = req.prefix_keys[r - run.first_row[run.row_request[r]]]
-        hit = self.prefixes.pop(key, None)
-        if hit is None:
-            return None
-        self.prefix_tokens -= len(hit[0])
-        ids = hit[0]
-        if len(ids) >= len(req.prompt_ids) or not np.array_equal(req.prompt_ids[: len(ids)], ids):
-            return None
-        self.counters["prefix_hits"] += 1
-        self.counters["prefix_tokens_reused"] += len(ids)
-        return hit
+        return self.prefixes.take(req.prefix_keys[r - run.first_row[run.row_request[r]]], req.prompt_ids)
 
     def _keep(self, run: Run, slot: int, r: int) -> None:
-        """Row ``r`` stopped in ``slot``: keep its K/V under its key for its next turn (least recently kept
-        dropped first beyond ``prefix_cache_tokens``)."""
+        """Row ``r`` stopped in ``slot``: keep its K/V under its key for its next turn."""
         req = run.requests[run.row_request[r]]
-        if not req.prefix_keys or not self.prefix_cache_tokens:
+        if not req.prefix_keys or not self.prefixes.max_tokens:
             return
         n = int(run.slots.pos[slot])  # in the cache: the prompt and every sampled token but the last
         ids = np.concatenate([req.prompt_ids, run.tokens[r, : n - len(req.prompt_ids)].astype(np.int32)])
         key = req.prefix_keys[r - run.first_row[run.row_request[r]]]
         routes = None if run.routes is None else run.routes[r, :n].clone()
-        self.prefixes[key] = (ids, self.cache.save(slot, n), routes)
-        self.prefix_tokens += n
-        while self.prefix_tokens > self.prefix_cache_tokens and self.prefixes:
-            old_ids = self.prefixes.pop(next(iter(self.prefixes)))[0]
-            self.prefix_tokens -= len(old_ids)
+        self.prefixes.put(key, ids, self.cache.save(slot, n), routes)
 
     def _extend(self, suffixes: list[np.ndarray], slots: list[int], starts: list[int]) -> Tensor:
         """Last-position logits of continuations whose slots already hold ``starts`` tokens."""
@@ -420,7 +439,7 @@ class TorchEngine:
         n += 1  # in place: s.n_gen
         stopped = np.isin(tokens, self.eos_host) if not self.ignore_eos else np.zeros(b, bool)
         if run.any_stop_strings:
-            stopped |= self._stop_strings(run)
+            stopped |= run.stop_hits(self.tokenizer)
         done = stopped | (n >= s.max_tokens[:b])
         for slot in np.flatnonzero(done).tolist():
             r, stop = int(rows[slot]), bool(stopped[slot])
@@ -433,26 +452,16 @@ class TorchEngine:
                 run.finished.append(i)
         return done
 
-    def _stop_strings(self, run: Run) -> np.ndarray:
-        """Running slots whose response text now ends in one of their stop strings."""
-        s, b = run.slots, run.active
-        hit = np.zeros(b, bool)
-        for i, (r, n) in enumerate(zip(s.row[:b].tolist(), s.n_gen[:b].tolist())):
-            stop = run.requests[run.row_request[r]].stop
-            if stop:
-                tail = self.tokenizer.decode(run.tokens[r, max(0, n - 16) : n].tolist())
-                hit[i] = any(tail.endswith(x) for x in stop)
-        return hit
-
     def _retire(self, run: Run, done: np.ndarray) -> None:
         """Free the done slots; the last running slots move into the holes so that 0..active-1 run."""
         s, keep = run.slots, ~done
+        self.cache.release(np.flatnonzero(done).tolist())  # paged: their blocks back to the pool
         n_keep = int(keep.sum())
         holes = np.flatnonzero(~keep[:n_keep])
         if holes.size:
             movers = np.flatnonzero(keep[n_keep:]) + n_keep
             dst, src = self._to_device(holes), self._to_device(movers)
-            self.cache.move(dst, src, int(s.pos[movers].max()))
+            self.cache.move(dst, src, int(s.pos[movers].max()), (holes, movers))
             s.move(holes, movers)
             self.buf.move(dst, src)
         run.active = n_keep
@@ -474,27 +483,16 @@ class TorchEngine:
         """A cache with enough slots (up to ``max_batch``) and positions, and the decode step's buffers and
         graphs over it; grown, never shrunk."""
         slots, old = min(self.max_batch, rows), self.cache
+        length = self.max_context if self.paged else length  # paged: any slot may hold up to the whole context
         if old is not None and old.slots >= slots and old.max_len >= length:
             return
         if old is not None:
             slots, length = max(slots, old.slots), max(length, old.max_len)
         length = min(-(-length // 128) * 128, self.max_context)
         self.cache = self.buf = self.graphs = None  # free the old ones first (the graphs hold the old cache)
-        self.cache = self.model.new_cache(slots, length, self.dtype, self.device)
+        kv = (functools.partial(PagedKVCache, blocks=self.kv_blocks, block_size=self.kv_block_size) if self.paged
+              else KVCache)
+        self.cache = self.model.new_cache(slots, length, self.dtype, self.device, kv)
         self.buf = StepBuffers.empty(slots, self.device, self.route_shape)
         if self.use_graphs:
             self.graphs = DecodeGraphs(self._step, slots, length)
-
-    def _request_samples(self, run: Run, i: int) -> list[Sample]:
-        first = run.first_row[i]
-        rows = range(first, first + run.requests[i].n)
-        routes = None if run.routes is None else self._read(run.routes[first: first + len(rows)])
-        # a row's routes: every token the engine ran, the prompt's and the response's but the last
-        ran = len(run.requests[i].prompt_ids) - 1
-        return [Sample(run.tokens[r, : run.length[r]].astype(np.int32), run.logps[r, : run.length[r]].copy(),
-                       run.finish[r], None if routes is None else routes[k, : ran + run.length[r]].copy(),
-                       run.versions[r, : run.length[r]].copy())
-                for k, r in enumerate(rows)]
-
-    def _samples(self, run: Run) -> list[list[Sample]]:
-        return [self._request_samples(run, i) for i in range(len(run.requests))]

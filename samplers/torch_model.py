@@ -302,9 +302,10 @@ class Transformer(RecordsRoutes, nn.Module):
     def moe_blocks(self) -> list[MoE]:
         return [b.ffn for b in self.layers if isinstance(b.ffn, MoE)]
 
-    def new_cache(self, slots: int, max_len: int, dtype=torch.float32, device="cpu") -> KVCache:
-        """The engine's cache for this model: K/V of every layer."""
-        return KVCache(self.args, slots, max_len, dtype, device)
+    def new_cache(self, slots: int, max_len: int, dtype=torch.float32, device="cpu", kv=KVCache) -> KVCache:
+        """The engine's cache for this model: K/V of every layer (``kv``: its class, ``KVCache``'s arguments,
+        or samplers/paged_kv.py's ``PagedKVCache`` with its pool bound)."""
+        return kv(self.args, slots, max_len, dtype, device)
 
     def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache, kv_len: int | None = None) -> Tensor:
         """Logits ``[B, V]`` of one new token per slot ``0..B-1`` (``tokens [B]`` at ``positions [B]``), its

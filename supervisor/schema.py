@@ -21,7 +21,7 @@ from cascade_rl.modeling.choices import AttnImpl, MoeImpl
 from cascade_rl.protocol.devices import Dtype
 
 from .schema_ray import LauncherName, RayConfig
-from .schema_services import JudgeConfig, SGLangConfig, VLLMConfig
+from .schema_services import JudgeConfig, SGLangConfig, TorchKVSettings, VLLMConfig
 from .schema_weights import WeightsOptions
 
 
@@ -255,8 +255,8 @@ class OrchestratorConfig:
 
 
 @dataclass
-class SamplerConfig:
-    """The sampler processes (samplers/worker.py): PromptRequests in, Rollouts with log-probs out."""
+class SamplerConfig(TorchKVSettings):
+    """The sampler processes (samplers/worker.py): PromptRequests in, Rollouts out (KV cache: TorchKVSettings)."""
 
     count: int = 1
     """Sampler processes at launch (``cascade-rl ctl scale samplers=N`` changes it while the run goes on)."""

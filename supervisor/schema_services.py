@@ -1,6 +1,7 @@
 """The options of the services a run calls on beside its own processes: the sampler engines' (vLLM, SGLang) and
 the judge model's (GenRM and LLM-judge rewards). Sections of the launch schema (supervisor/schema.py): ``sampler.vllm``,
-``sampler.sglang``, ``verifier.judge``; every field documented where it is declared.
+``sampler.sglang``, ``verifier.judge``, and the torch engine's KV cache fields of ``sampler`` (``TorchKVSettings``);
+every field documented where it is declared.
 """
 
 from __future__ import annotations
@@ -83,6 +84,31 @@ class JudgeConfig:
     a bare value with the reference (docs/ARCHITECTURE.md). false: the judge sees every answer, as in the paper."""
     genrm: GenRMSettings = field(default_factory=GenRMSettings)
     """RLHF's pairwise rewards: the pair template and the length terms (verifiers/genrm.py)."""
+
+
+class KVCacheKind(StrEnum):
+    """``sampler.kv_cache``: how the torch engine holds K/V (samplers/torch_engine.py)."""
+
+    static = "static"  # every decode slot reserves the batch's longest prompt + max_tokens
+    paged = "paged"  # blocks of one pool (samplers/paged_kv.py): each row takes what it fills
+
+
+@dataclass
+class TorchKVSettings:
+    """The torch engine's KV cache: ``SamplerConfig``'s fields ``kv_cache``, ``kv_cache_tokens``, ``kv_block_size``
+    (declared here, beside the other engines' options, to keep supervisor/schema.py short)."""
+
+    kv_cache: KVCacheKind = KVCacheKind.static
+    """torch engine: static (slots x the batch's longest prompt + max_tokens, reserved per call: fastest at small
+    scale, the C++ CPU kernels and CUDA graphs run it) | paged (blocks of ``kv_block_size`` tokens from a pool of
+    ``kv_cache_tokens``: one long row among short ones costs its own length; rows wait for free blocks and the
+    newest are preempted and recomputed; torch ops only, no CUDA graphs). BENCHMARKS.md "lengths" has the figures."""
+    kv_cache_tokens: int = 262144
+    """kv_cache=paged: the pool's size in tokens, allocated at the first generate call (bytes: tokens x attention
+    layers x 2 x kv_heads x head_dim x dtype size). A request whose prompt + max_tokens exceeds it is refused
+    with this setting's name."""
+    kv_block_size: int = 16
+    """kv_cache=paged: tokens per block (a row wastes less than one block; smaller blocks cost more gathers)."""
 
 
 @dataclass
