@@ -109,8 +109,8 @@ def build(cfg: DictConfig, gpu: float, shape: ModelShape | None = None) -> dict:
                               teacher_terms(shape, ts.dtype_bytes, tokens, cfg.trainer.logprob_chunk_tokens),
                               notes=[] if cfg.teacher.checkpoints else ["one per distinct teaching checkpoint "
                                                                         "(the cascade runner's: one per domain)"]))
-    for role in roles:
-        if role.role != "sampler" and not role.fits and role.role == "teacher":
+    for role in roles[2:]:  # teachers
+        if not role.fits:
             role.advice = ["a teacher server takes one group at once at least: shorter rows, or a GPU with more "
                            "memory"]
     notes = []

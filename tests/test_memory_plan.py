@@ -89,7 +89,7 @@ def _planned_step(shape, tokens: int, checkpointing: bool) -> float:
     return sum(t.bytes for t in trainer_terms(shape, s) if t.name in ("activations", "gradients", "log-prob chunk"))
 
 
-TOLERANCE = 0.25  # measured: within 8 % (BENCHMARKS.md, "cascade-rl plan")
+TOLERANCE = 0.30  # measured +5 % to +20 %: the plan reads high (BENCHMARKS.md, "cascade-rl plan")
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["kept", "checkpointed"])
