@@ -1,6 +1,7 @@
-"""Trainer memory and step time against sequence length, activations kept against checkpointed (issue 36, part).
+"""Trainer and engine memory against sequence length: activations kept vs checkpointed; KV paged vs static (issue 36).
 
     .venv/bin/python bench/lengths.py [--quick | --smoke] [--lengths 1024,4096,16384] [--size 50m]
+    .venv/bin/python bench/lengths.py --engine [--quick | --smoke] [--lengths 4096,16384]
 
 One sequence of T tokens (64 of prompt, the rest response) through the trainer's Policy on a random Qwen3-MoE
 (``make-tiny-model --size``: tiny by default, or 10m, 50m; fp32, padded layout), one forward and backward of the
@@ -9,12 +10,23 @@ summed response log-probs, each (T, mode) in a child process of its own so that 
 mask SDPA is given, the chunked log-prob pass, the gradients). Modes: ``kept`` (every activation held for the
 backward) and ``checkpointed`` (``trainer.activation_checkpointing``: each decoder layer recomputed in the
 backward). The growth per token is the slope between the two longest lengths. Baseline: ``kept``, in the same run.
+
+``--engine``: the torch engine's memory against the tokens in flight, for a mix of a few long rows among many short
+ones: ``LONG_ROWS`` rows of each ``--lengths`` prompt tokens among ``SHORT_ROWS`` of ``SHORT`` tokens, every row
+``MAX_TOKENS`` new tokens (ignore_eos), all rows admitted at once, on the same random model with its context raised
+to fit. Each (length, mode) in a child process: ``cache GiB`` (the K/V buffers) and ``step GiB`` (peak RSS less the
+RSS once loaded: the cache, the prefills' activations, the decode steps). Modes: ``static`` (every slot reserves the
+longest row, the C++ decode kernel off so that both run torch ops), ``paged`` (a pool of exactly the tokens in
+flight, rounded to 16-token blocks), ``paged_half`` (half that pool: rows wait and are preempted). Baseline:
+``static``. Last, the speed of a small batch of short rows only (``SMALL``), static with the C++ kernels, static on
+torch ops and paged.
 """
 
 from __future__ import annotations
 
 import json
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +37,9 @@ from _common import bench_parser, machine, random_model, results_dir, write_resu
 
 MODES = {"kept": False, "checkpointed": True}
 PROMPT = 64
+ENGINE_MODES = {"static": 0.0, "paged": 1.0, "paged_half": 0.5}  # the paged pool as a share of the tokens in flight
+LONG_ROWS, SHORT_ROWS, SHORT, MAX_TOKENS, BLOCK = 4, 60, 256, 32, 16
+SMALL = (64, 128, 64)  # the speed check: rows, prompt tokens, new tokens
 
 
 def rss_gib() -> float:
@@ -55,8 +70,80 @@ def child(model: str, length: int, checkpointing: bool) -> None:
     print(json.dumps({"step_gib": round(peak - loaded, 3), "seconds": round(seconds, 2), "loaded_gib": round(loaded, 3)}))
 
 
-def measure(model: str, length: int, mode: str, timeout: float) -> dict:
-    cmd = [sys.executable, __file__, "--child", model, str(length), mode]
+def engine_child(model: str, spec: str) -> None:
+    """One generate call of the rows in ``spec`` (JSON: [[rows, prompt tokens], ...], max_tokens, mode, pool share,
+    kernels); prints {"cache_gib", "step_gib", "seconds", "tokens_per_s", "in_flight", "counters"}."""
+    import numpy as np
+    import torch
+
+    from cascade_rl.samplers.engine import GenerationRequest
+    from cascade_rl.samplers.torch_engine import TorchEngine
+
+    rows, max_tokens, mode, share, kernels = json.loads(spec)
+    in_flight = sum(n * (p + max_tokens) for n, p in rows)
+    pool = -(-int(in_flight * share) // BLOCK) * BLOCK + sum(n for n, _ in rows) * BLOCK  # rows' last blocks
+    engine = TorchEngine(model, max_batch=sum(n for n, _ in rows), ignore_eos=True, cpu_kernels=kernels,
+                         kv_cache="paged" if share else "static", kv_cache_tokens=pool, kv_block_size=BLOCK)
+    rng = np.random.default_rng(0)
+    reqs = [GenerationRequest(f"{p}-{i}", rng.integers(5, engine.vocab_size, p).astype(np.int32), 1, 1.0, 1.0,
+                              max_tokens, [], seed=i) for n, p in rows for i in range(n)]
+    torch.manual_seed(0)
+    loaded = rss_gib()
+    t0 = time.perf_counter()
+    engine.generate(reqs)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    cache = sum(b.numel() * b.element_size() for b in engine.cache.buffers())
+    print(json.dumps({"cache_gib": round(cache / 2**30, 4), "step_gib": round(peak - loaded, 3),
+                      "seconds": round(seconds, 2), "tokens_per_s": round(len(reqs) * max_tokens / seconds, 1),
+                      "in_flight": in_flight, "counters": dict(engine.counters)}))
+
+
+def long_context(model: Path, context: int) -> Path:
+    """The model with ``max_position_embeddings`` raised to ``context`` (same weights; RoPE needs nothing more)."""
+    out = model.with_name(f"{model.name}-ctx{context}")
+    if not (out / "config.json").exists():
+        shutil.copytree(model, out, dirs_exist_ok=True)
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["max_position_embeddings"] = context
+        (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def engine_main(args, lengths: list[int]) -> dict:
+    model, params = random_model(args.size, results_dir(args.smoke) / "models" if args.smoke else None)
+    long_rows, short_rows, short, max_tokens = (2, 6, 32, 8) if args.smoke else (LONG_ROWS, SHORT_ROWS, SHORT,
+                                                                                 MAX_TOKENS)
+    model = long_context(model, max(max(lengths) + max_tokens, 512))
+    rows: dict[int, dict] = {}
+    for length in lengths:
+        mix = [[long_rows, length], [short_rows, short]]
+        rows[length] = {mode: measure(["--engine-child", str(model), json.dumps([mix, max_tokens, mode, share, False])],
+                                      timeout=1800) for mode, share in ENGINE_MODES.items()}
+        print(json.dumps({"long": length, **rows[length]}), file=sys.stderr, flush=True)
+    small = [[SMALL[0], SMALL[1]]], SMALL[2]
+    speed = {name: measure(["--engine-child", str(model), json.dumps([*small, mode, share, kernels])], timeout=900)
+             for name, mode, share, kernels in [("static_cpu_kernels", "static", 0.0, None),
+                                                ("static", "static", 0.0, False), ("paged", "paged", 1.0, False)]
+             if not args.smoke}  # smoke: the memory part's children alone (seconds each)
+    longest = max(t for t, r in rows.items() if all("cache_gib" in r[m] for m in ENGINE_MODES))
+    static, paged = rows[longest]["static"], rows[longest]["paged"]
+    summary = {"name": "lengths-engine" if args.size == "tiny" else f"lengths-engine-{args.size}",
+               "metric": f"engine KV cache GiB, {long_rows} rows of {longest} among {short_rows} of {short} (paged)",
+               "value": paged["cache_gib"], "baseline": "static per-row reservation",
+               "baseline_value": static["cache_gib"],
+               "ratio": round(static["cache_gib"] / paged["cache_gib"], 2) if paged["cache_gib"] else None,
+               "target": None, "pass": None}
+    record = {**summary, "machine": machine(), "model": f"{args.size} Qwen3-MoE, {params} parameters, fp32",
+              "mix": {"long_rows": long_rows, "short_rows": short_rows, "short": short, "max_tokens": max_tokens,
+                      "block": BLOCK}, "rows": {str(t): r for t, r in rows.items()},
+              "small_batch": {"rows": small[0][0][0], "prompt": SMALL[1], "max_tokens": small[1], **speed}}
+    return write_result(summary, record, smoke=args.smoke)
+
+
+def measure(args: list[str], timeout: float) -> dict:
+    """This file run with ``args`` in a child process of its own: its last stdout line, or {"error": ...}."""
+    cmd = [sys.executable, __file__, *args]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -80,16 +167,23 @@ def main(argv: list[str] | None = None) -> dict:
     if argv and argv[0] == "--child":
         child(argv[1], int(argv[2]), MODES[argv[3]])
         return {}
+    if argv and argv[0] == "--engine-child":
+        engine_child(argv[1], argv[2])
+        return {}
     ap = bench_parser(__doc__, quick="1K-8K tokens", smoke="256 tokens (the code path, no figures)")
     ap.add_argument("--lengths", default="", help="comma-separated sequence lengths (default: by mode)")
     ap.add_argument("--size", default="tiny", help="make-tiny-model --size of the random model: tiny | 10m | 50m")
+    ap.add_argument("--engine", action="store_true", help="the torch engine's KV memory, paged vs static, instead")
     args = ap.parse_args(argv)
+    if args.engine:
+        return engine_main(args, [int(x) for x in args.lengths.split(",")] if args.lengths else [512] if args.smoke
+                           else [1024, 4096] if args.quick else [1024, 4096, 16384])
     lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths else [256] if args.smoke
                else [1024, 2048, 4096, 8192] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768])
     model, params = random_model(args.size, results_dir(args.smoke) / "models" if args.smoke else None)
     rows: dict[int, dict] = {}
     for length in lengths:
-        rows[length] = {mode: measure(str(model), length, mode, timeout=900) for mode in MODES}
+        rows[length] = {mode: measure(["--child", str(model), str(length), mode], timeout=900) for mode in MODES}
         print(json.dumps({"tokens": length, **rows[length]}), file=sys.stderr, flush=True)
     longest = max(t for t, r in rows.items() if all("step_gib" in r[m] for m in MODES))
     kept, ckpt = rows[longest]["kept"], rows[longest]["checkpointed"]

@@ -8,8 +8,12 @@ engine's tokens; a row that can never fit is refused naming ``sampler.kv_cache_t
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -235,3 +239,16 @@ def test_a_16k_row_among_short_ones_fits_where_a_per_row_reservation_would_not(l
     assert pool_bytes < peak.peak < static_bytes / 2, (peak.peak / 2**20, static_bytes / 2**20)
     assert engine.counters["kv_peak_blocks"] * 16 >= LONG + 15 * 24  # every row was in the pool at once
     assert engine.counters["kv_waits"] == 0 and engine.counters["kv_preempted"] == 0
+
+
+def test_the_engine_bench_runs(tmp_path):
+    """bench/lengths.py --engine --smoke (tests/test_benches.py runs its trainer part): each mode's child writes its
+    figures, the paged cache smaller than the static one."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / "lengths.py"
+    r = subprocess.run([sys.executable, str(bench), "--engine", "--smoke"], capture_output=True, text=True,
+                       env=dict(os.environ, CASCADE_BENCH_RESULTS=str(tmp_path)), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    record = json.loads((tmp_path / "lengths-engine.json").read_text())
+    assert summary["name"] == "lengths-engine" and 0 < summary["value"] < summary["baseline_value"]
+    assert record["rows"]["512"]["paged_half"]["counters"]["kv_waits"] > 0
