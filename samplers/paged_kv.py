@@ -12,9 +12,10 @@ Why: the static ``KVCache`` reserves ``max_len`` positions for every slot, so on
 makes every slot cost 16K positions. Here the memory is ``blocks x block_size`` tokens in all, shared: rows of
 very different lengths take what they fill, rounded up to a block.
 
-Layout: ``k``, ``v`` ``[layers, blocks, block_size, kv_heads, head_dim]``, token-major inside a block, so one
-token's K of every head is one contiguous row of ``k[layer].view(-1, kv_heads, head_dim)``: a write is one
-``index_copy_`` of rows and a read one gather of rows (the model's K is ``[B, T, kv_heads, hd]`` already). Block 0
+Layout: ``k``, ``v`` ``[layers, blocks, kv_heads, block_size, head_dim]``, head-major inside a block, so a decode
+step gathers whole blocks (``index_select``) and multiplies them as they lie, each head's ``[block_size, hd]`` one
+matrix (token-major blocks needed a permuted copy per layer: ~1.3x the step's time on CPU); a token's K is then
+``kv_heads`` rows of ``k[layer].view(-1, head_dim)``, written by one ``index_copy_``. Block 0
 is scratch and never handed out: a slot's block table holds 0 past its own blocks, so the writes a right-padded
 prefill makes past a row's blocks land there, and nothing unmasked ever reads it. ``table [slots, max_len /
 block_size]`` (long, on the device) maps a slot's i-th block to its pool block; the host keeps the same lists
@@ -59,7 +60,7 @@ class PagedKVCache(nn.Module):
         super().__init__()
         if blocks < 2:
             raise ValueError(f"a paged KV cache needs at least 2 blocks (one is scratch), got {blocks}")
-        shape = (args.n_layers, blocks, block_size, args.n_kv_heads, args.head_dim)
+        shape = (args.n_layers, blocks, args.n_kv_heads, block_size, args.head_dim)
         self.k = nn.Buffer(torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.v = nn.Buffer(torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.slots, self.max_len, self.block_size, self.blocks = slots, max_len, block_size, blocks
@@ -146,11 +147,14 @@ class PagedKVCache(nn.Module):
     # --- the passes ---
 
     def _rows(self, slots: Tensor, pos: Tensor) -> Tensor:
-        """Rows of the flat pool ``[blocks * block_size]`` of positions ``pos [S, T]`` of slots ``slots [S]``."""
-        return self.table[slots[:, None], pos // self.block_size] * self.block_size + pos % self.block_size
+        """Rows ``[S, T, kv_heads]`` of a layer's flat pool ``[blocks * kv_heads * block_size, hd]`` that hold the
+        heads of positions ``pos [S, T]`` of slots ``slots [S]``."""
+        bs, n_kv = self.block_size, self.k.shape[2]
+        first = self.table[slots[:, None], pos // bs] * (n_kv * bs) + pos % bs  # head 0's row
+        return first[..., None] + torch.arange(n_kv, device=pos.device) * bs
 
     def _flat(self, pool: Tensor, layer: int) -> Tensor:
-        return pool[layer].view(-1, *pool.shape[3:])  # [blocks * block_size, kv_heads, hd]
+        return pool[layer].view(-1, pool.shape[-1])  # [blocks * kv_heads * block_size, hd]
 
     def prefill(self, slots: Tensor, src: Tensor) -> Attend:
         """Attention of right-padded prompts ``[G, T]`` (causal within each prompt); prompt ``src[j]``'s K/V goes
@@ -160,8 +164,8 @@ class PagedKVCache(nn.Module):
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             g, t = q.shape[:2]
             rows = self._rows(slots, torch.arange(t, device=q.device).expand(len(slots), t)).reshape(-1)
-            self._flat(self.k, layer).index_copy_(0, rows, k[src].reshape(-1, *k.shape[2:]))
-            self._flat(self.v, layer).index_copy_(0, rows, v[src].reshape(-1, *v.shape[2:]))
+            self._flat(self.k, layer).index_copy_(0, rows, k[src].reshape(-1, k.shape[-1]))
+            self._flat(self.v, layer).index_copy_(0, rows, v[src].reshape(-1, v.shape[-1]))
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, enable_gqa=True)
             return out.transpose(1, 2).reshape(g, t, -1)
@@ -177,10 +181,10 @@ class PagedKVCache(nn.Module):
             g, t = q.shape[:2]
             pos = (starts[:, None] + torch.arange(t, device=starts.device)).clamp_(max=self.max_len - 1)  # [G, T]
             write = self._rows(slots, pos).reshape(-1)
-            self._flat(self.k, layer).index_copy_(0, write, k.reshape(-1, *k.shape[2:]))
-            self._flat(self.v, layer).index_copy_(0, write, v.reshape(-1, *v.shape[2:]))
+            self._flat(self.k, layer).index_copy_(0, write, k.reshape(-1, k.shape[-1]))
+            self._flat(self.v, layer).index_copy_(0, write, v.reshape(-1, v.shape[-1]))
             n = int(pos.max()) + 1 if kv_len is None else kv_len
-            read = self._rows(slots, torch.arange(n, device=q.device).expand(g, n))  # [G, n]
+            read = self._rows(slots, torch.arange(n, device=q.device).expand(g, n))  # [G, n, kv_heads]
             keys = self._flat(self.k, layer)[read].transpose(1, 2)  # [G, kv_heads, n, hd]
             values = self._flat(self.v, layer)[read].transpose(1, 2)
             visible = torch.arange(n, device=pos.device)[None, None, :] <= pos[:, :, None]  # [G, T, n]
@@ -194,17 +198,17 @@ class PagedKVCache(nn.Module):
         """A copy of slot ``slot``'s K/V at positions ``< length``: ``[layers, length, kv_heads, hd]`` each (kept
         outside the pool, as the static cache keeps it outside its slots)."""
         rows = self._rows(torch.tensor([slot], device=self.table.device),
-                          torch.arange(length, device=self.table.device)[None])[0]
-        flat = self.k.view(self.k.shape[0], -1, *self.k.shape[3:])
-        return flat[:, rows].clone(), self.v.view(flat.shape)[:, rows].clone()
+                          torch.arange(length, device=self.table.device)[None])[0]  # [length, kv_heads]
+        flat = self.k.view(self.k.shape[0], -1, self.k.shape[-1])
+        return flat[:, rows], self.v.view(flat.shape)[:, rows]  # advanced indexing: copies
 
     def restore(self, slot: int, kv: tuple[Tensor, Tensor]) -> None:
         """Put a saved K/V back into slot ``slot`` (positions from 0; the slot must hold them: ``grow``)."""
         n = kv[0].shape[1]
         rows = self._rows(torch.tensor([slot], device=self.table.device),
                           torch.arange(n, device=self.table.device)[None])[0]
-        self.k.view(self.k.shape[0], -1, *self.k.shape[3:])[:, rows] = kv[0]
-        self.v.view(self.v.shape[0], -1, *self.v.shape[3:])[:, rows] = kv[1]
+        self.k.view(self.k.shape[0], -1, self.k.shape[-1])[:, rows] = kv[0]
+        self.v.view(self.v.shape[0], -1, self.v.shape[-1])[:, rows] = kv[1]
 
     def plan_decode(self, positions: np.ndarray) -> None:
         """Lay out the next decode step's blocks in flight for slots ``0..len(positions)-1`` at host
@@ -227,21 +231,21 @@ class PagedKVCache(nn.Module):
         if self.plan is None or self.plan[0] != b:
             raise RuntimeError(f"plan_decode for {b} slots must come before their decode step")
         _, blocks, owner, mask = self.plan
-        write = self._rows(torch.arange(b, device=positions.device), positions[:, None])[:, 0]  # [B]
+        write = self._rows(torch.arange(b, device=positions.device), positions[:, None]).reshape(-1)  # [B * kv]
         mask = mask[:, None, None, :]  # additive, [NB, 1, 1, block_size]
         owner_3d = owner[:, None, None]
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             n_kv, hd = k.shape[2:]
-            self._flat(self.k, layer).index_copy_(0, write, k[:, 0])
-            self._flat(self.v, layer).index_copy_(0, write, v[:, 0])
-            keys = self.k[layer, blocks].permute(0, 2, 3, 1)  # [NB, kv_heads, hd, block_size]
-            values = self.v[layer, blocks].transpose(1, 2)  # [NB, kv_heads, block_size, hd]
-            q = (q.reshape(b, n_kv, -1, hd) * hd**-0.5)[owner]  # [NB, kv_heads, group, hd]: the heads of a kv group
-            scores = torch.matmul(q, keys).add_(mask).float()  # [NB, kv_heads, group, block_size]
+            self._flat(self.k, layer).index_copy_(0, write, k.reshape(-1, hd))
+            self._flat(self.v, layer).index_copy_(0, write, v.reshape(-1, hd))
+            keys = self.k[layer].index_select(0, blocks)  # [NB, kv_heads, block_size, hd]
+            values = self.v[layer].index_select(0, blocks)
+            q = (q.reshape(b, n_kv, -1, hd) * hd**-0.5).index_select(0, owner)  # [NB, kv_heads, group, hd]
+            scores = torch.matmul(q, keys.transpose(-1, -2)).add_(mask).float()  # [NB, kv_heads, group, block_size]
             top = scores.amax(-1)  # every block holds its slot's position 0 or an earlier one: finite
             peak = top.new_full((b, *top.shape[1:]), -torch.inf).scatter_reduce_(0, owner_3d.expand_as(top), top, "amax")
-            e = torch.exp(scores - peak[owner][..., None])
+            e = torch.exp(scores - peak.index_select(0, owner)[..., None])
             total = top.new_zeros(peak.shape).index_add_(0, owner, e.sum(-1))
             out = torch.matmul(e.to(values.dtype), values).float()  # [NB, kv_heads, group, hd]
             out = top.new_zeros((b, *out.shape[1:])).index_add_(0, owner, out) / total[..., None]
