@@ -318,8 +318,8 @@ class TorchEngine:
         if k:
             routes: list[Tensor] | None = [] if run.routes is not None else None
             parts.append(self._prefill(contexts, np.arange(a, a + k), np.arange(k), routes))
-            for r, x in zip(take[:k], routes or ()):
-                run.routes[r, : len(x)] = x
+            for r, x in zip(take[:k], routes or ()):  # the last sampled token's (the others ran before)
+                run.routes[r, len(x) - 1] = x[-1]
         if k < len(take):
             parts.append(self._admitted_logits(run, take[k:], a + k))
         logits = torch.cat(parts)

@@ -65,7 +65,8 @@ def requests(lengths, n=2, max_tokens=24, temperature=1.0, seed=7, vocab=300) ->
 
 def engines(path: str, **paged) -> tuple[TorchEngine, TorchEngine]:
     """A static engine on torch ops (the paged one cannot run the C++ kernels) and a paged one, same settings."""
-    kw = dict(max_batch=paged.pop("max_batch", 5), ignore_eos=paged.pop("ignore_eos", False))
+    kw = dict(max_batch=paged.pop("max_batch", 5), ignore_eos=paged.pop("ignore_eos", False),
+              return_routes=paged.pop("return_routes", False))
     return (TorchEngine(path, cpu_kernels=False, **kw),
             TorchEngine(path, kv_cache="paged", kv_block_size=paged.pop("kv_block_size", 4), **paged, **kw))
 
@@ -75,6 +76,7 @@ def assert_same(a: list, b: list) -> None:
         np.testing.assert_array_equal(x.response_ids, y.response_ids)
         np.testing.assert_allclose(x.logprobs, y.logprobs, atol=TOL)
         assert x.finish_reason == y.finish_reason
+        np.testing.assert_array_equal(x.routes, y.routes)  # None when not asked for
 
 
 # --- the cache alone ---
@@ -156,8 +158,9 @@ def test_paged_multi_turn_reuses_kept_prefixes(model_dir):
 
 def test_rows_wait_and_are_preempted_when_the_pool_is_full(model_dir):
     """A pool of 160 tokens for 12 rows needing up to 110 each: rows wait for blocks and the newest are preempted
-    (recomputed on re-admission), and every row still ends with the static engine's greedy tokens."""
-    static, paged = engines(model_dir, kv_cache_tokens=160, max_batch=8, ignore_eos=True)
+    (recomputed on re-admission), and every row still ends with the static engine's greedy tokens, log-probs and
+    MoE routes (R3: a preempted row's recomputed prefill adds only its last sampled token's)."""
+    static, paged = engines(model_dir, kv_cache_tokens=160, max_batch=8, ignore_eos=True, return_routes=True)
     reqs = requests([5, 37, 12, 70, 3, 20], max_tokens=40, temperature=0.0)
     assert_same(static.generate(reqs), paged.generate(reqs))
     assert paged.counters["kv_waits"] > 0 and paged.counters["kv_preempted"] > 0
