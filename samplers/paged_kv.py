@@ -51,6 +51,12 @@ if TYPE_CHECKING:
 SCRATCH = 0  # the pool block that takes writes past a slot's own blocks; never allocated
 
 
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device``: pinned and asynchronous on CUDA (a pageable copy would make the host wait for
+    the queued steps, as the engine's own ``_to_device`` avoids)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class PagedKVCache(nn.Module):
     """K and V in ``blocks`` blocks of ``block_size`` tokens shared by ``slots`` decode slots of up to
     ``max_len`` tokens each; ``KVCache``'s passes plus the allocator (``grow``, ``release``, ``free_blocks``)."""
@@ -100,7 +106,7 @@ class PagedKVCache(nn.Module):
             new = [self.free.pop() for _ in range(need)]
             have = len(self.owned[slot])
             self.owned[slot] += new
-            self.table[slot, have: have + need] = torch.tensor(new, dtype=torch.long).to(self.table.device)
+            self.table[slot, have: have + need] = to_device(torch.tensor(new, dtype=torch.long), self.table.device)
         return True
 
     def release(self, slots: list[int]) -> None:
@@ -197,7 +203,7 @@ class PagedKVCache(nn.Module):
     def save(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
         """A copy of slot ``slot``'s K/V at positions ``< length``: ``[layers, length, kv_heads, hd]`` each (kept
         outside the pool, as the static cache keeps it outside its slots)."""
-        rows = self._rows(torch.tensor([slot], device=self.table.device),
+        rows = self._rows(to_device(torch.tensor([slot]), self.table.device),
                           torch.arange(length, device=self.table.device)[None])[0]  # [length, kv_heads]
         flat = self.k.view(self.k.shape[0], -1, self.k.shape[-1])
         return flat[:, rows], self.v.view(flat.shape)[:, rows]  # advanced indexing: copies
@@ -205,7 +211,7 @@ class PagedKVCache(nn.Module):
     def restore(self, slot: int, kv: tuple[Tensor, Tensor]) -> None:
         """Put a saved K/V back into slot ``slot`` (positions from 0; the slot must hold them: ``grow``)."""
         n = kv[0].shape[1]
-        rows = self._rows(torch.tensor([slot], device=self.table.device),
+        rows = self._rows(to_device(torch.tensor([slot]), self.table.device),
                           torch.arange(n, device=self.table.device)[None])[0]
         self.k.view(self.k.shape[0], -1, self.k.shape[-1])[:, rows] = kv[0]
         self.v.view(self.v.shape[0], -1, self.v.shape[-1])[:, rows] = kv[1]
@@ -220,9 +226,9 @@ class PagedKVCache(nn.Module):
         first = (np.arange(len(blocks)) - np.repeat(np.cumsum(used) - used, used)) * self.block_size
         visible = first[:, None] + np.arange(self.block_size) <= positions[slot][:, None]  # [NB, block_size]
         dev = self.table.device
-        self.plan = (len(positions), torch.from_numpy(blocks).to(dev), torch.from_numpy(slot).to(dev),
-                     torch.zeros(visible.shape, dtype=self.k.dtype).masked_fill_(~torch.from_numpy(visible),
-                                                                                  -torch.inf).to(dev))
+        mask = torch.zeros(visible.shape, dtype=self.k.dtype).masked_fill_(~torch.from_numpy(visible), -torch.inf)
+        self.plan = (len(positions), to_device(torch.from_numpy(blocks), dev), to_device(torch.from_numpy(slot), dev),
+                     to_device(mask, dev))
 
     def decode(self, positions: Tensor, kv_len: int) -> Attend:
         """Attention of one new token per slot ``0..B-1`` at ``positions[b]`` over the blocks ``plan_decode``
