@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from cascade_rl.modeling.context_parallel import ContextParallel
 from cascade_rl.protocol.codec import decode, encode
 from cascade_rl.weights.layout import file_order
 
@@ -35,8 +36,13 @@ from .optim import LOW_PRECISION
 
 @dataclasses.dataclass(frozen=True)
 class Ranks:
+    """This rank among ``world_size``; ``cp`` consecutive ranks share each sequence (context parallelism,
+    ``context``), the ``world_size / cp`` such groups split the batch (data parallelism)."""
+
     rank: int = 0
     world_size: int = 1
+    cp: int = 1
+    context: ContextParallel | None = dataclasses.field(default=None, compare=False)
 
     @property
     def main(self) -> bool:
@@ -46,19 +52,37 @@ class Ranks:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp
 
-def init(world_size: int, device: torch.device | str = "cpu") -> Ranks:
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.cp
+
+
+def init(world_size: int, device: torch.device | str = "cpu", context_parallel: int = 1) -> Ranks:
     """Join the process group torchrun set up (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``...); one rank:
     nothing to join. NCCL when this rank's ``device`` (protocol/devices.py ``role_device``, which made
-    cuda:LOCAL_RANK current) is a GPU, gloo on the CPU."""
+    cuda:LOCAL_RANK current) is a GPU, gloo on the CPU. ``context_parallel`` consecutive ranks form each
+    context-parallel group (one process group each, made by every rank)."""
     if world_size <= 1:
         return Ranks()
     if int(os.environ.get("WORLD_SIZE", "1")) != world_size:
         raise RuntimeError(f"trainer.world_size={world_size} but torchrun started "
                            f"{os.environ.get('WORLD_SIZE', 1)} ranks")
+    if world_size % context_parallel:
+        raise ValueError(f"trainer.context_parallel={context_parallel} must divide trainer.world_size={world_size}")
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     dist.init_process_group(backend, device_id=torch.device(device) if backend == "nccl" else None)
-    return Ranks(dist.get_rank(), dist.get_world_size())
+    rank = dist.get_rank()
+    context = None
+    if context_parallel > 1:
+        for first in range(0, world_size, context_parallel):  # every rank makes every group, in the same order
+            group = dist.new_group(list(range(first, first + context_parallel)))
+            if first <= rank < first + context_parallel:
+                context = ContextParallel(group, rank - first, context_parallel)
+    return Ranks(rank, world_size, context_parallel, context)
 
 
 def parallelize(policy: nn.Module, ranks: Ranks) -> nn.Module:
@@ -183,9 +207,10 @@ def broadcast_message(msg, ranks: Ranks):
 
 
 def shard_rows(n_groups: int, group_size: int, ranks: Ranks) -> slice:
-    """This rank's rows: a contiguous, equal share of whole groups."""
-    per_rank = n_groups // ranks.world_size
-    return slice(ranks.rank * per_rank * group_size, (ranks.rank + 1) * per_rank * group_size)
+    """This rank's rows: a contiguous, equal share of whole groups (the ranks of one context-parallel group: the
+    same share)."""
+    per_rank = n_groups // ranks.dp_size
+    return slice(ranks.dp_rank * per_rank * group_size, (ranks.dp_rank + 1) * per_rank * group_size)
 
 
 SUMMED = ("response_tokens", "zero_adv_groups", "masked_rows", "routing/routes")
@@ -205,8 +230,8 @@ def reduce_metrics(metrics: dict[str, float], ranks: Ranks) -> dict[str, float]:
     dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
     out = {}
     for i, k in enumerate(keys):
-        if k in SUMMED:
-            out[k] = summed[i].item()
+        if k in SUMMED:  # the ranks of one context-parallel group count the same rows
+            out[k] = summed[i].item() / ranks.cp
         elif k.endswith("_max") or k == "lr":
             out[k] = maxed[i].item()
         else:

@@ -202,7 +202,8 @@ def build(cfg, ranks: parallel.Ranks, device: torch.device | str = "cpu"):
                            t.share_prefix, t.routing_replay)
     policy = parallel.parallelize(
         Policy(model, cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl,
-               t.share_prefix, t.routing_replay, activation_checkpointing=t.activation_checkpointing),
+               t.share_prefix, t.routing_replay, activation_checkpointing=t.activation_checkpointing,
+               context_parallel=ranks.context),
         ranks)
     optimizer = MasterAdamW(policy.parameters(), lr=lr_at(0, t, cfg.run.steps), betas=tuple(t.betas),
                             weight_decay=t.weight_decay)
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     args, cfg = worker_start(__doc__.splitlines()[0], argv, default_id="trainer-0")
     tcfg, run_dir = cfg.trainer, Path(cfg.run_dir)
     device = role_device(cfg, "trainer")  # cuda:LOCAL_RANK when gpus.trainer names GPUs, else cpu
-    ranks = parallel.init(tcfg.world_size, device)
+    ranks = parallel.init(tcfg.world_size, device, tcfg.context_parallel)
     torch.manual_seed(cfg.run.seed)
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
                 checkpoint_dir = save_state(policy, optimizer, tokenizer, run_dir, version,
                                             {"policy_version": version, "orchestrator": dict(msg.cursor)}, ranks)
             metrics["train_s"] = time.perf_counter() - t0
-            metrics["tokens_per_s"] = int(batch.lengths.sum()) * ranks.world_size / metrics["train_s"]
+            metrics["tokens_per_s"] = int(batch.lengths.sum()) * ranks.dp_size / metrics["train_s"]
             if not ranks.main:
                 continue
             trained_ids.write({"step": msg.step, "ids": list(msg.ids)})  # before StepDone: read once the run ends

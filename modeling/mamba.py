@@ -58,6 +58,8 @@ from torch import Tensor, nn
 
 from cascade_rl.protocol.registry import Registry
 
+from . import context_parallel
+
 ATTR = "_cascade_rl_mamba_layers"
 
 
@@ -166,7 +168,14 @@ def nemotron_h_forward(mixer: nn.Module, hidden_states: Tensor, seq_idx: Tensor,
         at = ends[:, None] - k + torch.arange(k, device=xbc.device)  # [b, K]
         window = xbc.gather(1, at.clamp(min=0)[..., None].expand(b, k, xbc.shape[-1])) * (at >= 0)[..., None]
         cache_params.update_conv_state(window.transpose(1, 2), mixer.layer_idx, conv_kernel_size=k)
-    xbc = mixer.act(segment_conv1d(xbc, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, seq_idx)).to(dtype)
+    cp = context_parallel.of(mixer) if cache_params is None and attention_mask is None else None
+    if cp is None:
+        xbc = segment_conv1d(xbc, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, seq_idx)
+    else:  # this rank's part of a split sequence: the conv reads the rank before's last inputs too
+        k = mixer.conv_kernel_size
+        x_halo, rows_halo = context_parallel.conv_halo(xbc, seq_idx, k, cp)
+        xbc = segment_conv1d(x_halo, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, rows_halo)[:, k - 1:]
+    xbc = mixer.act(xbc).to(dtype)
     x, B, C = _mask(xbc, attention_mask).split(
         [mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size, mixer.n_groups * mixer.ssm_state_size],
         dim=-1)
@@ -174,6 +183,10 @@ def nemotron_h_forward(mixer: nn.Module, hidden_states: Tensor, seq_idx: Tensor,
     y, final = segment_chunk_scan(x.view(heads), dt, -torch.exp(mixer.A_log.float()), B.view(groups), C.view(groups),
                                   mixer.chunk_size, mixer.D, mixer.dt_bias, mixer.time_step_limit, seq_idx,
                                   keep=None if attention_mask is None else attention_mask.bool())
+    if cp is not None:  # the state the ranks before carry into this one's first row
+        dt = F.softplus(dt + mixer.dt_bias.to(dt.dtype)).clamp(*mixer.time_step_limit)
+        C = C.view(groups).float().repeat_interleave(mixer.num_heads // mixer.n_groups, dim=2)
+        y = context_parallel.carry_in(y, final, -torch.exp(mixer.A_log.float()) * dt.float(), C, seq_idx, cp)
     if cache_params is not None:
         cache_params.update_recurrent_state(final, layer_idx=mixer.layer_idx)
     y = mixer.norm(y.reshape(b, t, -1), gate)

@@ -19,6 +19,10 @@ at all). Layouts (``modeling.packing``), all giving the same numbers
   would make SDPA attend over T x T (measured: 7x slower steps in the demo).
 - ``pack=False``: the right-padded batch with an attention mask.
 
+- ``context_parallel`` (modeling/context_parallel.py): each [1, T] pack split across the group's ranks, every layer
+  on ``T / cp`` tokens (Ulysses attention, Mamba-2 states passed from rank to rank); the log-probs of the whole pack
+  gathered on every rank, so the loss is the 1-rank one.
+
 Mamba-2 layers (Nemotron-H) keep rows apart through ``seq_idx`` (modeling/mamba.py, installed here); the shared
 prefix layout gives them each prefix's conv and SSM state, one suffix a lane. A model with a recurrent layer
 mamba.py does not know runs padded (logged once): its state would leak from row to row in a lane or a pack.
@@ -34,10 +38,12 @@ import contextlib
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cascade_rl.protocol.registry import Registry
 
+from . import context_parallel as cp_mod
 from . import logprobs as torch_logprobs
 from . import mamba, routing
 from .packing import (
@@ -71,13 +77,15 @@ class Policy(nn.Module):
     def __init__(self, model: nn.Module, temperature: float = 1.0, chunk_tokens: int = 1024,
                  pack: bool = True, pack_tokens: int = 8192, logprob_impl: str = "torch",
                  share_prefix: bool = True, routing_replay: bool = False,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False, context_parallel: cp_mod.ContextParallel | None = None
+                 ) -> None:
         """``pack_tokens`` caps one packed sequence: with SDPA transformers builds a [T, T] mask for it
         (flash-attn varlen needs none), so a micro-batch runs as several packs of at most that size.
         ``routing_replay``: an MoE model's routers take the experts of the ``routes`` a forward is given
         (modeling/routing.py); without it the routes are only compared with the model's own choice.
         ``activation_checkpointing``: each decoder layer recomputed in the backward (schema ``trainer.
-        activation_checkpointing``); no shared prefixes then."""
+        activation_checkpointing``); no shared prefixes then. ``context_parallel``: the ranks each pack is split
+        across (learner/parallel.py ``Ranks.context``); the model's attention becomes Ulysses over its own kernel."""
         super().__init__()
         self.model = model
         self.temperature, self.chunk_tokens, self.pack, self.pack_tokens = temperature, chunk_tokens, pack, pack_tokens
@@ -92,10 +100,14 @@ class Policy(nn.Module):
                 kwargs["context_fn"] = self.replay.checkpoint_context
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             self.share_prefix = False  # the recompute would append the prefix's K/V to its cache again
+        self.context = None if context_parallel is None or context_parallel.size == 1 else \
+            cp_mod.install(model, context_parallel)
         if pack and (unknown := mamba.unsupported_recurrence(model)):
             log.warning("%s keeps no row boundary in a packed sequence (its state would leak from row to row): "
                         "this model's log-probs run padded (trainer.pack off)", unknown)
             self.pack = False
+        if self.context is not None and not self.pack:
+            raise ValueError("context parallelism splits packed sequences; this model runs padded (trainer.pack)")
 
     def forward(self, input_ids: Tensor, lengths: Tensor, target_mask: Tensor,
                 with_entropy: bool = False, routes: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -110,6 +122,8 @@ class Policy(nn.Module):
         rows, cols = target_mask.nonzero(as_tuple=True)
         if routes is not None and self.replay is None:
             routes = None  # a dense model: nothing to route
+        if self.context is not None:
+            return self._varlen(input_ids, lengths, target_mask, head, with_entropy, routes)
         if self.pack and self.model.config._attn_implementation in VARLEN_KWARGS:
             return self._varlen(input_ids, lengths, target_mask, head, with_entropy, routes)
         shared = (share_prefixes(input_ids, lengths, target_mask, row_per_lane=self.recurrent)
@@ -151,17 +165,49 @@ class Policy(nn.Module):
         logprobs = input_ids.new_zeros((n, length), dtype=torch.float32)
         entropy = torch.zeros_like(logprobs) if with_entropy else None
         for p in pack(input_ids, lengths, self.pack_tokens):
-            with self._routed(routes, None if routes is None else routing.pack_sources(p, length)):
-                hidden = packed_forward(self.model, p, hidden_states=True)[0]  # [T, H]
             (where,) = pack_values(target_mask, p)[0].nonzero(as_tuple=True)  # never a row's first token
-            lp, ent = self.linear_logprobs(hidden[where - 1], head, p.input_ids[0, where], self.temperature,
-                                           self.chunk_tokens, with_entropy)
+            if self.context is not None:
+                lp, ent = self._split_pack(p, where, head, with_entropy, routes, length)
+            else:
+                with self._routed(routes, None if routes is None else routing.pack_sources(p, length)):
+                    hidden = packed_forward(self.model, p, hidden_states=True)[0]  # [T, H]
+                lp, ent = self.linear_logprobs(hidden[where - 1], head, p.input_ids[0, where], self.temperature,
+                                               self.chunk_tokens, with_entropy)
             logprobs = logprobs.index_copy(0, p.rows, unpack(self._scatter(lp, where, 1, p.num_tokens)[..., None],
                                                              p, length)[..., 0])
             if with_entropy:
                 entropy = entropy.index_copy(0, p.rows, unpack(self._scatter(ent, where, 1, p.num_tokens)[..., None],
                                                                p, length)[..., 0])
         return logprobs, entropy
+
+    def _split_pack(self, p, where, head, with_entropy, routes, length):
+        """Log-probs (and entropies) at ``where`` of pack ``p`` with its tokens split across the context-parallel
+        ranks: padded to a multiple of their number (the padding a row of its own), each rank's forward on its
+        share, the LM head on the positions its hidden states predict from, the results summed on every rank."""
+        cp = self.context
+        n = p.num_tokens
+        pad = (-n) % cp.size
+        ids = F.pad(p.input_ids, (0, pad))
+        pos = torch.cat([p.position_ids, torch.arange(pad, device=ids.device)[None]], dim=1)
+        cu = torch.cat([p.cu_seqlens, p.cu_seqlens.new_tensor([n + pad])]) if pad else p.cu_seqlens
+        mine = cp.split(n + pad)
+        kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(p.max_seqlen, pad),
+                      max_length_k=max(p.max_seqlen, pad))
+        if self.recurrent:
+            kwargs["seq_idx"] = mamba.seq_idx_from_positions(pos)[:, mine]
+        src = None
+        if routes is not None:
+            src = F.pad(routing.pack_sources(p, length), (0, pad), value=-1)[:, mine]
+        with self._routed(routes, src):
+            hidden = self.model.base_model(input_ids=ids[:, mine], position_ids=pos[:, mine], attention_mask=None,
+                                           use_cache=False, **kwargs).last_hidden_state[0]  # [T / cp, H]
+        here = (where - 1 >= mine.start) & (where - 1 < mine.stop)  # targets predicted from my tokens
+        lp, ent = self.linear_logprobs(hidden[where[here] - 1 - mine.start], head, p.input_ids[0, where[here]],
+                                       self.temperature, self.chunk_tokens, with_entropy)
+        lp = cp_mod.replicated_sum(lp.new_zeros(len(where)).masked_scatter(here, lp), cp)
+        if ent is not None:
+            ent = cp_mod.replicated_sum(ent.new_zeros(len(where)).masked_scatter(here, ent), cp)
+        return lp, ent
 
     @staticmethod
     def _padding_mask(lengths: Tensor, length: int) -> Tensor:

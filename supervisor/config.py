@@ -84,8 +84,14 @@ def validate(cfg: DictConfig) -> None:
         problems.append("need 0 < trainer.eps_low <= 1 <= trainer.eps_high (the band must hold ratio 1)")
     if t.kl_coef < 0 or t.entropy_coef < 0:
         problems.append("trainer.kl_coef and trainer.entropy_coef must be >= 0")
-    if t.world_size < 1 or r.prompts_per_step % t.world_size:
-        problems.append("run.prompts_per_step must be a multiple of trainer.world_size (>= 1)")
+    cp = t.context_parallel
+    if cp < 1 or t.world_size < 1 or t.world_size % cp:
+        problems.append(f"trainer.context_parallel={cp} must divide trainer.world_size={t.world_size} (both >= 1)")
+    elif r.prompts_per_step % (t.world_size // cp):
+        problems.append("run.prompts_per_step must be a multiple of trainer.world_size / trainer.context_parallel "
+                        "(the ranks that split the batch)")
+    if cp > 1 and not t.pack:
+        problems.append("trainer.context_parallel splits packed sequences: set trainer.pack=true")
     if o.max_staleness < 0:
         problems.append("orchestrator.max_staleness must be >= 0 (0: strictly on-policy)")
     if o.max_staleness > 0 and r.algorithm == "grpo" and t.correction == "none":

@@ -13,46 +13,16 @@ is validated (supervisor/config.py ``validate``): a registry is the one list of 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from cascade_rl.data.rows import Fields
 from cascade_rl.environments.base import EnvSettings
 from cascade_rl.modeling.choices import AttnImpl, MoeImpl
 from cascade_rl.protocol.devices import Dtype
 
+from .schema_choices import InflightKV, LrDecay, OnBadRow, Progress
 from .schema_ray import LauncherName, RayConfig
 from .schema_services import JudgeConfig, SGLangConfig, TorchKVSettings, VLLMConfig
 from .schema_weights import WeightsOptions
-
-
-class OnBadRow(StrEnum):
-    """``data.on_bad_row``."""
-
-    error = "error"  # refuse to launch, listing every bad row
-    skip = "skip"  # train without them, counted per reason
-
-
-class LrDecay(StrEnum):
-    """``trainer.lr_decay``: the learning rate after the warm-up (learner/trainer.py ``LR_DECAYS``)."""
-
-    none = "none"  # constant (the paper's RL stages and MOPD)
-    cosine = "cosine"  # cosine from lr to 0 at the last step (paper: agentic SWE RL)
-
-
-class InflightKV(StrEnum):
-    """``sampler.inflight_kv``: the running rows' K/V when weights arrive mid-generation (samplers/torch_engine.py)."""
-
-    recompute = "recompute"  # prefilled again under the new weights: each token's log-prob is exactly its version's
-    keep = "keep"  # no prefill; later tokens attend to K/V of the old weights
-
-
-class Progress(StrEnum):
-    """``supervisor.progress``: the live display."""
-
-    auto = "auto"  # rich on a terminal, plain lines otherwise
-    rich = "rich"
-    plain = "plain"
-    none = "none"
 
 
 @dataclass
@@ -197,6 +167,9 @@ class TrainerConfig:
     No shared prefixes with it (a recompute would write the prefix's K/V twice): lanes or varlen packs."""
     world_size: int = 1
     """Trainer ranks (torchrun; FSDP2 over gloo on CPU, NCCL on GPU)."""
+    context_parallel: int = 1
+    """Ranks that split each packed sequence (Ulysses attention, Mamba states passed; modeling/context_parallel.py):
+    activations / cp a rank. Divides world_size and the attention heads; the others split the batch."""
 
 
 @dataclass

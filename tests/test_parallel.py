@@ -17,8 +17,10 @@ HELPER = Path(__file__).parent / "helpers" / "dist_steps.py"
 TOL = 2e-5
 
 
-def run(world: int, model: str, out: Path, dtype: str = "float32", checkpointing: bool = False) -> tuple[dict, list]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1", DIST_STEPS_CHECKPOINTING=str(int(checkpointing)))
+def run(world: int, model: str, out: Path, dtype: str = "float32", checkpointing: bool = False,
+        context_parallel: int = 1) -> tuple[dict, list]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1", DIST_STEPS_CHECKPOINTING=str(int(checkpointing)),
+               DIST_STEPS_CP=str(context_parallel))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
         if world > 1 else [sys.executable]
     r = subprocess.run([*launcher, str(HELPER), model, str(out), dtype], capture_output=True, text=True, env=env,

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 tests/helpers/dist_steps.py MODEL_DIR OUT.safetensors [bfloat16]
     python tests/helpers/dist_steps.py MODEL_DIR OUT.safetensors [bfloat16]          # one rank
     DIST_STEPS_CHECKPOINTING=1 torchrun ...       # the policy with activation checkpointing (the resume too)
+    DIST_STEPS_CP=2 torchrun ...                  # context parallelism: the ranks split each sequence, not the batch
 
 Writes the final weights (rank 0) and a report next to them (OUT.json: the per-step metrics; the checksums
 of the weights published as the trainer does and as one rank would; the largest difference between the
@@ -50,7 +51,7 @@ def main() -> None:
     model_dir, out = sys.argv[1], sys.argv[2]
     dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ranks = parallel.init(world)
+    ranks = parallel.init(world, context_parallel=int(os.environ.get("DIST_STEPS_CP", "1")))
     torch.manual_seed(0)
     cfg = OmegaConf.create(dict(algorithm="grpo", lr=1e-3, warmup_steps=0, warmup_start_lr=0.0, max_grad_norm=1.0,
                                 micro_batch_groups=1, correction="icepop", geo_band=[0.99, 1.01], eps_low=0.5, eps_high=2.0,
@@ -58,7 +59,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     checkpointing = os.environ.get("DIST_STEPS_CHECKPOINTING") == "1"
     policy = parallel.parallelize(Policy(model, temperature=1.0, chunk_tokens=7, pack=True,
-                                         activation_checkpointing=checkpointing), ranks)
+                                         activation_checkpointing=checkpointing, context_parallel=ranks.context),
+                                  ranks)
     optimizer = MasterAdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)  # the trainer's
     metrics = []
     for step in range(2):
@@ -72,7 +74,8 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)  # what trainer.build does on resume
     resumed = parallel.parallelize(Policy(model, temperature=1.0, chunk_tokens=7, pack=True,
-                                          activation_checkpointing=checkpointing), ranks)
+                                          activation_checkpointing=checkpointing, context_parallel=ranks.context),
+                                   ranks)
     opt2 = MasterAdamW(resumed.parameters(), lr=cfg.lr, weight_decay=0.0)
     load_state(Path(ckpt), resumed, opt2, ranks)
     train_step(resumed, opt2, my_rows(1, ranks), cfg, 1, run=cfg)
