@@ -1,7 +1,7 @@
 """Context parallelism: one packed sequence split across ranks, each holding ``T / cp`` of its tokens in every layer.
 
-    cp = ContextParallel.of(group)                          # the ranks that share one sequence (learner/parallel.py)
-    Policy(model, ..., context_parallel=cp)                  # modeling/policy.py: packs split, log-probs gathered
+    ranks = parallel.init(world_size, device, context_parallel=2)     # learner/parallel.py: the groups, ranks.context
+    Policy(model, ..., context_parallel=ranks.context)                 # modeling/policy.py: packs split, log-probs gathered
 
 Why Ulysses (all-to-all over heads) rather than ring attention. Each rank holds a contiguous ``T / cp`` of the
 pack's tokens; everything but attention and the Mamba mixer is per token. Attention swaps the split for two

@@ -126,7 +126,7 @@ class TrainerSettings:
 
     @property
     def groups_per_pass(self) -> int:
-        return self.micro_batch_groups or max(1, self.prompts_per_step // self.world_size)
+        return self.micro_batch_groups or max(1, self.prompts_per_step // (self.world_size // self.context_parallel))
 
     @property
     def tokens(self) -> int:
@@ -136,7 +136,7 @@ class TrainerSettings:
 
 def trainer_terms(shape: ModelShape, s: TrainerSettings) -> list[Term]:
     p, b, v, h = shape.params(), s.dtype_bytes, shape.vocab, shape.hidden
-    shards = s.world_size * s.context_parallel  # FSDP2 over every rank (torchtitan: dp_shard x cp)
+    shards = s.world_size  # FSDP2 over every rank (data- and context-parallel alike: world_size = dp × cp)
     t = s.tokens
     if shards > 1:
         biggest = max(shape.layer_params(layer) for layer in shape.layers)
@@ -171,7 +171,7 @@ def trainer_terms(shape: ModelShape, s: TrainerSettings) -> list[Term]:
     return terms
 
 
-def advise_trainer(shape: ModelShape, s: TrainerSettings, budget: float, has_cp: bool = True) -> list[str]:
+def advise_trainer(shape: ModelShape, s: TrainerSettings, budget: float) -> list[str]:
     """Settings that make the trainer fit, in the order to try them, each with what it gives."""
     def total(x: TrainerSettings) -> float:
         return sum(t.bytes for t in trainer_terms(shape, x))
@@ -188,11 +188,12 @@ def advise_trainer(shape: ModelShape, s: TrainerSettings, budget: float, has_cp:
         if total(cur) <= budget:
             return advice
     best = None
-    for w, cp in sorted(((2**i, 2**j) for i in range(13) for j in range(13)), key=lambda x: (x[0] * x[1], x[1])):
-        if w < cur.world_size or cp < cur.context_parallel or w * cp > 4096:
+    dp_now = cur.world_size // cur.context_parallel
+    for dp, cp in sorted(((2**i, 2**j) for i in range(13) for j in range(13)), key=lambda x: (x[0] * x[1], x[1])):
+        if dp < dp_now or cp < cur.context_parallel or dp * cp > 4096:
             continue
-        if total(replace(cur, world_size=w, context_parallel=cp)) <= budget:
-            best = (w, cp)
+        if total(replace(cur, world_size=dp * cp, context_parallel=cp)) <= budget:
+            best = (dp * cp, cp)
             break
     if best is None:
         advice.append("does not fit on 4,096 GPUs of this size: shorten the rows (sampling.max_tokens, "
@@ -202,9 +203,8 @@ def advise_trainer(shape: ModelShape, s: TrainerSettings, budget: float, has_cp:
     fit = replace(cur, world_size=w, context_parallel=cp)
     names = [f"trainer.world_size={w}"] if w != cur.world_size else []
     if cp != cur.context_parallel:
-        names.append(f"trainer.context_parallel={cp}" + ("" if has_cp else " (context parallelism: not in this "
-                                                                            "trainer yet)"))
-    advice.append(f"{' '.join(names)}: {total(fit) / GiB:,.1f} GiB on each of {w * cp} GPUs")
+        names.append(f"trainer.context_parallel={cp}")
+    advice.append(f"{' '.join(names)}: {total(fit) / GiB:,.1f} GiB on each of {w} GPUs")
     return advice
 
 

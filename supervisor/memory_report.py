@@ -19,8 +19,17 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from .config_errors import ConfigError
-from .memory_plan import (GiB, RolePlan, SamplerSettings, TrainerSettings, advise_sampler, advise_trainer,
-                          sampler_terms, teacher_terms, trainer_terms)
+from .memory_plan import (
+    GiB,
+    RolePlan,
+    SamplerSettings,
+    TrainerSettings,
+    advise_sampler,
+    advise_trainer,
+    sampler_terms,
+    teacher_terms,
+    trainer_terms,
+)
 from .memory_shapes import KNOWN, ModelShape, known_config, shape_from_config
 
 GPUS = {"h100": 80, "a100": 80, "a100-40": 40, "h200": 141, "b200": 180, "l40s": 48}  # GiB each
@@ -64,7 +73,7 @@ def trainer_settings(cfg: DictConfig) -> TrainerSettings:
     attn = str(cfg.model.attn_impl)
     return TrainerSettings(
         dtype_bytes=DTYPE_BYTES[str(cfg.model.dtype)], world_size=t.world_size,
-        context_parallel=int(getattr(t, "context_parallel", 1) or 1), checkpointing=bool(t.activation_checkpointing),
+        context_parallel=t.context_parallel, checkpointing=bool(t.activation_checkpointing),
         prompts_per_step=cfg.run.prompts_per_step, group_size=cfg.run.group_size,
         micro_batch_groups=t.micro_batch_groups, seq_tokens=seq_tokens(cfg), chunk_tokens=t.logprob_chunk_tokens,
         sdpa_pack_tokens=t.pack_tokens if attn in ("sdpa", "eager") else 0,  # auto on a GPU: varlen, no mask
@@ -85,10 +94,10 @@ def build(cfg: DictConfig, gpu: float, shape: ModelShape | None = None) -> dict:
     share = cfg.gpus.memory
     roles = []
     ts = trainer_settings(cfg)
-    trainer = RolePlan("trainer", ts.world_size * ts.context_parallel, (share.trainer or 1.0) * gpu,
+    trainer = RolePlan("trainer", ts.world_size, (share.trainer or 1.0) * gpu,
                        trainer_terms(shape, ts))
     if not trainer.fits:
-        trainer.advice = advise_trainer(shape, ts, trainer.budget, has_cp=hasattr(cfg.trainer, "context_parallel"))
+        trainer.advice = advise_trainer(shape, ts, trainer.budget)
     roles.append(trainer)
     ss = sampler_settings(cfg)
     budget = (ss.vllm_share if ss.engine == "vllm" else share.sampler or 1.0) * gpu
