@@ -20,6 +20,7 @@ touches a process: ``check_scale``, ``check_swap``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -36,6 +37,7 @@ from . import inline as inline_mode
 from . import judge, placement
 from .config_errors import ConfigError
 from .launchers import make_launcher
+from .memory_report import seq_tokens
 from .procs import Proc, free_ports, sampler_procs, teacher_groups
 from .run_data import prepare_run_data
 
@@ -97,10 +99,21 @@ def prepare(cfg: DictConfig, inline: bool = False) -> Plan:
         shutil.rmtree(sock_dir, ignore_errors=True)
         raise
     cfg.model.path = str(Path(cfg.model.path).resolve())
+    if cfg.sampler.engine == "vllm" and not cfg.sampler.vllm.max_model_len:
+        cfg.sampler.vllm.max_model_len = vllm_context(cfg)
     if judge.needed(cfg):  # the verifiers read the served judge's URL from config.yaml
         judge.assign_port(cfg.verifier.judge)
     procs, after_judge, served = start_order(cfg)
     return Plan(cfg, data, launcher, sock_dir, procs, after_judge, served, OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def vllm_context(cfg: DictConfig) -> int:
+    """vLLM's ``max_model_len`` when ``sampler.vllm.max_model_len`` is 0: the stage's longest row (prompt cap plus
+    response, or the multi-turn budget), at most the model's own context. vLLM sizes its KV cache and checks that one
+    row fits by it: the model's own (262,144 for Nemotron-3-Nano) would ask a 17K-token stage for a 256K row."""
+    own = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("max_position_embeddings") or 0
+    rows = seq_tokens(cfg)
+    return min(rows, own) if own else rows
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,7 +116,8 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.9
     """Share of its GPU a vLLM sampler takes (weights + KV cache); ``gpus.memory.sampler``, when set, wins."""
     max_model_len: int = 0
-    """Longest prompt + response vLLM plans its KV cache for (0: the model's own)."""
+    """Longest prompt + response vLLM plans its KV cache for (0: the stage's longest row, data.max_prompt_tokens plus
+    the response or multi-turn budget, at most the model's own context: supervisor/plan.py ``vllm_context``)."""
     enforce_eager: bool = True
     """No CUDA graphs / torch.compile: start-up in seconds (false: faster decode after a longer start)."""
     kv_cache_gib: int = 1

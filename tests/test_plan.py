@@ -173,3 +173,17 @@ def test_ctl_requests_are_refused_with_what_is_served(tiny_model):
                         (lambda: check_swap(cfg, "verifier", "math", "nope"), "no verifier named 'nope'")):
         with pytest.raises(ValueError, match=wanted):
             bad()
+
+
+def test_vllm_plans_its_kv_cache_for_the_stage_rows_not_the_model_context(tiny_model, tmp_path):
+    """sampler.vllm.max_model_len=0: the stage's longest row (prompt cap + response), capped by the model's own."""
+    from cascade_rl.supervisor.plan import vllm_context
+
+    long_model = tmp_path / "long"
+    long_model.mkdir()
+    config = json.loads((Path(tiny_model) / "config.json").read_text()) | {"max_position_embeddings": 262144}
+    (long_model / "config.json").write_text(json.dumps(config))
+    rlhf = compose(None, ["stage=rlhf", f"model.path={long_model}", "sampler.engine=vllm"], check=False)
+    assert vllm_context(rlhf) == 4096 + 16384
+    rlhf.model.path = tiny_model  # a 512-token model: its own context
+    assert vllm_context(rlhf) == 512
