@@ -2,14 +2,25 @@
 
     .venv/bin/python bench/lengths.py [--quick | --smoke] [--lengths 1024,4096,16384] [--size 50m]
     .venv/bin/python bench/lengths.py --engine [--quick | --smoke] [--lengths 4096,16384]
+    .venv/bin/python bench/lengths.py --context-parallel 2 [--smoke] [--lengths 4096,16384,32768]
 
 One sequence of T tokens (64 of prompt, the rest response) through the trainer's Policy on a random Qwen3-MoE
 (``make-tiny-model --size``: tiny by default, or 10m, 50m; fp32, padded layout), one forward and backward of the
 summed response log-probs, each (T, mode) in a child process of its own so that its peak RSS is that step's alone:
-``step GiB`` = the child's peak RSS minus its RSS once the model is loaded (activations, the [T, T] attention
-mask SDPA is given, the chunked log-prob pass, the gradients). Modes: ``kept`` (every activation held for the
+``step GiB`` = the child's peak RSS minus its RSS once the model is loaded (activations, SDPA's causal kernel: one
+unpadded row, no mask is given; the chunked log-prob pass, the gradients). Modes: ``kept`` (every activation held for the
 backward) and ``checkpointed`` (``trainer.activation_checkpointing``: each decoder layer recomputed in the
 backward). The growth per token is the slope between the two longest lengths. Baseline: ``kept``, in the same run.
+
+``--context-parallel N``: the same step, checkpointed, on N ranks sharing the sequence (``trainer.context_parallel``,
+modeling/context_parallel.py: Ulysses attention), each length one ``torch.distributed.run --standalone
+--nproc-per-node N`` (gloo, ``OMP_NUM_THREADS=1`` a rank) of FSDP2-sharded Policies (packed layout, one pack of T
+tokens, T / N a rank); each rank's ``step GiB`` measured as above, the row's the largest of the ranks, ``seconds``
+the slowest rank's. The 1-rank ``checkpointed`` step is measured again in the same run as the baseline. Merged into
+the existing result file (``rows[T]["cp<N>_checkpointed"]`` beside ``kept`` and ``checkpointed``, and a
+``context_parallel`` section with the ratios and the growth per token); the file's summary is left as it was. On
+the CPU the attention after the Ulysses exchange is a masked SDPA over the whole pack (a [T, T] mask, on every
+rank), so that term is not divided by N as the varlen kernel's would be on GPUs.
 
 ``--engine``: the torch engine's memory against the tokens in flight, for a mix of a few long rows among many short
 ones: ``LONG_ROWS`` rows of each ``--lengths`` prompt tokens among ``SHORT_ROWS`` of ``SHORT`` tokens, every row
@@ -68,6 +79,96 @@ def child(model: str, length: int, checkpointing: bool) -> None:
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(json.dumps({"step_gib": round(peak - loaded, 3), "seconds": round(seconds, 2), "loaded_gib": round(loaded, 3)}))
+
+
+def cp_child(model: str, length: int) -> None:
+    """One rank of ``torch.distributed.run``: the checkpointed step at ``length`` with the sequence split across the
+    ranks; rank 0 prints {"step_gib", "seconds", "loaded_gib", "ranks": [per rank]} (the largest and slowest)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from cascade_rl.learner import parallel
+    from cascade_rl.modeling.policy import Policy
+
+    world = int(os.environ["WORLD_SIZE"])
+    ranks = parallel.init(world, context_parallel=world)
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
+    policy = parallel.parallelize(Policy(net, pack=True, pack_tokens=length, share_prefix=False,
+                                         activation_checkpointing=True, context_parallel=ranks.context), ranks).train()
+    ids = torch.randint(5, net.config.vocab_size, (1, length))  # the same tokens on every rank (seed 0)
+    lengths = torch.tensor([length])
+    mask = torch.zeros(1, length, dtype=torch.bool)
+    mask[:, PROMPT:] = True
+    dist.barrier()
+    loaded = rss_gib()
+    t0 = time.perf_counter()
+    logprobs, _ = policy(ids, lengths, mask)
+    logprobs[mask].sum().backward()
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    mine = {"step_gib": round(peak - loaded, 3), "seconds": round(seconds, 2), "loaded_gib": round(loaded, 3)}
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    if ranks.main:
+        print(json.dumps({"step_gib": max(r["step_gib"] for r in every), "seconds": max(r["seconds"] for r in every),
+                          "loaded_gib": max(r["loaded_gib"] for r in every), "ranks": every}), flush=True)
+    parallel.close(ranks)
+
+
+def cp_measure(model: Path, length: int, cp: int, timeout: float) -> dict:
+    """``cp_child`` on ``cp`` ranks under torch.distributed.run: rank 0's line, or {"error": ...}."""
+    import os
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}", __file__,
+           "--cp-child", str(model), str(length)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {timeout:.0f} s"}
+    lines = [x for x in r.stdout.strip().splitlines() if x.startswith("{")]
+    if r.returncode != 0 or not lines:
+        return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"}
+    return json.loads(lines[-1])
+
+
+def cp_main(args, lengths: list[int]) -> dict:
+    """The ``--context-parallel`` arm, merged into the size's existing result file (see the module docstring)."""
+    cp = args.context_parallel
+    model, params = random_model(args.size, results_dir(args.smoke) / "models" if args.smoke else None)
+    arm = f"cp{cp}_checkpointed"
+    name = "lengths" if args.size == "tiny" else f"lengths-{args.size}"
+    path = results_dir(args.smoke) / f"{name}.json"
+    record = json.loads(path.read_text()) if path.is_file() else {
+        "name": name, "metric": "trainer step memory, GiB (checkpointed)", "value": None, "baseline": None,
+        "baseline_value": None, "ratio": None, "target": None, "pass": None, "machine": machine(),
+        "model": f"{args.size} Qwen3-MoE, {params} parameters, fp32, sdpa", "rows": {}}
+    summary = {k: record[k] for k in ("name", "metric", "value", "baseline", "baseline_value", "ratio", "target",
+                                      "pass")}
+    measured: dict[int, dict] = {}
+    for length in lengths:
+        measured[length] = {"checkpointed": measure(["--child", str(model), str(length), "checkpointed"], timeout=900),
+                            arm: cp_measure(model, length, cp, timeout=900)}
+        print(json.dumps({"tokens": length, **measured[length]}), file=sys.stderr, flush=True)
+        record["rows"].setdefault(str(length), {})[arm] = measured[length][arm]
+    ratios = {str(t): round(r[arm]["step_gib"] / r["checkpointed"]["step_gib"], 2) for t, r in measured.items()
+              if "step_gib" in r[arm] and r["checkpointed"].get("step_gib", 0) > 0}
+    times = {str(t): round(r[arm]["seconds"] / r["checkpointed"]["seconds"], 2) for t, r in measured.items()
+             if "seconds" in r[arm] and r["checkpointed"].get("seconds", 0) > 0}
+    record["context_parallel"] = {
+        "size": cp, "arm": arm, "lengths": lengths, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "launch": f"torch.distributed.run --standalone --nproc-per-node={cp}, gloo, OMP_NUM_THREADS=1 a rank, "
+                  "FSDP2, packed layout, checkpointed; step_gib: the largest rank's, seconds: the slowest's",
+        "one_rank_checkpointed": {str(t): r["checkpointed"] for t, r in measured.items()},
+        "peak_ratio_to_one_rank": ratios, "time_ratio_to_one_rank": times,
+        "per_token_kib": {arm: per_token_kib(measured, arm), "checkpointed": per_token_kib(measured, "checkpointed")},
+        "attention": "CPU: masked SDPA over the whole pack after the Ulysses exchange ([T, T] mask on every rank), "
+                     "not divided by the ranks as the GPU varlen kernel's memory is"}
+    return write_result(summary, record, smoke=args.smoke, name=name)
 
 
 def engine_child(model: str, spec: str) -> None:
@@ -167,6 +268,9 @@ def main(argv: list[str] | None = None) -> dict:
     if argv and argv[0] == "--child":
         child(argv[1], int(argv[2]), MODES[argv[3]])
         return {}
+    if argv and argv[0] == "--cp-child":
+        cp_child(argv[1], int(argv[2]))
+        return {}
     if argv and argv[0] == "--engine-child":
         engine_child(argv[1], argv[2])
         return {}
@@ -174,7 +278,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lengths", default="", help="comma-separated sequence lengths (default: by mode)")
     ap.add_argument("--size", default="tiny", help="make-tiny-model --size of the random model: tiny | 10m | 50m")
     ap.add_argument("--engine", action="store_true", help="the torch engine's KV memory, paged vs static, instead")
+    ap.add_argument("--context-parallel", type=int, default=1,
+                    help="N > 1: the checkpointed step on N ranks sharing the sequence (torch.distributed.run, gloo)")
     args = ap.parse_args(argv)
+    if args.context_parallel > 1:
+        return cp_main(args, [int(x) for x in args.lengths.split(",")] if args.lengths else [256] if args.smoke
+                       else [4096, 16384] if args.quick else [4096, 16384, 32768])
     if args.engine:
         return engine_main(args, [int(x) for x in args.lengths.split(",")] if args.lengths else [512] if args.smoke
                            else [1024, 4096] if args.quick else [1024, 4096, 16384])
