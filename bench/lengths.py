@@ -19,8 +19,8 @@ tokens, T / N a rank); each rank's ``step GiB`` measured as above, the row's the
 the slowest rank's. The 1-rank ``checkpointed`` step is measured again in the same run as the baseline. Merged into
 the existing result file (``rows[T]["cp<N>_checkpointed"]`` beside ``kept`` and ``checkpointed``, and a
 ``context_parallel`` section with the ratios and the growth per token); the file's summary is left as it was. On
-the CPU the attention after the Ulysses exchange is a masked SDPA over the whole pack (a [T, T] mask, on every
-rank), so that term is not divided by N as the varlen kernel's would be on GPUs.
+the CPU the attention after the Ulysses exchange is one causal SDPA a row (no [T, T] tensor); on GPUs the varlen
+kernel.
 
 ``--engine``: the torch engine's memory against the tokens in flight, for a mix of a few long rows among many short
 ones: ``LONG_ROWS`` rows of each ``--lengths`` prompt tokens among ``SHORT_ROWS`` of ``SHORT`` tokens, every row
@@ -166,8 +166,7 @@ def cp_main(args, lengths: list[int]) -> dict:
         "one_rank_checkpointed": {str(t): r["checkpointed"] for t, r in measured.items()},
         "peak_ratio_to_one_rank": ratios, "time_ratio_to_one_rank": times,
         "per_token_kib": {arm: per_token_kib(measured, arm), "checkpointed": per_token_kib(measured, "checkpointed")},
-        "attention": "CPU: masked SDPA over the whole pack after the Ulysses exchange ([T, T] mask on every rank), "
-                     "not divided by the ranks as the GPU varlen kernel's memory is"}
+        "attention": "CPU: one causal SDPA a row after the Ulysses exchange (the flash kernel, no [T, T] tensor)"}
     return write_result(summary, record, smoke=args.smoke, name=name)
 
 

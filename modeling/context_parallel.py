@@ -6,8 +6,8 @@
 Why Ulysses (all-to-all over heads) rather than ring attention. Each rank holds a contiguous ``T / cp`` of the
 pack's tokens; everything but attention and the Mamba mixer is per token. Attention swaps the split for two
 all-to-alls a layer: from ``[T / cp tokens, all heads]`` to ``[all T tokens, H / cp heads]``, attends over the whole
-pack with whatever kernel the model uses (FlashAttention varlen on GPUs with the pack's ``cu_seqlens``, a masked
-SDPA on the CPU), and back. So every rank does the same work whatever the causal mask (a ring's ranks do not: the
+pack with whatever kernel the model uses (FlashAttention varlen on GPUs with the pack's ``cu_seqlens``, a causal
+SDPA a row on the CPU), and back. So every rank does the same work whatever the causal mask (a ring's ranks do not: the
 last one attends to everything), the kernel and its varlen row boundaries are the 1-rank ones unchanged, and the
 traffic is ``4 · T · hidden / cp`` a layer (q, k, v, out). Its limit is the head count: ``cp`` must divide the
 query heads; K/V heads fewer than ``cp`` (Nemotron-3-Nano has 2) are repeated to the query's before the exchange.
@@ -150,15 +150,18 @@ def _sequence_to_heads(x: Tensor, cp: ContextParallel) -> Tensor:
     return x.transpose(0, 1).reshape(t // cp.size, cp.size * h, d)
 
 
-def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, scale: float | None) -> Tensor:
-    """q/k/v [T, H, D], rows by ``cu`` (cu_seqlens), causal within each: the CPU's kernel (a [T, T] mask)."""
-    t = q.shape[0]
-    row = torch.searchsorted(cu[1:].long(), torch.arange(t, device=q.device), right=True)
-    idx = torch.arange(t, device=q.device)
-    mask = (row[:, None] == row[None, :]) & (idx[None, :] <= idx[:, None])
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+def _rows_sdpa(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, scale: float | None) -> Tensor:
+    """q/k/v [T, H, D], rows by ``cu`` (cu_seqlens), causal within each: the CPU's kernel, one causal SDPA a row (no
+    [T, T] tensor: a mask over the pack, or 3-D inputs, which take the math kernel, make each rank's memory quadratic in
+    T: 11x the 1-rank step at 16K tokens)."""
+    out = torch.empty_like(q)
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            # [1, H, T, D]: 4-D, which the CPU's flash kernel wants (3-D fell back to the math kernel's [T, T] scores)
+            q_, k_, v_ = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))
+            out[start:end] = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale)[0].transpose(0, 1)
+    return out
 
 
 def ulysses_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
@@ -185,7 +188,7 @@ def ulysses_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     else:
         if k.shape[1] != q.shape[1]:
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-        out = _masked_sdpa(q, k, v, cu, scaling)
+        out = _rows_sdpa(q, k, v, cu, scaling)
     return _sequence_to_heads(out, cp)[None], None
 
 

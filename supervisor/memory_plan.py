@@ -9,7 +9,7 @@ holds in one micro-batch (whole groups: G rows of prompt + response each, divide
 
 Activations are what autograd keeps for the backward, per token, counted from the layers' code (transformers'
 Qwen3-MoE, Nemotron-H; our grouped experts, modeling/mamba.py's torch scan) and checked against torch's
-allocator on real steps (tests/test_memory_plan.py) and bench/lengths.py's RSS (bench/plan_vs_lengths.py):
+allocator on real steps (tests/test_memory_plan.py) and bench/lengths.py's RSS (bench/_plan_vs_lengths.py):
 - every part's pre-norm keeps its input upcast to fp32 and its output: (4 + b)·h (Nemotron-H: 8·h, its output
   fp32 too), plus b·h of the part's input
 - attention: b·(2q + 2kv) (SDPA/flash's q, k, v, out) + 4·heads (log-sum-exp); Qwen3's q/k norms (4 + b)·(q + kv)

@@ -1,6 +1,6 @@
 """``cascade-rl plan``'s trainer terms against bench/lengths.py's measured steps, from its JSON results (no rerun).
 
-    .venv/bin/python bench/plan_vs_lengths.py [bench/results/lengths.json bench/results/lengths-50m.json]
+    .venv/bin/python bench/_plan_vs_lengths.py [bench/results/lengths.json bench/results/lengths-50m.json]
 
 For each measured (tokens, mode): the plan's step (activations + gradients + the log-prob chunk, fp32, one row,
 bench/lengths.py's padded layout) against ``step_gib`` (the child's peak RSS less its RSS once the model is
@@ -8,7 +8,9 @@ loaded), and per term: the activations' growth per token against the measured sl
 lengths, the fixed terms (gradients, chunk) against the intercept of a line through the measured points. RSS
 counts what glibc's allocator keeps besides torch's live tensors, so the plan (torch's live tensors, checked to
 a few per cent in tests/test_memory_plan.py) is expected to read low. Prints a Markdown table (BENCHMARKS.md).
-"""
+
+(A table for BENCHMARKS.md, not a benchmark of its own: the leading underscore keeps it out of `make bench` and its
+smoke test, which run every bench/*.py as a measurement with a summary line.)"""
 
 from __future__ import annotations
 
