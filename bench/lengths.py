@@ -68,17 +68,28 @@ def child(model: str, length: int, checkpointing: bool) -> None:
     torch.manual_seed(0)
     net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
     policy = Policy(net, pack=False, share_prefix=False, activation_checkpointing=checkpointing).train()
-    ids = torch.randint(5, net.config.vocab_size, (1, length))
+    print(json.dumps(measured_step(policy, net.config.vocab_size, length)))
+
+
+def measured_step(policy, vocab: int, length: int, before=None) -> dict:
+    """One forward + backward of the summed response log-probs of a ``length``-token row (seed 0: the same tokens in
+    every process): {"step_gib": peak RSS less RSS before the step, "seconds", "loaded_gib"}. ``before()`` runs just
+    before the RSS is read (a barrier)."""
+    import torch
+
+    ids = torch.randint(5, vocab, (1, length))
     lengths = torch.tensor([length])
     mask = torch.zeros(1, length, dtype=torch.bool)
     mask[:, PROMPT:] = True
+    if before is not None:
+        before()
     loaded = rss_gib()
     t0 = time.perf_counter()
     logprobs, _ = policy(ids, lengths, mask)
     logprobs[mask].sum().backward()
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(json.dumps({"step_gib": round(peak - loaded, 3), "seconds": round(seconds, 2), "loaded_gib": round(loaded, 3)}))
+    return {"step_gib": round(peak - loaded, 3), "seconds": round(seconds, 2), "loaded_gib": round(loaded, 3)}
 
 
 def cp_child(model: str, length: int) -> None:
@@ -99,18 +110,7 @@ def cp_child(model: str, length: int) -> None:
     net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
     policy = parallel.parallelize(Policy(net, pack=True, pack_tokens=length, share_prefix=False,
                                          activation_checkpointing=True, context_parallel=ranks.context), ranks).train()
-    ids = torch.randint(5, net.config.vocab_size, (1, length))  # the same tokens on every rank (seed 0)
-    lengths = torch.tensor([length])
-    mask = torch.zeros(1, length, dtype=torch.bool)
-    mask[:, PROMPT:] = True
-    dist.barrier()
-    loaded = rss_gib()
-    t0 = time.perf_counter()
-    logprobs, _ = policy(ids, lengths, mask)
-    logprobs[mask].sum().backward()
-    seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    mine = {"step_gib": round(peak - loaded, 3), "seconds": round(seconds, 2), "loaded_gib": round(loaded, 3)}
+    mine = measured_step(policy, net.config.vocab_size, length, before=dist.barrier)
     every = [None] * world
     dist.all_gather_object(every, mine)
     if ranks.main:
