@@ -328,9 +328,10 @@ class Supervisor:
         rows = [{**p.row(), "beat_age_s": now - p.last_beat if p.handle else None} for p in self.procs.values()]
         text = stall.report(rows, orchestrator, self.stall.stalled_for(now), self.stall.timeout_s,
                             self.run_dir / "logs")
-        (self.run_dir / "stall.txt").write_text(text)
-        display.notice("\n".join(text.splitlines()[:2]) + f"\n(every worker and a stack dump of each process: "
-                       f"{self.run_dir / 'stall.txt'})")
+        path = self.run_dir / "stall.txt"
+        path.with_suffix(".tmp").write_text(text)
+        display.notice("\n".join(text.splitlines()[:2]) + f"\n(every worker and a stack dump of each process: {path})")
+        path.with_suffix(".tmp").replace(path)  # whole, and after the notice: whoever reads it was told where it is
 
     # ------------------------------------------------------------------ main loop
 
