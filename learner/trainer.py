@@ -318,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
                                                          run=cfg.run), ranks)
             version += 1
             notice = publish(transport, policy, ranks, version)  # rank 0's notice; a collective under FSDP2
+            if ranks.main:  # before the checkpoint: a resume from it keeps this step's line (records.keep_steps_before)
+                trained_ids.write({"step": msg.step, "ids": list(msg.ids)})
             checkpoint_dir = ""
             if version == cfg.run.steps or (tcfg.save_every and version % tcfg.save_every == 0):
                 checkpoint_dir = save_state(policy, optimizer, tokenizer, run_dir, version,
@@ -326,7 +328,6 @@ def main(argv: list[str] | None = None) -> None:
             metrics["tokens_per_s"] = int(batch.lengths.sum()) * ranks.dp_size / metrics["train_s"]
             if not ranks.main:
                 continue
-            trained_ids.write({"step": msg.step, "ids": list(msg.ids)})  # before StepDone: read once the run ends
             notices.send(notice)  # samplers apply it at their next safe point
             link.send(notice)  # the orchestrator forwards it to samplers that join late
             status.update(state="waiting", version=version)
