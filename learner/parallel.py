@@ -103,8 +103,8 @@ def parallelize(policy: nn.Module, ranks: Ranks) -> nn.Module:
     low = {d for d in dtypes.values() if d in LOW_PRECISION}
     if len(low) > 1:
         raise ValueError(f"FSDP2 computes in one dtype; the model's parameters are {sorted(map(str, low))}")
-    for p in policy.parameters():  # tied parameters once
-        if p.dtype in LOW_PRECISION:
+    for p in policy.parameters():  # tied parameters once; a frozen one (LoRA's base) stays as it is: no master
+        if p.dtype in LOW_PRECISION and p.requires_grad:
             p.data = p.data.float()
     policy.weight_dtypes = dtypes
     mp = MixedPrecisionPolicy(param_dtype=next(iter(low), None), reduce_dtype=torch.float32)

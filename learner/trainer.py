@@ -43,7 +43,7 @@ from cascade_rl.protocol.worker_main import worker_start
 from cascade_rl.weights.notices import NoticePublisher
 from cascade_rl.weights.registry import TRANSPORTS
 
-from . import checkpoint, parallel
+from . import checkpoint, lora, parallel
 from .losses import group_advantages, group_token_mean, mismatch_stats
 from .objectives import OBJECTIVES, Terms
 from .optim import MasterAdamW, clip_grad_norm_
@@ -194,9 +194,12 @@ def build(cfg, ranks: parallel.Ranks, device: torch.device | str = "cpu"):
     {}}`` for a fresh stage)."""
     t = cfg.trainer
     resume = checkpoint.resolve(cfg.run.resume_from, Path(cfg.run_dir))
-    model = load_model(resume or cfg.model.path, cfg, device)
+    adapted = lora.enabled(t.lora)  # LoRA: the base from model.path, the adapter (trained, resumed) on top
+    model = load_model(cfg.model.path if adapted else resume or cfg.model.path, cfg, device)
+    if adapted:
+        model = lora.attach(model, t.lora, cfg.model.path)
     reference = None
-    if t.kl_coef > 0:  # the stage's starting policy; each rank holds a full copy (no gradient, no optimizer)
+    if t.kl_coef > 0 and not adapted:  # the stage's starting policy; each rank holds a full copy (no gradient)
         reference = Policy(load_model(cfg.model.path, cfg, device).requires_grad_(False).eval(),
                            cfg.sampling.temperature, t.logprob_chunk_tokens, t.pack, t.pack_tokens, t.logprob_impl,
                            t.share_prefix, t.routing_replay)
@@ -205,9 +208,13 @@ def build(cfg, ranks: parallel.Ranks, device: torch.device | str = "cpu"):
                t.share_prefix, t.routing_replay, activation_checkpointing=t.activation_checkpointing,
                context_parallel=ranks.context),
         ranks)
-    optimizer = MasterAdamW(policy.parameters(), lr=lr_at(0, t, cfg.run.steps), betas=tuple(t.betas),
-                            weight_decay=t.weight_decay)
+    if adapted and t.kl_coef > 0:  # the base: the policy with its adapters off, no second copy
+        reference = lora.BaseReference(policy)
+    optimizer = MasterAdamW([p for p in policy.parameters() if p.requires_grad], lr=lr_at(0, t, cfg.run.steps),
+                            betas=tuple(t.betas), weight_decay=t.weight_decay)
     state = {"step": 0, "extra": {}}
+    if resume and adapted:
+        lora.load_adapter(policy, resume)
     if resume:
         state = load_state(resume, policy, optimizer, ranks)
         log.info("resumed from %s at step %d", resume, state["step"])
@@ -218,6 +225,17 @@ def save_state(policy: Policy, optimizer, tokenizer, run_dir: Path, step: int, e
                ranks: parallel.Ranks) -> str:
     """An atomic checkpoint (a collective with several ranks: all gather, rank 0 writes)."""
     out = checkpoint.step_dir(Path(run_dir) / "checkpoints", step)
+    if hasattr(policy.model, "peft_config"):  # LoRA: the adapter in peft's format, and its optimizer state
+        adapter = lora.AdapterWriter(lora.AdapterSource(policy).state_dict(), lora.config_dict(policy.model))
+        if not ranks.distributed:
+            return str(checkpoint.save(out, adapter, tokenizer, optimizer, step, extra))
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optim = get_optimizer_state_dict(policy, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                     cpu_offload=True))
+        if ranks.main:
+            checkpoint.save(out, adapter, tokenizer, None, step, extra, optim_state=optim)
+        return str(out)
     if not ranks.distributed:
         return str(checkpoint.save(out, policy.model, tokenizer, optimizer, step, extra))
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -239,6 +257,12 @@ def save_state(policy: Policy, optimizer, tokenizer, run_dir: Path, step: int, e
 def publish(transport, policy: Policy, ranks: parallel.Ranks, version: int):
     """The policy's weights as ``version`` through ``transport`` (rank 0); under FSDP2 every rank takes part in
     the gathers, one parameter at a time. Rank 0's ``WeightsReady``, None on the others."""
+    if hasattr(policy.model, "peft_config"):  # LoRA: the adapter alone, with its config in the notice
+        weights = lora.AdapterSource(policy)
+        if not ranks.main:
+            weights.drain()
+            return None
+        return dataclasses.replace(transport.publish(weights, version), adapter=lora.config_dict(policy.model))
     weights = parallel.publishable(policy, ranks)
     if not ranks.main:
         weights.drain()
@@ -326,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
                                             {"policy_version": version, "orchestrator": dict(msg.cursor)}, ranks)
             metrics["train_s"] = time.perf_counter() - t0
             metrics["tokens_per_s"] = int(batch.lengths.sum()) * ranks.dp_size / metrics["train_s"]
+            metrics["weights_bytes"] = notice.nbytes if notice is not None else 0  # what each sampler receives
             if not ranks.main:
                 continue
             notices.send(notice)  # samplers apply it at their next safe point

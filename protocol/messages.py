@@ -371,6 +371,8 @@ class WeightsReady:
     format: str = "safetensors"
     nbytes: int = 0
     checksum: str = ""
+    adapter: dict[str, Any] = field(default_factory=dict)  # a LoRA run: the file is adapter_model.safetensors and
+    # this its adapter_config.json (weights/adapters.py); empty: full weights
 
 
 @message("weights_get")

@@ -171,6 +171,7 @@ def validate(cfg: DictConfig) -> None:
         if cfg.sampler.engine != "torch":
             problems.append(f"sampler.inflight_updates: the {cfg.sampler.engine} engine cannot take weights between "
                             "decode steps here; use sampler.engine=torch or drop inflight_updates")
+    problems += lora_problems(cfg)
     try:
         OmegaConf.to_object(cfg.weights_options)  # each transport's options check themselves (schema_weights.py)
     except ValueError as err:
@@ -180,6 +181,38 @@ def validate(cfg: DictConfig) -> None:
         problems.append("trainer.kl_coef / entropy_coef apply to grpo only")
     if problems:
         raise ConfigError("invalid launch config:\n  " + "\n  ".join(problems))
+
+
+# engines that apply a LoRA adapter by notice (learner/lora.py ships adapters only): they define load_adapter
+ADAPTER_ENGINES = ("torch", "vllm")
+ADAPTER_TRANSPORTS = ("shm", "stream")  # transports that ship an adapter's file (cuda_ipc lays out full weights)
+
+
+def lora_problems(cfg: DictConfig) -> list[str]:
+    """``trainer.lora``'s rules across processes (the model's own are checked when the trainer attaches it)."""
+    from cascade_rl.weights import adapters
+
+    lora = cfg.trainer.lora
+    try:
+        OmegaConf.to_object(lora)  # the section checks its own values (schema_lora.py)
+    except ValueError as err:
+        return [str(err)]
+    if not lora.rank:
+        return []
+    problems = []
+    if cfg.sampler.engine not in ADAPTER_ENGINES:
+        problems.append(f"trainer.lora: the {cfg.sampler.engine} engine does not load adapters here; sample with "
+                        f"sampler.engine={' or '.join(ADAPTER_ENGINES)}")
+    if cfg.weights_transport not in ADAPTER_TRANSPORTS:
+        problems.append(f"trainer.lora: weights_transport={cfg.weights_transport} ships full weights only; use "
+                        f"{' or '.join(ADAPTER_TRANSPORTS)} (an adapter is megabytes: any transport is fast enough)")
+    if adapters.is_adapter(cfg.model.path):
+        problems.append(f"trainer.lora with model.path={cfg.model.path}: that is already a LoRA adapter (of "
+                        f"{adapters.base_of(cfg.model.path) or 'another base'}); merge it first (cascade-rl export "
+                        "--merge) and train a new adapter on the merged model")
+    if cfg.sampler.inflight_updates:
+        problems.append("trainer.lora: sampler.inflight_updates loads full weights between decode steps; drop it")
+    return problems
 
 
 def _registered_names(cfg: DictConfig) -> list[tuple[str, str, dict]]:

@@ -20,6 +20,7 @@ from cascade_rl.modeling.choices import AttnImpl, MoeImpl
 from cascade_rl.protocol.devices import Dtype
 
 from .schema_choices import InflightKV, LrDecay, OnBadRow, Progress
+from .schema_lora import LoraSettings
 from .schema_ray import LauncherName, RayConfig
 from .schema_services import JudgeConfig, SGLangConfig, TorchKVSettings, VLLMConfig
 from .schema_weights import WeightsOptions
@@ -170,6 +171,8 @@ class TrainerConfig:
     context_parallel: int = 1
     """Ranks that split each packed sequence (Ulysses attention, Mamba states passed; modeling/context_parallel.py):
     activations / cp a rank. Divides world_size and the attention heads; the others split the batch."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA RL (rank > 0): peft adapters trained, shipped and saved alone (supervisor/schema_lora.py)."""
 
 
 @dataclass

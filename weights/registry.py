@@ -81,8 +81,16 @@ def resolve(notice: WeightsReady, run_id: str = "", timeout_s: float = RESOLVE_T
 
 
 def load_file(engine, notice: WeightsReady, run_id: str) -> None:
-    """``shm`` and ``stream``: a verified local safetensors file, loaded by path."""
-    engine.load_weights(resolve(notice, run_id), notice.version)
+    """``shm`` and ``stream``: a verified local safetensors file, loaded by path; a LoRA run's (``notice.adapter``)
+    is an adapter, which the engine applies over its base (weights/adapters.py)."""
+    path = resolve(notice, run_id)
+    if notice.adapter:
+        if not hasattr(engine, "load_adapter"):
+            raise WeightsError(f"version {notice.version} is a LoRA adapter and the {type(engine).__name__} cannot "
+                               "load adapters")
+        engine.load_adapter(path, notice.version, notice.adapter)
+    else:
+        engine.load_weights(path, notice.version)
 
 
 register("shm", shm.ShmTransport, Receiver(shm.FORMAT, shm.SCHEME, load_file, shm.resolve))
