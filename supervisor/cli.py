@@ -11,6 +11,7 @@
     cascade-rl launch PRESET --inline                        every role a thread of one process (debuggers, py-spy)
     cascade-rl plan [PRESET|CONFIG.yaml] [hydra overrides] [--gpu-memory 80GiB|h200] [--json] [--check]
                                                              peak memory per role and GPU; what to change if it does not fit
+    cascade-rl export [--merge] RUN_OR_CHECKPOINT --out DIR   # a checkpoint as a model dir (LoRA: --merge merges it)
     cascade-rl ctl [--run-dir DIR] status [--json]
     cascade-rl ctl [--run-dir DIR] stop
     cascade-rl ctl [--run-dir DIR] swap verifier DOMAIN NAME   # new workers score DOMAIN with NAME; old ones drain
@@ -258,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     cas.add_argument("--dry-run", action="store_true", help="print the resolved cascade config and exit")
     cas.set_defaults(fn=cmd_cascade)
 
+    from .export import add_parser as add_export
     from .ray_node import add_parser as add_ray_node
+
+    add_export(sub)
 
     add_ray_node(sub)
 
@@ -291,12 +295,13 @@ def run(args: argparse.Namespace) -> int:
     from cascade_rl.data.sources import DataError
 
     from .config_errors import ConfigError
+    from .export import ExportError
     from .launchers import LaunchError
     from .run_data import BadData, refusal
 
     try:
         return args.fn(args)
-    except (ConfigError, DataError, LaunchError) as e:
+    except (ConfigError, DataError, LaunchError, ExportError) as e:
         print(f"cascade-rl: {e}", file=sys.stderr)
         return 2
     except BadData as e:
