@@ -123,6 +123,8 @@ class TrainerSettings:
     """SDPA or eager attention on packs of this many tokens: a [T, T] mask each (0: varlen, no mask)."""
     reference: bool = False
     """A frozen reference policy in the trainer (trainer.kl_coef > 0)."""
+    lora_rank: int = 0
+    """trainer.lora.rank: a frozen base in its dtype, fp32 adapters the only trained (and optimized) weights."""
 
     @property
     def groups_per_pass(self) -> int:
@@ -138,7 +140,18 @@ def trainer_terms(shape: ModelShape, s: TrainerSettings) -> list[Term]:
     p, b, v, h = shape.params(), s.dtype_bytes, shape.vocab, shape.hidden
     shards = s.world_size  # FSDP2 over every rank (data- and context-parallel alike: world_size = dp × cp)
     t = s.tokens
-    if shards > 1:
+    if s.lora_rank:
+        a = shape.lora_params(s.lora_rank)
+        terms = [Term("parameters", b * p / shards + 4 * a / shards,
+                      f"b·P{' / ranks' if shards > 1 else ''} (frozen base) + 4·A (fp32 adapters, A = {a:,})")]
+        if shards > 1:
+            biggest = max(shape.layer_params(layer) for layer in shape.layers)
+            outside = p - sum(shape.layer_params(layer) for layer in shape.layers)
+            terms.append(Term("gathered layers", b * (2 * biggest + outside),
+                              "b·(2 × largest layer + embedding, head): FSDP2's all-gathered copies in flight"))
+        terms += [Term("gradients", 4 * a / shards, "4·A (the adapters' only)"),
+                  Term("optimizer", 8 * a / shards, "8·A (AdamW moments of the adapters)")]
+    elif shards > 1:
         biggest = max(shape.layer_params(layer) for layer in shape.layers)
         outside = p - sum(shape.layer_params(layer) for layer in shape.layers)
         terms = [Term("parameters", 4 * p / shards, "4·P / ranks (fp32 shards: the master)"),
@@ -163,7 +176,10 @@ def trainer_terms(shape: ModelShape, s: TrainerSettings) -> list[Term]:
         packs = math.ceil(t / s.sdpa_pack_tokens)
         terms.append(Term("attention masks", packs * min(t, s.sdpa_pack_tokens) ** 2,
                           f"{packs} packs × pack² bytes (SDPA's [T, T] mask; varlen has none)"))
-    if s.reference:
+    if s.reference and s.lora_rank:  # the base with the adapters off: no second copy of the weights
+        largest = max(layer_activation(shape, layer, b) for layer in shape.layers)
+        terms.append(Term("reference forward", t * largest, "T × the largest layer (the policy, adapters off)"))
+    elif s.reference:
         largest = max(layer_activation(shape, layer, b) for layer in shape.layers)
         terms += [Term("reference weights", b * p, "b·P (trainer.kl_coef > 0: a full frozen copy per rank)"),
                   Term("reference forward", t * largest, "T × the largest layer (no grad, one layer at a time)")]

@@ -77,7 +77,7 @@ def trainer_settings(cfg: DictConfig) -> TrainerSettings:
         prompts_per_step=cfg.run.prompts_per_step, group_size=cfg.run.group_size,
         micro_batch_groups=t.micro_batch_groups, seq_tokens=seq_tokens(cfg), chunk_tokens=t.logprob_chunk_tokens,
         sdpa_pack_tokens=t.pack_tokens if attn in ("sdpa", "eager") else 0,  # auto on a GPU: varlen, no mask
-        reference=t.kl_coef > 0 and cfg.run.algorithm == "grpo")
+        reference=t.kl_coef > 0 and cfg.run.algorithm == "grpo", lora_rank=t.lora.rank)
 
 
 def sampler_settings(cfg: DictConfig) -> SamplerSettings:

@@ -120,6 +120,20 @@ class ModelShape:
     def layer_params(self, layer: tuple[str, ...]) -> int:
         return sum(self.part_params(p) for p in layer)
 
+    def lora_params(self, rank: int) -> int:
+        """A LoRA adapter's parameters, rank ``rank`` on the attention projections (q, k, v, o) and the dense MLPs'
+        and shared experts' (learner/lora.py's default targets): r·(in + out) per projection."""
+        h, w, per = self.hidden, 3 if self.gated else 2, 0
+        for layer in self.layers:
+            for part in layer:
+                if part == "attention":
+                    per += (h + self.q) + 2 * (h + self.kv) + (self.q + h)
+                elif part == "mlp":
+                    per += w * (h + self.intermediate)
+                elif part == "moe" and self.shared_intermediate:
+                    per += w * (h + self.shared_intermediate)
+        return rank * per
+
     def params(self) -> int:
         """Every parameter: the layers, the input embedding, the LM head unless tied, the final norm."""
         embed = self.vocab * self.hidden * (1 if self.tied else 2)

@@ -4,6 +4,7 @@ adapters off, checkpoints are peft's own adapter directories and resume exactly,
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +116,56 @@ def test_launch_refuses_lora_where_adapters_cannot_go(tiny_model, tmp_path):
             from cascade_rl.supervisor.config import validate
 
             validate(lora_cfg(tiny_model, tmp_path, *extra))
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_adapter_like_one_rank(tiny_model, tmp_path):
+    """FSDP2 (gloo, 2 ranks): the adapter after two steps (KL to the base with adapters off, micro-batches) is the
+    1-rank adapter, the published adapter file is the same bytes, and a resume takes the last step exactly."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    helper = Path(__file__).parent / "helpers" / "lora_dist_steps.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
+    got = {}
+    for world in (1, 2):
+        out = tmp_path / f"w{world}.safetensors"
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
+            if world > 1 else [sys.executable]
+        r = subprocess.run([*launcher, str(helper), str(tiny_model), str(out)], capture_output=True, text=True,
+                           env=env, timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        report = json.loads(Path(str(out) + ".json").read_text())
+        assert report["resumed_step"] == 1 and report["resume_max_diff"] == 0, report
+        got[world] = (load_file(out), report)
+    (one, r1), (two, r2) = got[1], got[2]
+    assert one.keys() == two.keys() and all(".lora_" in k for k in one)
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], atol=2e-5, rtol=0, msg=k)
+    assert max(v.abs().max().item() for k, v in one.items() if "lora_B" in k) > 1e-4  # B moved off zero
+    assert r1["published"][0] == r2["published"][0]
+    for a, b in zip(r1["metrics"], r2["metrics"]):
+        for k in ("loss", "grad_norm", "kl_ref", "entropy"):
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+
+
+def test_the_memory_plan_counts_the_adapter_peft_builds(tiny_model, tmp_path):
+    """`cascade-rl plan`'s adapter size is the parameters peft adds, and LoRA leaves gradients and optimizer state
+    to the adapters and no second copy for the reference."""
+    from cascade_rl.supervisor.memory_plan import trainer_terms
+    from cascade_rl.supervisor.memory_report import trainer_settings
+    from cascade_rl.supervisor.memory_shapes import shape_from_config
+
+    cfg = lora_cfg(tiny_model, tmp_path, "trainer.kl_coef=0.01")
+    policy, *_ = build(cfg, parallel.Ranks())
+    shape = shape_from_config(json.loads((Path(tiny_model) / "config.json").read_text()))
+    assert shape.lora_params(8) == sum(p.numel() for p in policy.parameters() if p.requires_grad)
+
+    lora_terms = {t.name: t.bytes for t in trainer_terms(shape, trainer_settings(cfg))}
+    cfg.trainer.lora.rank = 0
+    full_terms = {t.name: t.bytes for t in trainer_terms(shape, trainer_settings(cfg))}
+    assert lora_terms["optimizer"] == 8 * shape.lora_params(8) < full_terms["optimizer"] / 10
+    assert "reference weights" in full_terms and "reference weights" not in lora_terms
