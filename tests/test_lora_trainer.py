@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_trainer import make_batch
 from transformers import AutoModelForCausalLM
 
 from cascade_rl.learner import lora, parallel
@@ -17,8 +18,6 @@ from cascade_rl.modeling.policy import Policy
 from cascade_rl.supervisor.config import ConfigError, compose
 from cascade_rl.weights import adapters
 from cascade_rl.weights.shm import ShmTransport
-
-from test_trainer import make_batch
 
 
 def lora_cfg(tiny_model, tmp_path, *extra):

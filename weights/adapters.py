@@ -20,7 +20,6 @@ import math
 import os
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 PREFIX = "base_model.model."  # peft's prefix of every tensor name in adapter_model.safetensors
