@@ -19,6 +19,14 @@ held-out questions (orchestrator/evaluate.py) and recorded in
 domain it trains, the recorded checkpoint with the best accuracy on that
 domain (the starting model included); ``teachers: {domain: path}`` pins them.
 
+A LoRA stage (``trainer.lora``) saves adapters, not models. It hands the next stage the MERGED model: its final
+adapter merged into its base once, into ``<stage_dir>/merged`` (supervisor/export.py ``merge_to``, the function
+of ``cascade-rl export --merge``; reused when there), is the next stage's ``model.path``. The next stage's own
+adapter is then trained on that model; stacking the stages' adapters instead would make every sampler hold several
+per request, and vLLM applies one adapter per request. The record keeps the adapter checkpoints themselves:
+they are evaluated through a merged copy (deleted after), and a MOPD teacher chosen among them is served as an
+adapter (teachers of one base share one server: teachers/server.py).
+
 Rerunning skips the stages the record marks done; a stage that was cut off
 resumes from its newest checkpoint. The report (report.md and PNG plots) is
 rewritten after every stage (supervisor/report.py).
@@ -168,7 +176,7 @@ class Cascade:
             done = self.record["stages"].get(stage.name, {})
             if done.get("status") == "done" and Path(done["final"]).is_dir():
                 print(f"cascade: {stage.name} done earlier (final {done['final']}); skipping")
-                model = done["final"]
+                model = self.handoff(done["final"], self.run_dir / stage.name)
                 continue
             rc = self.run_stage(stage, model)
             if rc != 0:
@@ -177,7 +185,7 @@ class Cascade:
                 self.save()
                 print(f"cascade: stage {stage.name} failed (rc {rc}); rerun the same command to resume it")
                 return rc
-            model = self.record["stages"][stage.name]["final"]
+            model = self.handoff(self.record["stages"][stage.name]["final"], self.run_dir / stage.name)
         print(f"cascade: done; record {self.record_path}")
         return 0
 
@@ -203,6 +211,20 @@ class Cascade:
         entry.update(status="done", final=str(final))
         self.save()
         return 0
+
+    @staticmethod
+    def handoff(final: str, stage_dir: Path) -> str:
+        """The model the next stage starts from: the stage's final checkpoint, or, a LoRA checkpoint, its merge
+        into ``<stage_dir>/merged`` (made once, reused when there)."""
+        from .export import is_adapter, merge_to
+
+        if not is_adapter(Path(final)):
+            return final
+        merged = stage_dir / "merged"
+        if not (merged / "config.json").is_file():
+            print(f"cascade: merging the LoRA checkpoint {final} into its base: {merged}")
+            merge_to(final, merged)
+        return str(merged)
 
     def stage_config(self, stage: DictConfig, model: str, stage_dir: Path) -> DictConfig:
         """The stage's launch config: run preset, stage preset, the cascade's and the stage's overrides."""
@@ -257,11 +279,30 @@ class Cascade:
 
         e = self.cfg.eval
         c = self.common
-        result = evaluate_checkpoint(path, self.heldout, e.n, e.temperature, e.max_tokens, e.seed, self.thinking,
-                                     e.engine, e.device, dict(c.environment.defaults), c.orchestrator.max_turns,
-                                     OmegaConf.to_container(c.environment))
+        with self.servable(path) as model:
+            result = evaluate_checkpoint(model, self.heldout, e.n, e.temperature, e.max_tokens, e.seed, self.thinking,
+                                         e.engine, e.device, dict(c.environment.defaults),
+                                         c.orchestrator.max_turns, OmegaConf.to_container(c.environment))
         print(f"cascade: {path}: " + ", ".join(f"{d} {a:.3f}" for d, a in result["domains"].items()))
         return {"path": str(Path(path).resolve()), "step": step, **result}
+
+    @contextlib.contextmanager
+    def servable(self, path: str) -> Iterator[str]:
+        """A model directory the samplers load for checkpoint ``path``: itself, or, a LoRA checkpoint, its merge
+        into a directory under run_dir deleted after the block."""
+        from .export import is_adapter, merge_to
+
+        if not is_adapter(Path(path)):
+            yield path
+            return
+        import shutil
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix=".merged-", dir=self.run_dir))
+        try:
+            yield str(merge_to(path, tmp / "model"))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def save(self) -> None:
         tmp = self.record_path.with_suffix(".json.tmp")

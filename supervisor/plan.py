@@ -38,7 +38,7 @@ from . import judge, placement
 from .config_errors import ConfigError
 from .launchers import make_launcher
 from .memory_report import seq_tokens
-from .procs import Proc, free_ports, sampler_procs, teacher_groups
+from .procs import Proc, free_ports, sampler_procs, teacher_args, teacher_groups
 from .run_data import prepare_run_data
 
 ENDPOINTS = ("orchestrator", "weights", "heartbeat", "control")  # the run's sockets (config.yaml ``endpoints``)
@@ -192,8 +192,8 @@ def start_order(cfg: DictConfig) -> tuple[list[Proc], list[Proc], Proc | None]:
     for i in range(cfg.sampler.count):
         first += sampler_procs(cfg, f"sampler-{i}", i)
     first += [Proc("environment", f"environment-{i}") for i in range(cfg.environment.count if cfg.environment.serve else 0)]
-    for i, (path, domains) in enumerate(teacher_groups(cfg.teacher.checkpoints).items()):
-        first.append(Proc("teacher", f"teacher-{i}", args=["--model", path, "--domains", ",".join(domains)],
+    for i, (path, heads) in enumerate(teacher_groups(cfg.teacher.checkpoints).items()):
+        first.append(Proc("teacher", f"teacher-{i}", args=teacher_args(path, heads),
                           gpus=placement.gpus_of(cfg, "teacher", i)))
     return first, [Proc("verifier", f"verifier-{i}") for i in range(cfg.verifier.count)], served
 

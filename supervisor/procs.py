@@ -8,6 +8,7 @@ too); ``worker_command`` is the command line of a worker (the launchers run it a
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 from collections.abc import Callable, Iterable
@@ -68,12 +69,28 @@ ROLES = {
 SERVER_ROLES = {name for name, role in ROLES.items() if role.server}
 
 
-def teacher_groups(teachers) -> dict[str, list[str]]:
-    """MOPD teachers by checkpoint: one teacher server per distinct checkpoint, serving its domains."""
-    by_path: dict[str, list[str]] = {}
+def teacher_groups(teachers) -> dict[str, dict[str, str]]:
+    """MOPD teachers by server: {the model a teacher server loads: {domain: LoRA checkpoint, or "" (the model
+    itself)}}. One server per distinct full checkpoint; the checkpoints that are LoRA adapters (peft's
+    adapter_config.json) of one base share one server, which holds the base once and one adapter per checkpoint
+    (teachers/server.py), with the base's own domains if the base teaches some too."""
+    groups: dict[str, dict[str, str]] = {}
     for domain, path in sorted(teachers.items()):
-        by_path.setdefault(str(Path(path).resolve()), []).append(domain)
-    return by_path
+        path = Path(path).resolve()
+        config = path / "adapter_config.json"  # weights/adapters.py's CONFIG_FILE (that module imports torch)
+        if config.is_file():
+            base = str(json.loads(config.read_text()).get("base_model_name_or_path") or "")
+            base = str(Path(base).resolve()) if Path(base).is_dir() else base  # missing: the server says so
+            groups.setdefault(base or str(path), {})[domain] = str(path) if base else ""
+        else:
+            groups.setdefault(str(path), {})[domain] = ""
+    return groups
+
+
+def teacher_args(model: str, heads: dict[str, str]) -> list[str]:
+    """A teacher server's command line (``teacher_groups``' model and heads)."""
+    return ["--model", model, "--domains", ",".join(heads),
+            *(a for d, p in heads.items() if p for a in ("--adapter", f"{d}={p}"))]
 
 
 def _die_with_parent() -> None:

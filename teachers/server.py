@@ -2,8 +2,15 @@
 
     python -m cascade_rl.teachers.server --config RUN_DIR/config.yaml --worker-id teacher-0 \\
         --model PATH --domains math,mcqa
+    python -m cascade_rl.teachers.server ... --model BASE --domains math,code \\
+        --adapter math=CKPT_A --adapter code=CKPT_B        # one base, one LoRA head per checkpoint
 
-Started by the supervisor, one process per teacher checkpoint. It loads the HF
+Started by the supervisor, one process per teacher checkpoint, except that the teacher checkpoints that are LoRA
+adapters (a ``trainer.lora`` run's) of one base share one process (supervisor/procs.py ``teacher_groups``): it
+holds the base once and one peft adapter per checkpoint (``PeftModel.from_pretrained`` / ``load_adapter``, not
+merged), and runs each request under its domain's adapter (``set_adapter``; the domains ``--adapter`` does not
+name, if any, under the base itself: its adapters off), so a step whose teachers are adapters of one base equals
+the same step with their merged full models in one process each, in one base's memory. It loads the HF
 checkpoint at ``--model`` as the trainer does (modeling/models.py: ``model.dtype``,
 ``model.attn_impl``, ``model.moe_impl``; frozen, eval mode) on its device (``gpus.teachers``:
 the i-th teacher server on the i-th GPU listed; none: the CPU), connects to the orchestrator like
@@ -19,7 +26,7 @@ run's ``trainer.pack``/``pack_tokens``/``logprob_chunk_tokens``/
 so a teacher's log-probs of a checkpoint equal the trainer's of the same
 checkpoint, a hybrid Mamba-2 one (Nemotron-H) included: the Policy keeps packed rows
 apart in its Mamba layers too (modeling/mamba.py; tests/test_nemotron_h_trainer.py). Requests of a batch that ask for different temperatures run one
-forward per temperature (a stage samples at one, so in practice one).
+forward per temperature (a stage samples at one, so in practice one), and with adapters one per domain's adapter.
 
 A request the model cannot serve (a domain not served here, an empty prompt, a
 token id outside the vocabulary, a sequence longer than
@@ -34,8 +41,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -75,10 +84,14 @@ def batch_rows(requests: list[TeacherRequest]) -> tuple[Tensor, Tensor, Tensor]:
 class Teacher:
     """A frozen checkpoint and the trainer's log-prob path; no sockets, so tests and tools use it in-process."""
 
-    def __init__(self, model: nn.Module, domains: list[str], trainer_cfg) -> None:
-        """``trainer_cfg``: the run's ``trainer`` section, whose log-prob settings the teacher shares."""
+    def __init__(self, model: nn.Module, domains: list[str], trainer_cfg, peft=None,
+                 heads: dict[str, str] | None = None) -> None:
+        """``trainer_cfg``: the run's ``trainer`` section, whose log-prob settings the teacher shares. One base,
+        many heads: ``peft`` the ``PeftModel`` whose base is ``model`` (its LoRA layers injected in ``model``),
+        ``heads`` {domain: its adapter's name}; the other domains run the base (adapters off)."""
         self.model = model.requires_grad_(False).eval()
         self.domains = sorted(set(domains))
+        self.peft, self.heads = peft, dict(heads or {})
         t = trainer_cfg
         # one Policy for the life of the server, its temperature set per forward (a Policy per forward would add
         # its router hooks to an MoE model each batch)
@@ -92,6 +105,35 @@ class Teacher:
     def load(cls, path: str, domains: list[str], cfg, device: torch.device | str = "cpu") -> Teacher:
         """The checkpoint at ``path`` as the trainer would load it (modeling/models.py), on ``device``."""
         return cls(load_model(path, cfg, device), domains, cfg.trainer)
+
+    @classmethod
+    def load_heads(cls, base: str, adapters: dict[str, str], domains: list[str], cfg,
+                   device: torch.device | str = "cpu") -> Teacher:
+        """One base, many heads: the model at ``base`` (loaded as the trainer would) and, unmerged, one peft
+        adapter per distinct checkpoint of ``adapters`` ({domain: LoRA checkpoint of ``base``}); ``domains``
+        beyond those of ``adapters`` are served by the base."""
+        from peft import PeftModel
+
+        model = load_model(base, cfg, device)
+        names: dict[str, str] = {}  # checkpoint -> adapter name (a domain may contain what a module name cannot)
+        for domain in sorted(adapters):
+            names.setdefault(str(Path(adapters[domain]).resolve()), f"head{len(names)}")
+        peft = None
+        for path, name in names.items():
+            if peft is None:
+                peft = PeftModel.from_pretrained(model, path, adapter_name=name)
+            else:
+                peft.load_adapter(path, adapter_name=name)
+        heads = {d: names[str(Path(p).resolve())] for d, p in adapters.items()}
+        return cls(peft.get_base_model(), [*domains, *adapters], cfg.trainer, peft, heads)
+
+    def head(self, domain: str) -> str | None:
+        """The adapter that answers ``domain`` (None: the model itself, or the base of a one-base-many-heads)."""
+        return self.heads.get(domain)
+
+    def forwards(self, requests: list[TeacherRequest]) -> int:
+        """How many forwards ``logprobs(requests)`` runs: one per (temperature, adapter)."""
+        return len({(r.temperature, self.head(r.domain)) for r in requests})
 
     @property
     def device(self) -> torch.device:
@@ -115,15 +157,16 @@ class Teacher:
 
     def logprobs(self, requests: list[TeacherRequest]) -> list[np.ndarray]:
         """Each request's log-probs of its response tokens (float32, ``response_ids`` order). One forward per
-        distinct temperature among ``requests``; call ``check`` on each first."""
+        distinct temperature among ``requests`` (and, one base with many heads, per adapter); call ``check`` on
+        each first."""
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(requests)
-        by_temperature = collections.defaultdict(list)
+        by_forward = collections.defaultdict(list)
         for i, req in enumerate(requests):
-            by_temperature[req.temperature].append(i)
-        for temperature, members in by_temperature.items():
+            by_forward[req.temperature, self.head(req.domain)].append(i)
+        for (temperature, head), members in by_forward.items():
             group = [requests[i] for i in members]
             ids, lengths, mask = (t.to(self.device) for t in batch_rows(group))
-            with torch.inference_mode():
+            with torch.inference_mode(), self.adapter(head):
                 self.policy.temperature = temperature
                 lp, _ = self.policy(ids, lengths, mask)
             flat = lp[mask].float().cpu().numpy()  # row-major: request by request, response by response
@@ -131,6 +174,15 @@ class Teacher:
             for i, values in zip(members, np.split(flat, bounds)):
                 out[i] = values
         return out
+
+    def adapter(self, head: str | None):
+        """The span in which the model computes ``head``'s function (None: the model itself, or the base)."""
+        if self.peft is None:
+            return contextlib.nullcontext()
+        if head is None:
+            return self.peft.disable_adapter()
+        self.peft.set_adapter(head, inference_mode=True)  # inference_mode: its parameters stay frozen
+        return contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------- the worker
@@ -179,7 +231,7 @@ class Server(Service):
             self.state = "idle"
         dt = time.perf_counter() - t0
         self.counters["batches"] += 1
-        self.counters["forwards"] += len({r.temperature for r in good})
+        self.counters["forwards"] += self.teacher.forwards(good)
         self.counters["busy_s"] += dt
         self.counters["sequences"] += sum(len(r.response_lens) for r in good)
         self.counters["tokens"] += sum(sequence_tokens(r) for r in good)
@@ -198,19 +250,29 @@ def main(argv: list[str] | None = None) -> None:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--model", required=True, help="HF checkpoint directory of this teacher (frozen)")
     extra.add_argument("--domains", required=True, help="comma-separated domains this teacher answers")
+    extra.add_argument("--adapter", action="append", default=[], metavar="DOMAIN=CHECKPOINT",
+                       help="a LoRA checkpoint of --model that answers DOMAIN (repeat: one base, many heads)")
     known, rest = extra.parse_known_args(argv)
     args, cfg = worker_start(__doc__.splitlines()[0], rest)
     domains = [d.strip() for d in known.domains.split(",") if d.strip()]
     if not domains:
         raise SystemExit("--domains: name at least one domain")
+    adapters = dict(a.partition("=")[::2] for a in known.adapter)
+    if not all(adapters) or not all(adapters.values()) or len(adapters) != len(known.adapter):
+        raise SystemExit(f"--adapter: DOMAIN=CHECKPOINT, one per domain (got {known.adapter})")
     t = cfg.teacher
     if t.threads and not cfg.get("inline"):
         torch.set_num_threads(t.threads)
 
     # --- model, then serve on the worker runtime
-    teacher = Teacher.load(known.model, domains, cfg, role_device(cfg, "teacher"))
-    log.info("teacher %s serving %s on %s (vocab %d, max length %s)", known.model, teacher.domains,
-             describe(teacher.model), teacher.vocab, teacher.max_len)
+    if adapters:
+        teacher = Teacher.load_heads(known.model, adapters, [d for d in domains if d not in adapters], cfg,
+                                     role_device(cfg, "teacher"))
+    else:
+        teacher = Teacher.load(known.model, domains, cfg, role_device(cfg, "teacher"))
+    log.info("teacher %s serving %s on %s (vocab %d, max length %s)%s", known.model, teacher.domains,
+             describe(teacher.model), teacher.vocab, teacher.max_len,
+             "".join(f"; {d} by adapter {p}" for d, p in sorted(adapters.items())))
     WorkerRuntime(Server(teacher, args.worker_id, t.slots, t.max_batch_tokens), cfg, args.worker_id,
                   t.batch_window_s, expect=(TeacherRequest,)).run()
 

@@ -134,3 +134,28 @@ def test_export_refuses_in_one_line(run, tmp_path, case):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cascade-rl: "), r.stderr
     assert {"missing": "is not a directory", "empty": "neither a checkpoint", "exists": "exists"}[case] in lines[0]
+
+
+def test_a_lora_stage_hands_the_next_stage_its_merged_model(tiny_model, run, ids, tmp_path):
+    from types import SimpleNamespace
+
+    from cascade_rl.supervisor.cascade import Cascade
+
+    final = checkpoint_dirs.step_dir(run / "checkpoints", 2)
+    stage_dir = tmp_path / "stage"
+    stage_dir.mkdir()
+    model = Cascade.handoff(str(final), stage_dir)
+    assert model == str(stage_dir / "merged")
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(model), ids),
+                               peft_logits(tiny_model, final, ids), atol=1e-5, rtol=0)
+    mtime = (stage_dir / "merged" / "model.safetensors").stat().st_mtime_ns
+    assert Cascade.handoff(str(final), stage_dir) == model  # once: a rerun reuses it
+    assert (stage_dir / "merged" / "model.safetensors").stat().st_mtime_ns == mtime
+    assert Cascade.handoff(tiny_model, stage_dir) == tiny_model  # a full checkpoint: itself
+    # evaluation samples a merged copy of an adapter checkpoint, deleted after
+    holder = SimpleNamespace(run_dir=tmp_path)
+    with Cascade.servable(holder, str(final)) as path:
+        assert (Path(path) / "config.json").is_file() and Path(path).is_relative_to(tmp_path)
+    assert not Path(path).exists() and not list(tmp_path.glob(".merged-*"))
+    with Cascade.servable(holder, tiny_model) as path:
+        assert path == tiny_model
