@@ -364,8 +364,12 @@ class Transformer(RecordsRoutes, nn.Module):
         return model.eval()
 
     @torch.no_grad()
-    def load_hf_state_dict(self, hf: dict[str, Tensor]) -> None:
-        """Copy an HF state dict into this model in place; missing or unknown names raise RuntimeError."""
+    def load_hf_state_dict(self, hf: dict[str, Tensor], partial: bool = False) -> None:
+        """Copy an HF state dict into this model in place; missing or unknown names raise RuntimeError.
+        ``partial``: ``hf`` holds only some weights (in-memory HF names: a LoRA adapter merged into the modules it
+        adapts); each is copied into its part of our (fused) parameter, the others are left as they are."""
+        if partial:
+            return self._load_partial(hf)
         try:
             ours = to_native(hf, self.args)
         except KeyError as e:
@@ -379,6 +383,27 @@ class Transformer(RecordsRoutes, nn.Module):
     def hf_state_dict(self) -> dict[str, Tensor]:
         """This model's weights in HF names and layouts (the in-memory ones: fused experts)."""
         return to_hf(dict(self.named_parameters()), self.args)
+
+    def _load_partial(self, hf: dict[str, Tensor]) -> None:
+        """``load_hf_state_dict(partial=True)``: ``to_hf``'s tensors are views of our parameters (slices of the
+        fused q|k|v and gate|up, transposed experts), so each given tensor is copied into its view; the q and k
+        norms, which our table repeats per head, into every head's row."""
+        a = self.args
+        views = self.hf_state_dict()
+        norms = {}
+        for i in range(a.n_layers):
+            table = self.layers[i].attn.qk_norm
+            p = f"model.layers.{i}.self_attn."
+            norms[p + "q_norm.weight"], norms[p + "k_norm.weight"] = table[: a.n_heads], table[a.n_heads:]
+        unknown = sorted(n for n in hf if n not in views)
+        if unknown:
+            raise RuntimeError(f"unexpected weights: {unknown[:8]}")
+        for name, t in hf.items():
+            view = norms.get(name, views[name])
+            want = view.shape[1:] if name in norms else view.shape
+            if tuple(t.shape) != tuple(want):
+                raise RuntimeError(f"weights do not fit: {name} is {tuple(t.shape)}, this model's {tuple(want)}")
+            view.copy_(t)  # broadcast over the heads for a norm
 
 
 def read_safetensors(path: str | Path) -> dict[str, Tensor]:

