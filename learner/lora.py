@@ -27,9 +27,7 @@ from torch import Tensor, nn
 
 from cascade_rl.weights import adapters
 
-# the attention and MLP projections of the HF families cascade-rl runs (Qwen, Llama, Nemotron-H's attention and
-# shared experts); a model's default targets are those of these it has
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = adapters.DEFAULT_TARGETS  # a model's default targets: those of these it has
 ADAPTER = "default"  # peft's adapter name in the trainer's model
 
 

@@ -170,7 +170,7 @@ def lora_options(rank: int, targets=()) -> dict:
     if not fits:
         raise ValueError(f"trainer.lora.rank={rank}: vLLM 0.32 serves LoRA ranks up to {LORA_RANKS[-1]}")
     if not targets:
-        from ..learner.lora import DEFAULT_TARGETS as targets
+        from ..weights.adapters import DEFAULT_TARGETS as targets
     return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "lora_target_modules": list(targets)}
 
 

@@ -212,6 +212,12 @@ def lora_problems(cfg: DictConfig) -> list[str]:
                         "--merge) and train a new adapter on the merged model")
     if cfg.sampler.inflight_updates:
         problems.append("trainer.lora: sampler.inflight_updates loads full weights between decode steps; drop it")
+    if cfg.sampler.engine == "vllm" and not uses_gpus(cfg, "sampler"):
+        from cascade_rl.samplers.vllm_engine import CPU_LORA_MOE, is_moe
+
+        if is_moe(cfg.model.path):
+            problems.append(f"trainer.lora with sampler.engine=vllm on the CPU: {CPU_LORA_MOE}; sample with "
+                            "sampler.engine=torch (it merges each adapter)")
     return problems
 
 

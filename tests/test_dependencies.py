@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = {
     "protocol": set(),  # imports nothing else of ours
     "kernels": {"protocol"},  # modeling, samplers and the trainer import kernels, never the other way round
-    "modeling": {"protocol", "kernels"},  # what the trainer and the teachers share
+    "modeling": {"protocol", "kernels", "weights"},  # what the trainer and the teachers share; weights: adapters
     "verifiers": {"protocol"},
     "data": {"protocol", "verifiers"},  # row checks are the verifiers'
     "weights": {"protocol"},  # weight transports: both sides, so the trainer and the samplers import it

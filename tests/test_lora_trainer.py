@@ -110,7 +110,8 @@ def test_launch_refuses_lora_where_adapters_cannot_go(tiny_model, tmp_path):
     for extra, says in [(["sampler.engine=sglang"], "does not load adapters"),
                         (["weights_transport=cuda_ipc"], "ships full weights only"),
                         ([f"model.path={adapter}"], "already a LoRA adapter"),
-                        (["trainer.lora.rank=-1"], "must be >= 0")]:
+                        (["trainer.lora.rank=-1"], "must be >= 0"),
+                        (["sampler.engine=vllm"], "cannot run LoRA on a MoE model")]:
         with pytest.raises(ConfigError, match=says):
             from cascade_rl.supervisor.config import validate
 

@@ -22,6 +22,10 @@ from pathlib import Path
 
 from torch import Tensor
 
+# the attention and MLP projections of the HF families cascade-rl runs (Qwen, Llama, Nemotron-H's attention and
+# shared experts): a LoRA run's targets unless trainer.lora.targets names others (learner/lora.py; vLLM's
+# lora_target_modules, samplers/vllm_engine.py)
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PREFIX = "base_model.model."  # peft's prefix of every tensor name in adapter_model.safetensors
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
