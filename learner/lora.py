@@ -100,7 +100,11 @@ def attach(model: nn.Module, settings, base_path: str) -> nn.Module:
         raise LoraError(f"model.path {base_path} is a LoRA adapter (of {adapters.base_of(base_path) or 'a base'}), "
                         "not a full model: merge it first (cascade-rl export --merge) or set model.path to its base")
     config = peft_config(model, settings, base_path)
-    model = inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    try:
+        model = inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    except ValueError as err:  # e.g. a Mamba layer's out_proj, which peft refuses to adapt
+        raise LoraError(f"trainer.lora.targets={list(config.target_modules)}: peft refuses them on this model: "
+                        f"{err}") from None
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     return model

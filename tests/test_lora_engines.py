@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_nemotron_h_engine import nh_model  # noqa: F401 (a fixture)
 from transformers import AutoModelForCausalLM
 
 from cascade_rl.modeling.logprobs import token_logprobs
@@ -49,11 +50,11 @@ def jsonable(x):
 class PeftModel:
     """The tiny model with peft's LoRA injected: set B, write the adapter file, teacher-forced log-probs."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, targets=TARGETS) -> None:
         from peft import LoraConfig, inject_adapter_in_model
 
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        config = LoraConfig(r=RANK, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0)
+        config = LoraConfig(r=RANK, lora_alpha=16, target_modules=list(targets), lora_dropout=0.0)
         self.model = inject_adapter_in_model(config, self.model)
         self.config = jsonable(self.model.peft_config["default"].to_dict())
         self.config["base_model_name_or_path"] = path
@@ -144,6 +145,16 @@ def test_torch_engine_merges_adapters(tiny_model, tmp_path, cpu_kernels):
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert sorted(engine.lora_base) == sorted(f"model.layers.{i}.self_attn.{t}.weight" for i in range(4)
                                               for t in TARGETS)
+
+
+def test_torch_engine_merges_nemotron_h_adapters(request, tmp_path):
+    """The paper's architecture: adapters on the attention, the MoE layers' shared expert (up, down) and the Mamba-2
+    input projection (in_proj; peft refuses out_proj on Mamba models), merged by the torch engine."""
+    from cascade_rl.samplers.torch_engine import TorchEngine
+
+    nh = request.getfixturevalue("nh_model")
+    engine = TorchEngine(nh)
+    check_versions(engine, engine.tokenizer, PeftModel(nh, [*TARGETS, "up_proj", "down_proj", "in_proj"]), tmp_path)
 
 
 def test_torch_engine_full_weights_after_adapters_become_the_base(tiny_model, tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_nemotron_h_engine import nh_model  # noqa: F401 (a fixture)
 from test_trainer import make_batch
 from transformers import AutoModelForCausalLM
 
@@ -101,6 +102,20 @@ def test_saved_adapter_loads_in_peft_and_resume_is_exact(tiny_model, tmp_path):
 def test_bad_lora_settings_are_refused_with_the_reason(tiny_model, tmp_path, extra, says):
     with pytest.raises(lora.LoraError, match=says):
         build(lora_cfg(tiny_model, tmp_path, *extra), parallel.Ranks())
+
+
+def test_lora_on_nemotron_h_trains_and_what_peft_refuses_is_said(tmp_path, request):
+    """The paper's architecture: the default targets are its attention and shared-expert projections; a Mamba-2
+    out_proj, which peft refuses on Mamba models, is refused with peft's reason."""
+    nh = request.getfixturevalue("nh_model")
+    cfg = lora_cfg(nh, tmp_path, "trainer.kl_coef=0.01")
+    policy, reference, opt, _, _ = build(cfg, parallel.Ranks())
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in policy.named_parameters() if p.requires_grad}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"}
+    metrics = train_step(policy, opt, make_batch(), cfg.trainer, 0, reference, run=cfg.run)
+    assert metrics["grad_norm"] > 0
+    with pytest.raises(lora.LoraError, match="peft refuses"):
+        build(lora_cfg(nh, tmp_path, "trainer.lora.targets=[out_proj]"), parallel.Ranks())
 
 
 def test_launch_refuses_lora_where_adapters_cannot_go(tiny_model, tmp_path):
