@@ -8,7 +8,8 @@ socket): the resolved config, the data (supervisor/run_data.py: every row valida
 the CURVE keys (protocol/auth.py: every tcp socket of the run admits only holders of ``<run_dir>/auth.keys``,
 mode 0600) and the processes to start. The supervisor writes ``<run_dir>/config.yaml`` (the key file's path, no
 key) and starts, each as its own OS process: the orchestrator, the trainer, the samplers, the verifiers and,
-for MOPD, one teacher server per distinct teacher checkpoint (``teacher.checkpoints``: domain -> checkpoint);
+for MOPD, one teacher server per distinct teacher checkpoint (``teacher.checkpoints``: domain -> checkpoint; LoRA
+checkpoints of one base share one server: supervisor/procs.py ``teacher_groups``);
 with ``sampler.engine=sglang``, one SGLang server per sampler too (supervisor/procs.py); with
 ``verifier.judge.serve``, the judge model's server, healthy before the verifiers start (supervisor/judge.py).
 With ``--inline`` each role is a thread of this process instead (supervisor/inline.py). Each process sees

@@ -31,6 +31,7 @@ from .memory_plan import (
     trainer_terms,
 )
 from .memory_shapes import KNOWN, ModelShape, known_config, shape_from_config
+from .procs import teacher_groups
 
 GPUS = {"h100": 80, "a100": 80, "a100-40": 40, "h200": 141, "b200": 180, "l40s": 48}  # GiB each
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -112,12 +113,13 @@ def build(cfg: DictConfig, gpu: float, shape: ModelShape | None = None) -> dict:
                              f"may take")
     roles.append(sampler)
     if cfg.run.algorithm == "mopd":
-        n = len(set(cfg.teacher.checkpoints.values())) or 1
+        n = len(teacher_groups(cfg.teacher.checkpoints)) or 1  # adapters of one base: one server
         tokens = max(cfg.teacher.max_batch_tokens, cfg.run.group_size * ts.seq_tokens)
         roles.append(RolePlan("teacher", n, (share.teacher or 1.0) * gpu,
                               teacher_terms(shape, ts.dtype_bytes, tokens, cfg.trainer.logprob_chunk_tokens),
-                              notes=[] if cfg.teacher.checkpoints else ["one per distinct teaching checkpoint "
-                                                                        "(the cascade runner's: one per domain)"]))
+                              notes=[] if cfg.teacher.checkpoints else ["one per distinct teaching checkpoint (the "
+                                                                        "cascade runner's: one per domain; LoRA "
+                                                                        "checkpoints of one base: one)"]))
     for role in roles[2:]:  # teachers
         if not role.fits:
             role.advice = ["a teacher server takes one group at once at least: shorter rows, or a GPU with more "

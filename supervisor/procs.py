@@ -8,12 +8,13 @@ too); ``worker_command`` is the command line of a worker (the launchers run it a
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+from cascade_rl.weights import adapters
 
 from . import placement
 
@@ -77,9 +78,8 @@ def teacher_groups(teachers) -> dict[str, dict[str, str]]:
     groups: dict[str, dict[str, str]] = {}
     for domain, path in sorted(teachers.items()):
         path = Path(path).resolve()
-        config = path / "adapter_config.json"  # weights/adapters.py's CONFIG_FILE (that module imports torch)
-        if config.is_file():
-            base = str(json.loads(config.read_text()).get("base_model_name_or_path") or "")
+        if adapters.is_adapter(path):
+            base = adapters.base_of(path)
             base = str(Path(base).resolve()) if Path(base).is_dir() else base  # missing: the server says so
             groups.setdefault(base or str(path), {})[domain] = str(path) if base else ""
         else:

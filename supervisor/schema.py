@@ -368,7 +368,8 @@ class GpusConfig:
     """The GPU of each sampler: sampler-i runs on samplers[i] (sampler.count of them; ``ctl scale`` beyond
     the list is refused)."""
     teachers: list[int] = field(default_factory=list)
-    """The GPU of each teacher server (teacher-i serves the i-th distinct teacher checkpoint)."""
+    """The GPU of each teacher server (teacher-i serves the i-th distinct teacher checkpoint; LoRA checkpoints of one
+    base: one server)."""
     memory: GpuMemoryConfig = field(default_factory=GpuMemoryConfig)
     """The share of its GPU one process of each role may take: needed for every role on a GPU that several
     processes share, e.g. gpus.memory={trainer: 0.5, sampler: 0.3, teacher: 0.15}."""

@@ -19,8 +19,10 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torch import Tensor
+if TYPE_CHECKING:  # no torch at import: the supervisor reads adapter directories (is_adapter, base_of) without it
+    from torch import Tensor
 
 # the attention and MLP projections of the HF families cascade-rl runs (Qwen, Llama, Nemotron-H's attention and
 # shared experts): a LoRA run's targets unless trainer.lora.targets names others (learner/lora.py; vLLM's
