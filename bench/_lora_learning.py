@@ -1,6 +1,6 @@
 """LoRA RL against full fine-tuning, learning: the IF-RL stage of `make run`, from the same SFT checkpoint, same steps.
 
-    .venv/bin/python bench/_lora_learning.py [--quick | --smoke] [--steps 20] [--rank 8] [--lrs 2e-4,6e-4,2e-3]
+    .venv/bin/python bench/_lora_learning.py [--quick | --smoke] [--steps 20] [--rank 8] [--lrs 2e-4,6e-4,2e-3,6e-3,2e-2]
 
 From make run's SFT'd tiny model (models/tiny-sft) and data (runs/data/demo), each run a one-stage cascade
 (`cascade-rl cascade`, configs/cascade/demo.yaml's IF-RL stage and settings: 16 prompts x 8, lr 5e-5 for full
@@ -80,7 +80,7 @@ def main() -> None:
     parser = bench_parser(__doc__, quick="10 steps, two rates", smoke="random tiny model, 1 step, one rate")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--lrs", default="2e-4,6e-4,2e-3")
+    parser.add_argument("--lrs", default="2e-4,6e-4,2e-3,6e-3,2e-2")
     a = parser.parse_args()
     steps = 1 if a.smoke else 10 if a.quick else a.steps
     lrs = [float(x) for x in a.lrs.split(",")]
@@ -100,7 +100,7 @@ def main() -> None:
     best = max(lrs, key=lambda lr: sweep[f"{lr:g}"]["final"])
 
     full = cascade(out / "race_full", model, train, race_file, steps, [f"trainer.lr={FULL_LR}"], a.smoke)
-    adapted = cascade(out / "race_lora", model, train, race_file, steps, [*lora, f"trainer.lr={best}"], a.smoke)
+    adapted = cascade(out / f"race_lora_lr{best:g}", model, train, race_file, steps, [*lora, f"trainer.lr={best}"], a.smoke)
     start = full["initial"]
     race = {
         "questions": len(start["per_question"]),
