@@ -138,3 +138,15 @@ def bench_parser(doc: str, quick: str, smoke: str) -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help=quick)
     ap.add_argument("--smoke", action="store_true", help=smoke)
     return ap
+
+
+def run_child(script: str, args: list[str], timeout: float) -> dict:
+    """``script`` run with ``args`` in a child process of its own (a measurement's peak RSS is then its own): its last
+    stdout line as JSON, or {"error": ...} (a timeout, a non-zero exit with the last line of its stderr)."""
+    try:
+        r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {timeout:.0f} s"}
+    if r.returncode != 0:
+        return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])

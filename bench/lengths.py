@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import bench_parser, machine, random_model, results_dir, write_result  # noqa: E402
+from _common import bench_parser, machine, random_model, results_dir, run_child, write_result  # noqa: E402
 
 MODES = {"kept": False, "checkpointed": True}
 PROMPT = 64
@@ -243,14 +243,7 @@ def engine_main(args, lengths: list[int]) -> dict:
 
 def measure(args: list[str], timeout: float) -> dict:
     """This file run with ``args`` in a child process of its own: its last stdout line, or {"error": ...}."""
-    cmd = [sys.executable, __file__, *args]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"over {timeout:.0f} s"}
-    if r.returncode != 0:
-        return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_child(__file__, args, timeout)
 
 
 def per_token_kib(rows: dict, mode: str) -> float | None:

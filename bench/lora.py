@@ -36,14 +36,13 @@ import json
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import bench_parser, machine, random_model, results_dir, write_result  # noqa: E402
+from _common import bench_parser, machine, random_model, results_dir, run_child, write_result  # noqa: E402
 
 PROMPT, RESPONSE = 64, 256
 WIDE = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
@@ -164,14 +163,7 @@ def child(spec: str) -> None:
 
 def measure(spec: dict, timeout: float) -> dict:
     """``child`` in a process of its own: its last stdout line, or {"error": ...}."""
-    cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"over {timeout:.0f} s"}
-    if r.returncode != 0:
-        return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_child(__file__, ["--child", json.dumps(spec)], timeout)
 
 
 def ratio(a, b) -> float | None:
