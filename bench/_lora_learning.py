@@ -47,8 +47,11 @@ def split_heldout(path: str, out: Path) -> tuple[Path, Path]:
     return first, second
 
 
-def cascade(out: Path, model: Path, train: str, heldout: Path, steps: int, extra: list[str], smoke: bool) -> dict:
-    """One one-stage cascade (IF-RL), resumed past when its record is done; its record."""
+def cascade(out: Path, model: Path, train: str, heldout: Path, steps: int, extra: list[str], smoke: bool,
+            must: bool = True) -> dict | None:
+    """One one-stage cascade (IF-RL), resumed past when its record is done; its record (a failed one: SystemExit,
+    or None unless ``must``: a sweep's rate too high, whose policy collapses until dynamic filtering finds no group
+    with a signal)."""
     record = out / "cascade.json"
     if not (record.is_file() and json.loads(record.read_text()).get("stages", {}).get("if_rl", {}).get("done")):
         out.mkdir(parents=True, exist_ok=True)
@@ -61,8 +64,10 @@ def cascade(out: Path, model: Path, train: str, heldout: Path, steps: int, extra
         path.write_text(json.dumps(config))  # YAML is a superset of JSON
         with open(out / "cascade.log", "w") as log:
             rc = subprocess.run([*CLI, "cascade", str(path)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-        if rc != 0:
+        if rc != 0 and must:
             raise SystemExit(f"cascade in {out} failed (rc {rc}); see {out / 'cascade.log'}")
+        if rc != 0:
+            return None
     return json.loads(record.read_text())
 
 
@@ -95,9 +100,11 @@ def main() -> None:
 
     sweep = {}
     for lr in lrs:
-        rec = cascade(out / f"sweep_lr{lr:g}", model, train, sweep_file, steps, [*lora, f"trainer.lr={lr}"], a.smoke)
-        sweep[f"{lr:g}"] = {"start": rec["initial"]["accuracy"], "final": final(rec)["accuracy"]}
-    best = max(lrs, key=lambda lr: sweep[f"{lr:g}"]["final"])
+        rec = cascade(out / f"sweep_lr{lr:g}", model, train, sweep_file, steps, [*lora, f"trainer.lr={lr}"], a.smoke,
+                      must=False)
+        sweep[f"{lr:g}"] = {"start": rec["initial"]["accuracy"], "final": final(rec)["accuracy"]} if rec else \
+            {"failed": f"the run stopped (see {out.name}/sweep_lr{lr:g}/cascade.log)"}
+    best = max((lr for lr in lrs if "final" in sweep[f"{lr:g}"]), key=lambda lr: sweep[f"{lr:g}"]["final"])
 
     full = cascade(out / "race_full", model, train, race_file, steps, [f"trainer.lr={FULL_LR}"], a.smoke)
     adapted = cascade(out / f"race_lora_lr{best:g}", model, train, race_file, steps, [*lora, f"trainer.lr={best}"], a.smoke)
