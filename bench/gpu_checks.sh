@@ -13,7 +13,8 @@
 #   launch_tiny     150/35  bench/gpu_launch.py: a full MOPD launch, trainer + sampler + teacher sharing GPU 0 (tiny
 #                           model), bf16, Triton experts replaying the engine's routes (trainer.routing_replay)
 #   tests           150/15  the torch engine's CUDA-graph decode tests, pinned publishing, the two cross-process CUDA
-#                           IPC tests, tests/test_gpu.py's in-process test, tests/test_experts.py and the kernel tests,
+#                           IPC tests, tests/test_gpu.py's in-process tests (the bf16 kernel path, LoRA's round trip),
+#                           tests/test_experts.py and the kernel tests,
 #                           on real CUDA (TRITON_INTERPRET unset); 60 s per test
 #   weight_transport 60/10  bench/weight_transport.py --quick: shm vs cuda_ipc publish + load in another process
 #   moe_kernels      75/10  bench/moe_kernels.py --rounds 5: Triton vs torch._grouped_mm vs the per-expert loop

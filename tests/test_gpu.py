@@ -155,3 +155,79 @@ def compare_policy_paths(tiny_model: str, device: str, dtype: str, reference: tu
     assert ent_diff.mean() < 0.02, ent_diff.mean().item()
     cosine = torch.nn.functional.cosine_similarity(grads, g_ref, dim=0)
     assert cosine > 0.99, cosine.item()
+
+
+@needs_cuda
+def test_lora_trains_ships_and_merges_on_cuda(tiny_model, tmp_path):
+    """LoRA on the GPU path (bf16 base, Triton experts, varlen, fused log-probs): fp32 adapters on cuda:0 beside the
+    frozen bf16 base, the adapter shipped alone, merged by the bf16 torch engine on cuda:0 into log-probs that agree
+    with the trainer's within bf16's precision."""
+    check_lora_round_trip(tiny_model, tmp_path, "cuda", "bf16", GPU_PATH)
+
+
+def test_lora_round_trip_on_the_cpu(tiny_model, tmp_path):
+    """The same round trip on the CPU in fp32 (tests/test_gpu.py's GPU check, rehearsed: 1e-4)."""
+    check_lora_round_trip(tiny_model, tmp_path, "cpu", "fp32", [])
+
+
+def check_lora_round_trip(tiny_model: str, tmp_path: Path, device: str, dtype: str, overrides: list[str]) -> None:
+    import numpy as np
+
+    from cascade_rl.learner import parallel
+    from cascade_rl.learner.trainer import Batch, build, publish, train_step
+    from cascade_rl.protocol.messages import TrainBatch
+    from cascade_rl.samplers.engine import GenerationRequest
+    from cascade_rl.samplers.torch_engine import TorchEngine
+    from cascade_rl.supervisor.config import compose
+    from cascade_rl.weights.shm import ShmTransport
+
+    cfg = compose("tiny", [f"model.path={tiny_model}", f"run_dir={tmp_path}", f"model.dtype={dtype}",
+                           "trainer.lora.rank=8", "trainer.lr=2e-2", "trainer.entropy_coef=0.05", *overrides],
+                  check=False)
+    policy, reference, opt, _, _ = build(cfg, parallel.Ranks(), device)
+    lora = {n: p for n, p in policy.named_parameters() if p.requires_grad}
+    assert lora and all(".lora_" in n and p.dtype == torch.float32 and p.device.type == device
+                        for n, p in lora.items())
+    frozen = {str(p.dtype) for n, p in policy.named_parameters() if not p.requires_grad}
+    assert frozen == {"torch.bfloat16" if dtype == "bf16" else "torch.float32"}
+    rng = np.random.default_rng(0)
+    n, prompt, resp = 16, 8, 24
+    ids = rng.integers(5, 300, size=(n, prompt + resp)).astype(np.int32)
+    mask = np.zeros((n, prompt + resp), bool)
+    mask[:, prompt:] = True
+    batch = Batch.from_message(TrainBatch(0, 4, ids, mask, np.zeros_like(mask, np.float32),
+                                          rng.integers(0, 2, n).astype(np.float32), np.zeros(n, np.int32)))
+    for step in range(2):
+        train_step(policy, opt, batch.to(torch.device(device)), cfg.trainer, step, reference, run=cfg.run)
+    transport = ShmTransport(run_id=f"lora-gpu-{os.getpid()}")
+    try:
+        notice = publish(transport, policy, parallel.Ranks(), 2)
+        engine = TorchEngine(tiny_model, dtype={"bf16": "bfloat16", "fp32": "float32"}[dtype], device=device)
+        engine.load_adapter(notice.uri.removeprefix("file://"), 2, notice.adapter)
+    finally:
+        transport.close()
+    assert engine.version == 2
+    requests = [GenerationRequest(f"r{i}", ids[i, :prompt].copy(), 2, 1.0, 1.0, 16, [], i) for i in range(4)]
+    groups = engine.generate(requests)
+    samples = [s for group in groups for s in group]
+    rows = [np.concatenate([r.prompt_ids, s.response_ids]) for r, group in zip(requests, groups) for s in group]
+    width = max(map(len, rows))
+    padded = torch.zeros(len(rows), width, dtype=torch.long)
+    target = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        padded[i, :len(row)] = torch.from_numpy(row.astype(np.int64))
+        target[i, prompt:len(row)] = True
+    lengths = torch.tensor([len(r) for r in rows])
+    with torch.no_grad():  # the trainer's log-probs of the engine's samples, under the adapter it shipped
+        lp, _ = policy(padded.to(device), lengths.to(device), target.to(device))
+    diffs = torch.cat([(lp[i, prompt:len(row)].float().cpu() - torch.from_numpy(s.logprobs)).abs()
+                       for i, (row, s) in enumerate(zip(rows, samples))])
+    assert diffs.mean().item() < MISMATCH_MEAN_MAX[dtype], diffs.mean().item()
+    if dtype == "fp32":
+        assert diffs.max().item() < 1e-4, diffs.max().item()
+    with torch.no_grad():  # and the adapter moved the policy: the base's log-probs differ
+        from cascade_rl.learner.lora import adapters_off
+
+        with adapters_off(policy):
+            base, _ = policy(padded.to(device), lengths.to(device), target.to(device))
+    assert (base - lp)[target.to(device)].abs().max().item() > 1e-2
