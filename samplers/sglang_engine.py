@@ -20,6 +20,11 @@ refuses this engine before launch and its tests skip with that reason. Endpoints
 * ``POST /update_weights_from_disk`` with ``model_path`` — an HF directory, so
   a published safetensors file is staged as one (the base model's config and
   tokenizer files linked beside it) before the call.
+* LoRA runs (``trainer.lora.rank`` > 0): the server starts with ``--enable-lora``, ``--max-lora-rank`` and
+  ``--lora-target-modules`` (the run's targets); each version's adapter is written as a peft directory
+  (weights/adapters.py ``write_dir``) and loaded with ``POST /load_lora_adapter`` (``lora_name`` "v<version>",
+  ``lora_path``), the previous one dropped with ``POST /unload_lora_adapter``; every ``/generate`` row then names
+  it (``lora_path``).
 
 Log-prob contract (as the torch engine): the sampled token's log-prob under the
 temperature-scaled distribution before top-p. SGLang reports log-probs of the
@@ -51,6 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from ..protocol.devices import dtype_name, memory_fraction
+from ..weights.adapters import DEFAULT_TARGETS
 from .engine import GenerationRequest, Sample, check_request, register_engine
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -109,6 +115,10 @@ def server_command(cfg, port: int) -> list[str]:
     share = float(s.mem_fraction_static) or memory_fraction(cfg, "sampler")
     if share:
         cmd += ["--mem-fraction-static", f"{share:g}"]
+    lora = cfg.trainer.lora
+    if lora.rank:  # the adapters of a LoRA run: one at a time (load_adapter), on the modules the trainer adapts
+        cmd += ["--enable-lora", "--max-lora-rank", str(int(lora.rank)), "--max-loras-per-batch", "1",
+                "--lora-target-modules", *(lora.targets or DEFAULT_TARGETS)]
     return cmd + [str(a) for a in s.args]
 
 
@@ -141,6 +151,7 @@ class SGLangEngine:
         self.skip_tokenizer_init = skip_tokenizer_init
         self.version = 0
         self.url = url.rstrip("/")
+        self.lora = ""  # the adapter every /generate row names (load_adapter); "": the base
         self._wait_healthy(startup_s)
 
     def _wait_healthy(self, limit_s: float) -> None:
@@ -168,7 +179,10 @@ class SGLangEngine:
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         rows = [r for r in requests for _ in range(r.n)]
-        outputs = _post(f"{self.url}/generate", generate_payload(rows), self.timeout)
+        payload = generate_payload(rows)
+        if self.lora:
+            payload["lora_path"] = [self.lora] * len(rows)
+        outputs = _post(f"{self.url}/generate", payload, self.timeout)
         if not isinstance(outputs, list) or len(outputs) != len(rows):
             raise RuntimeError(f"sglang /generate returned {type(outputs).__name__} for {len(rows)} rows")
         samples = [self._sample(out) for out in outputs]
@@ -196,6 +210,23 @@ class SGLangEngine:
         if not reply.get("success"):
             raise RuntimeError(f"sglang update_weights_from_disk failed: {reply.get('message')}")
         self.version = version
+
+    def load_adapter(self, path: str, version: int, config: dict) -> None:
+        """A LoRA run's version: the adapter file at ``path`` as a peft directory beside it, loaded by the server
+        under the name ``v<version>`` (the server must run with ``--enable-lora``: ``server_command``), then the
+        previous version's adapter unloaded."""
+        from ..weights import adapters
+
+        name = f"v{version:06d}"
+        folder = adapters.write_dir(Path(path).parent / f"sglang-lora-{name}", config, path)
+        reply = _post(f"{self.url}/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, self.timeout)
+        if not reply.get("success"):
+            shutil.rmtree(folder, ignore_errors=True)
+            raise RuntimeError(f"sglang load_lora_adapter failed: {reply.get('error_message') or reply}")
+        old, self.lora, self.version = self.lora, name, version
+        if old:
+            _post(f"{self.url}/unload_lora_adapter", {"lora_name": old}, self.timeout)
+            shutil.rmtree(Path(path).parent / f"sglang-lora-{old}", ignore_errors=True)
 
     def _stage(self, path: str, version: int) -> Path:
         """An HF directory for ``path``: the base model's config/tokenizer files and the new weights.

@@ -183,8 +183,6 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("invalid launch config:\n  " + "\n  ".join(problems))
 
 
-# engines that apply a LoRA adapter by notice (learner/lora.py ships adapters only): they define load_adapter
-ADAPTER_ENGINES = ("torch", "vllm")
 ADAPTER_TRANSPORTS = ("shm", "stream")  # transports that ship an adapter's file (cuda_ipc lays out full weights)
 
 
@@ -200,9 +198,12 @@ def lora_problems(cfg: DictConfig) -> list[str]:
     if not lora.rank:
         return []
     problems = []
-    if cfg.sampler.engine not in ADAPTER_ENGINES:
-        problems.append(f"trainer.lora: the {cfg.sampler.engine} engine does not load adapters here; sample with "
-                        f"sampler.engine={' or '.join(ADAPTER_ENGINES)}")
+    from cascade_rl.samplers.engine import ENGINES
+
+    takes = sorted(name for name, engine in ENGINES.items() if hasattr(engine, "load_adapter"))
+    if cfg.sampler.engine in ENGINES and cfg.sampler.engine not in takes:  # learner/lora.py ships adapters only
+        problems.append(f"trainer.lora: the {cfg.sampler.engine} engine does not load adapters (load_adapter); "
+                        f"sample with sampler.engine={' or '.join(takes)}")
     if cfg.weights_transport not in ADAPTER_TRANSPORTS:
         problems.append(f"trainer.lora: weights_transport={cfg.weights_transport} ships full weights only; use "
                         f"{' or '.join(ADAPTER_TRANSPORTS)} (an adapter is megabytes: any transport is fast enough)")

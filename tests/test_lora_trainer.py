@@ -118,11 +118,18 @@ def test_lora_on_nemotron_h_trains_and_what_peft_refuses_is_said(tmp_path, reque
         build(lora_cfg(nh, tmp_path, "trainer.lora.targets=[out_proj]"), parallel.Ranks())
 
 
-def test_launch_refuses_lora_where_adapters_cannot_go(tiny_model, tmp_path):
+def test_launch_refuses_lora_where_adapters_cannot_go(tiny_model, tmp_path, monkeypatch):
+    from cascade_rl.samplers.engine import ENGINES, register_builtin_engines
+
+    class FullWeightsOnly:  # a user's engine without load_adapter
+        def load_weights(self, path: str, version: int) -> None: ...
+
+    register_builtin_engines()
+    monkeypatch.setitem(ENGINES, "full_only", FullWeightsOnly)
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / adapters.CONFIG_FILE).write_text(json.dumps({"r": 8, "base_model_name_or_path": "/elsewhere"}))
-    for extra, says in [(["sampler.engine=sglang"], "does not load adapters"),
+    for extra, says in [(["sampler.engine=full_only"], "does not load adapters"),
                         (["weights_transport=cuda_ipc"], "ships full weights only"),
                         ([f"model.path={adapter}"], "already a LoRA adapter"),
                         (["trainer.lora.rank=-1"], "must be >= 0"),

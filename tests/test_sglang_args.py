@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -56,6 +57,7 @@ class FakeSGLang(BaseHTTPRequestHandler):
     """/health, and /generate answering every row with tokens 11, 12 and a stop finish."""
 
     bodies: list[dict] = []
+    paths: list[str] = []
 
     def do_GET(self):
         self.send_response(200)
@@ -64,8 +66,12 @@ class FakeSGLang(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.bodies.append(body)
-        out = [{"meta_info": {"output_token_logprobs": [[-0.5, 11, None], [-0.25, 12, None]],
-                              "finish_reason": {"type": "stop", "matched": "x"}}} for _ in body["input_ids"]]
+        self.paths.append(self.path)
+        if self.path.endswith("_lora_adapter"):  # /load_lora_adapter, /unload_lora_adapter
+            out = {"success": True, "error_message": "", "loaded_adapters": {}}
+        else:
+            out = [{"meta_info": {"output_token_logprobs": [[-0.5, 11, None], [-0.25, 12, None]],
+                                  "finish_reason": {"type": "stop", "matched": "x"}}} for _ in body["input_ids"]]
         data = json.dumps(out).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
@@ -99,3 +105,32 @@ def test_the_engine_sends_stop_strings_or_refuses_them(server, tiny_model, skip)
     assert groups[0][0].response_ids.tolist() == [11, 12] and groups[0][0].finish_reason == "stop"
     sent = FakeSGLang.bodies[-1]["sampling_params"]
     assert [p.get("stop") for p in sent] == ([None] if skip else [["\n"], ["\n"], None])
+
+
+def test_a_lora_run_starts_the_server_with_lora_and_loads_each_version_as_an_adapter(server, tiny_model, tmp_path):
+    """trainer.lora: the server command enables LoRA for the run's rank and targets; each version's adapter file
+    becomes a peft directory that /load_lora_adapter loads (the previous one unloaded), and /generate names it."""
+    cmd = server_command(cfg_of("trainer.lora.rank=16", "trainer.lora.targets=[q_proj,v_proj]"), 30000)
+    assert cmd[cmd.index("--max-lora-rank") + 1] == "16" and "--enable-lora" in cmd
+    assert cmd[cmd.index("--lora-target-modules") + 1:][:2] == ["q_proj", "v_proj"]
+    assert "--enable-lora" not in server_command(cfg_of(), 30000)
+
+    FakeSGLang.bodies.clear()
+    FakeSGLang.paths.clear()
+    engine = SGLangEngine.from_config(compose(None, [f"model.path={tiny_model}", f"sampler.sglang.url={server}"],
+                                              check=False), "cpu")
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    for version in (1, 2):
+        weights = tmp_path / f"v{version}" / "adapter_model.safetensors"
+        weights.parent.mkdir()
+        weights.write_bytes(b"adapter bytes")
+        engine.load_adapter(str(weights), version, config)
+        assert engine.version == version
+        loaded = FakeSGLang.bodies[FakeSGLang.paths.index("/load_lora_adapter", len(FakeSGLang.paths) - 2)]
+        folder = Path(loaded["lora_path"])
+        assert loaded["lora_name"] == f"v{version:06d}" and json.loads((folder / "adapter_config.json").read_text()) == config
+        assert (folder / "adapter_model.safetensors").read_bytes() == b"adapter bytes"
+    assert FakeSGLang.paths[-1] == "/unload_lora_adapter" and FakeSGLang.bodies[-1] == {"lora_name": "v000001"}
+    engine.generate([req(n=2)])
+    assert FakeSGLang.bodies[-1]["lora_path"] == ["v000002", "v000002"]
+
