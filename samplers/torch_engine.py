@@ -18,21 +18,17 @@ Another ``model_type`` (llama, qwen2, ...) is refused at construction, before an
 ``UnservedModelError`` that says to sample with ``sampler.engine=vllm``.
 ``generate`` repeats one step until every row (n per request) is done:
 
-- decode: one forward pass for the B running slots, each at its own position,
-  attention masked to each slot's own length, and a token sampled for each
-  (``_step``: a pure function of fixed buffers, no device->host read; on CUDA
-  a CUDA graph replay, samplers/cuda_graphs.py).
-- admit: waiting rows (FIFO) take the free slots of the ``max_batch`` decode
-  slots. The rows of one request admitted together share one prefill: the
-  prompt runs once and its K/V is written into each row's slot; the prompts
-  admitted together prefill as one right-padded batch (``prefill_tokens`` caps
-  its size); their first tokens are sampled from its logits.
-- read the step's tokens and log-probs (the one device->host read of a step);
-  a row is done on EOS, a stop string or ``max_tokens`` (checked on the host)
-  and leaves its slot at once, so a waiting row joins at the next step.
-- compact: the last running slots move into the holes (a copy of their K/V),
-  so the running slots are always 0..B-1 and a decode step reads views of the
-  cache, never a gather of it.
+- decode: one forward pass for the B running slots, each at its own position, attention masked to each slot's own
+  length, and a token sampled for each (``_step``: a pure function of fixed buffers, no device->host read; on CUDA a
+  CUDA graph replay, samplers/cuda_graphs.py).
+- admit: waiting rows (FIFO) take the free slots of the ``max_batch`` decode slots. The rows of one request admitted
+  together share one prefill: the prompt runs once and its K/V is written into each row's slot; the prompts admitted
+  together prefill as one right-padded batch (``prefill_tokens`` caps its size); their first tokens are sampled from
+  its logits.
+- read the step's tokens and log-probs (the one device->host read of a step); a row is done on EOS, a stop string or
+  ``max_tokens`` (checked on the host) and leaves its slot at once, so a waiting row joins at the next step.
+- compact: the last running slots move into the holes (a copy of their K/V), so the running slots are always 0..B-1
+  and a decode step reads views of the cache, never a gather of it.
 
 Multi-turn rows (``GenerationRequest.prefix_keys``): a row that stops keeps its K/V (and Mamba state, taken at
 the same point: O(1) in the length) under its key; its next turn, a request whose prompt extends the kept tokens,
@@ -42,20 +38,15 @@ restores it into its slot and prefills only the new tokens (the observation) wit
 ``max_len`` positions reserved for every slot; rows wait for blocks, and the newest are preempted and recomputed
 when running rows need blocks none are free for (samplers/scheduler.py).
 
-Log-probs are those of the sampled token under the temperature-scaled
-distribution before top-p truncation (what the trainer recomputes at the same
-temperature); temperature 0 is greedy (log-prob at T=1). The response
-includes the EOS token.
+Log-probs are those of the sampled token under the temperature-scaled distribution before top-p truncation (what the
+trainer recomputes at the same temperature); temperature 0 is greedy (log-prob at T=1). The response ends with its EOS.
 
-Speed (bench/sampler_throughput.py, 2 CPU cores, fp32): 3.69x the tokens/s of
-transformers' ``generate`` at 64 sequences x 64 tokens, 5.06x at 32 prompts x
-8 samples x 128 tokens. On CPU in fp32 the model runs the C++ kernels of
-kernels/cpu_decode.cpp (a decode step is one op: ~1.7 ms at 64 rows on the
-tiny MoE, 0.4 ms at one row); elsewhere, or with ``cpu_kernels=False``, torch
-ops (1.75x). MoE experts: ``choose_experts`` (samplers/torch_model.py), grouped
-on CUDA in bf16 on sm_90 / sm_100. The tiny Nemotron-H, torch ops only: 1.58x
-``generate``'s tokens/s at 16 prompts x 64 tokens (2 threads, best of 3; a
-one-off script, on a machine other jobs shared).
+Speed (bench/sampler_throughput.py, 2 CPU cores, fp32): 3.69x the tokens/s of transformers' ``generate`` at 64
+sequences x 64 tokens, 5.06x at 32 prompts x 8 samples x 128 tokens. On CPU in fp32 the model runs the C++ kernels of
+kernels/cpu_decode.cpp (a decode step is one op: ~1.7 ms at 64 rows on the tiny MoE, 0.4 ms at one row); elsewhere, or
+with ``cpu_kernels=False``, torch ops (1.75x). MoE experts: ``choose_experts`` (samplers/torch_model.py), grouped on
+CUDA in bf16 on sm_90 / sm_100. The tiny Nemotron-H, torch ops only: 1.58x ``generate``'s tokens/s at 16 prompts x 64
+tokens (2 threads, best of 3; a one-off script, on a machine other jobs shared).
 """
 
 from __future__ import annotations
@@ -71,6 +62,7 @@ from torch import Tensor
 
 from ..kernels import cpu_decode
 from ..protocol.devices import MODEL_LOADING, torch_dtype
+from .adapter_merge import AdapterMerger
 from .cuda_graphs import DecodeGraphs
 from .decode_state import Run, StepBuffers, sample_tokens
 from .engine import GenerationRequest, Sample, check_request, register_engine
@@ -167,7 +159,7 @@ class TorchEngine:
         self.buf: StepBuffers | None = None  # with the cache
         self.graphs: DecodeGraphs | None = None  # with the cache, on CUDA
         self.version = 0
-        self.lora_base: dict[str, Tensor] | None = None  # load_adapter: the base's weights of the adapted modules
+        self.adapters = AdapterMerger()  # load_adapter: a LoRA run's versions, merged over the base's weights
         # prefix_hits, prefix_tokens_reused, inflight_recomputed_tokens; steps, decode_steps and host_reads (every
         # device->host read of generate, through _read: one a step); paged: kv_waits (admissions stopped for want
         # of blocks), kv_preempted (rows), kv_peak_blocks
@@ -198,51 +190,16 @@ class TorchEngine:
         reuses later): copied into this model's parameters (in place: captured decode graphs stay valid),
         nothing kept of them."""
         self.model.load_hf_state_dict(tensors)
-        self.lora_base = None  # new full weights: a later adapter applies over them
+        self.adapters.reset()  # new full weights: a later adapter applies over them
         self.version = version
         self.prefixes.clear()  # K/V computed by the old weights
 
     def load_adapter(self, path: str, version: int, config: dict) -> None:
-        """Apply a LoRA run's weight version, a peft ``adapter_model.safetensors`` at ``path`` with its
-        ``adapter_config.json`` content ``config`` (weights/adapters.py), merged: W = W0 + scale * B @ A on every
-        adapted module, from the base's W0 (a copy of the adapted modules' weights, taken the first time an
-        adapter arrives), never over the previous version's merge; a module an earlier version adapted and this
-        one does not goes back to W0. Then as ``load_tensors``: in place, version set, kept K/V dropped.
-
-        Merged rather than computed beside the base (x @ A^T @ B^T per target on every forward): measured by
-        tests/test_lora_engines.py ``measure_costs`` (2 shared CPU cores, fp32, r=8 on q/k/v/o), a merge costs
-        0.22 ms a version on the tiny model and ~270 ms at hidden 1024 x 28 layers, while beside the base adds
-        0.11 ms to every 64-row decode step of the tiny model (+75% on its q/k/v/o matmuls) and at hidden 1024
-        3.8 ms (64 rows) or 0.96 ms (1 row) a step (+4%): the merge is paid back after ~70-280 decode steps of one
-        version, and prefills would pay beside the base too."""
-        from ..weights import adapters
-
-        tensors = load_file(path, device=str(self.device))
-        wanted = [f"{m}.weight" for m in adapters.pairs(tensors)]
-        if self.lora_base is None:
-            self.lora_base = {}
-        if new := [k for k in wanted if k not in self.lora_base]:
-            current = self.model.hf_state_dict()  # the base's weights for modules no earlier version adapted
-            missing = [k for k in new if k not in current]
-            if missing:
-                raise ValueError(f"the adapter adapts {missing[:3]}, which this model does not have")
-            self.lora_base.update({k: current[k].detach().clone() for k in new})
-        merged = adapters.merge(self.lora_base, tensors, config)
-        merged.update({k: w0 for k, w0 in self.lora_base.items() if k not in merged})
-        self.model.load_hf_state_dict(merged, **self._partial(merged))
+        """A LoRA run's version (peft's adapter file at ``path``, its config ``config``): merged from the base's
+        weights (samplers/adapter_merge.py), then as ``load_tensors``: in place, version set, kept K/V dropped."""
+        self.adapters.apply(self.model, load_file(path, device=str(self.device)), config)
         self.version = version
         self.prefixes.clear()
-
-    def _partial(self, tensors: dict[str, Tensor]) -> dict:
-        """``load_hf_state_dict``'s keyword for some weights: ``partial=True`` where the model takes it, else
-        the rest of its weights given as they are (``tensors`` is then completed in place)."""
-        import inspect
-
-        if "partial" in inspect.signature(self.model.load_hf_state_dict).parameters:
-            return {"partial": True}
-        for k, t in self.model.hf_state_dict().items():
-            tensors.setdefault(k, t)
-        return {}
 
     streams_groups = True  # generate(..., on_done=) reports each request as soon as its rows are done
     inflight_updates = True  # generate(..., between=) may load new weights between decode steps

@@ -143,7 +143,7 @@ def test_torch_engine_merges_adapters(tiny_model, tmp_path, cpu_kernels):
     check_versions(engine, engine.tokenizer, PeftModel(tiny_model), tmp_path)
     after = engine.model.hf_state_dict()  # B = 0 last: every weight is the base's again, to the bit
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert sorted(engine.lora_base) == sorted(f"model.layers.{i}.self_attn.{t}.weight" for i in range(4)
+    assert sorted(engine.adapters.base) == sorted(f"model.layers.{i}.self_attn.{t}.weight" for i in range(4)
                                               for t in TARGETS)
 
 
@@ -167,7 +167,7 @@ def test_torch_engine_full_weights_after_adapters_become_the_base(tiny_model, tm
     engine.load_adapter(str(peft.save(tmp_path / "a" / adapters.WEIGHTS_FILE)), 1, peft.config)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     engine.load_tensors(hf.state_dict(), 2)
-    assert engine.lora_base is None and engine.version == 2
+    assert engine.adapters.base is None and engine.version == 2
     check_versions(engine, engine.tokenizer, peft, tmp_path)
 
 
