@@ -141,18 +141,20 @@ def test_launch_refuses_lora_where_adapters_cannot_go(tiny_model, tmp_path, monk
 
 
 @pytest.mark.slow
-def test_two_ranks_train_the_adapter_like_one_rank(tiny_model, tmp_path):
-    """FSDP2 (gloo, 2 ranks): the adapter after two steps (KL to the base with adapters off, micro-batches) is the
-    1-rank adapter, the published adapter file is the same bytes, and a resume takes the last step exactly."""
+@pytest.mark.parametrize("context_parallel", [1, 2])
+def test_two_ranks_train_the_adapter_like_one_rank(tiny_model, tmp_path, context_parallel):
+    """FSDP2 (gloo, 2 ranks), splitting the batch or (context parallelism) each sequence: the adapter after two steps
+    (KL to the base with adapters off, micro-batches) is the 1-rank adapter, the published adapter file is the same
+    bytes, and a resume takes the last step exactly."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     helper = Path(__file__).parent / "helpers" / "lora_dist_steps.py"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
     got = {}
     for world in (1, 2):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1", DIST_STEPS_CP=str(min(world, context_parallel)))
         out = tmp_path / f"w{world}.safetensors"
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
             if world > 1 else [sys.executable]

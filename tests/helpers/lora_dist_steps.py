@@ -3,6 +3,7 @@ dist_steps.py, on as many ranks as torchrun started (or one); then the last step
 written before it.
 
     torchrun --nproc-per-node 2 tests/helpers/lora_dist_steps.py MODEL_DIR OUT.safetensors [bfloat16]
+    DIST_STEPS_CP=2 torchrun ...                  # context parallelism: the ranks split each sequence, not the batch
 
 Writes the adapter after the two steps (rank 0, peft's names) and OUT.json: the metrics, the published adapter's
 bytes and checksum, and the largest difference between the last step taken and the same step resumed. Used by
@@ -32,13 +33,14 @@ def main() -> None:
     model_dir, out = sys.argv[1], sys.argv[2]
     dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ranks = parallel.init(world)
+    cp = int(os.environ.get("DIST_STEPS_CP", "1"))
+    ranks = parallel.init(world, context_parallel=cp)
     run_dir = Path(out + ".run")
 
     def config(*extra):
         return compose("tiny", [f"model.path={model_dir}", f"run_dir={run_dir}", "trainer.lora.rank=8",
                                 "trainer.lr=1e-2", "trainer.micro_batch_groups=1", "trainer.correction=icepop",
-                                "trainer.entropy_coef=0.01", "trainer.kl_coef=0.01", f"trainer.world_size={world}",
+                                "trainer.entropy_coef=0.01", "trainer.kl_coef=0.01", f"trainer.world_size={world}", f"trainer.context_parallel={cp}",
                                 f"model.dtype={dtype}", "run.prompts_per_step=4", *extra], check=False)
 
     torch.manual_seed(0)
