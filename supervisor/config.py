@@ -211,8 +211,6 @@ def lora_problems(cfg: DictConfig) -> list[str]:
         problems.append(f"trainer.lora with model.path={cfg.model.path}: that is already a LoRA adapter (of "
                         f"{adapters.base_of(cfg.model.path) or 'another base'}); merge it first (cascade-rl export "
                         "--merge) and train a new adapter on the merged model")
-    if cfg.sampler.inflight_updates:
-        problems.append("trainer.lora: sampler.inflight_updates loads full weights between decode steps; drop it")
     if cfg.sampler.engine == "vllm" and not uses_gpus(cfg, "sampler"):
         from cascade_rl.samplers.vllm_engine import CPU_LORA_MOE, is_moe
 
