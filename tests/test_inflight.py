@@ -91,11 +91,14 @@ def test_without_an_update_every_token_has_the_engines_version(tiny_model):
 
 
 @pytest.mark.slow
-def test_an_async_launch_with_inflight_updates_records_each_rollouts_version_span(tiny_model, math_data, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_an_async_launch_with_inflight_updates_records_each_rollouts_version_span(lora, tiny_model, math_data,
+                                                                                   tmp_path):
     """max_staleness=1 with in-flight updates, every process real: the sampler generates the next batch while the
     trainer steps and takes its weights mid-generation (random weights run rows to hundreds of tokens: 4 rows of up
-    to 400 take longer to decode than a step takes to train), so rollouts span two versions; the ledger writes each one's newest version, summary.json the spans,
-    the metrics the largest span per step; nothing is lost and no trained rollout is older than allowed."""
+    to 400 take longer to decode than a step takes to train), so rollouts span two versions; the ledger writes each
+    one's newest version, summary.json the spans, the metrics the largest span per step; nothing is lost and no
+    trained rollout is older than allowed. ``lora``: the versions are adapters (trainer.lora), merged mid-generation."""
     from test_launch import cli, read_ledger
 
     run_dir = tmp_path / "run"
@@ -103,7 +106,8 @@ def test_an_async_launch_with_inflight_updates_records_each_rollouts_version_spa
             "orchestrator.max_staleness=1", "trainer.correction=icepop", "sampler.inflight_updates=true",
             "run.steps=6", "run.prompts_per_step=2", "run.group_size=2", "sampling.max_tokens=400",
             "orchestrator.eval_n=0", "orchestrator.eval_greedy=false", "supervisor.progress=none",
-            "sampler.threads=1", "trainer.threads=1", timeout=240)
+            "sampler.threads=1", "trainer.threads=1",
+            *(["trainer.lora.rank=8", "trainer.lr=5e-2", "trainer.entropy_coef=0.05"] if lora else []), timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["books"]["lost"] == 0 and summary["books"]["trained"] == 6 * 2 * 2
