@@ -26,6 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from cascade_rl.weights import adapters
+from cascade_rl.weights.layout import file_order
+
+from .parallel import Gathered
 
 DEFAULT_TARGETS = adapters.DEFAULT_TARGETS  # a model's default targets: those of these it has
 ADAPTER = "default"  # peft's adapter name in the trainer's model
@@ -37,6 +40,11 @@ class LoraError(ValueError):
 
 def enabled(settings) -> bool:
     return bool(settings is not None and settings.rank > 0)
+
+
+def attached(model: nn.Module) -> bool:
+    """Whether ``attach`` put adapters on ``model``."""
+    return hasattr(model, "peft_config")
 
 
 def linear_modules(model: nn.Module) -> dict[str, nn.Linear]:
@@ -157,10 +165,9 @@ class BaseReference(nn.Module):
             return self.policy(*args, **kwargs)
 
 
-class AdapterSource:
+class AdapterSource(Gathered):
     """The adapter as a ``TensorSource`` (weights/layout.py) in peft's file names and its fp32: what each weight
-    version ships. Under FSDP2 each tensor is gathered when read (a collective: every rank reads the same names in
-    the same order, rank 0 through the transport, the others through ``drain``)."""
+    version ships. Under FSDP2 each tensor is gathered when read (learner/parallel.py ``Gathered``)."""
 
     def __init__(self, policy: nn.Module, prefix: str = "model.") -> None:
         params = lora_parameters(policy, prefix)
@@ -169,23 +176,8 @@ class AdapterSource:
         self.metadata: dict[str, str] = {"format": "pt"}
         self.device = next(iter(self._tensors.values())).device if self._tensors else torch.device("cpu")
 
-    def read(self, names: list[str]) -> Iterator[Tensor]:
-        for name in names:
-            t = self._tensors[name].detach()
-            if hasattr(t, "full_tensor"):
-                t = t.full_tensor()
-            yield t
-
-    def drain(self) -> None:
-        from cascade_rl.weights.layout import file_order
-
-        for _ in self.read(file_order(self.specs)):
-            pass
-
     def state_dict(self) -> dict[str, Tensor]:
         """Every tensor, gathered, on the CPU (a collective under FSDP2)."""
-        from cascade_rl.weights.layout import file_order
-
         names = file_order(self.specs)
         return {n: t.cpu().contiguous() for n, t in zip(names, self.read(names), strict=True)}
 

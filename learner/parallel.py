@@ -149,7 +149,31 @@ def load_masters(model: nn.Module, masters: dict[str, Tensor]) -> None:
                 p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
 
 
-class GatheredWeights:
+class Gathered:
+    """Tensors (some FSDP2 shards) as a ``TensorSource`` (weights/layout.py): ``_tensors`` by published name and
+    their ``specs``; each shard is gathered (``DTensor.full_tensor()``, a collective) when read and cast to its spec's
+    dtype. Every rank reads the same names in the same order: rank 0 through ``transport.publish``, the others
+    through ``drain()``."""
+
+    _tensors: dict[str, Tensor]
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    metadata: dict[str, str]
+    device: torch.device
+
+    def read(self, names: list[str]) -> Iterator[Tensor]:
+        for name in names:
+            t = self._tensors[name].detach()
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()  # every rank: an all-gather of this one parameter
+            yield t.to(self.specs[name][0])
+
+    def drain(self) -> None:
+        """What a rank other than 0 does while rank 0 publishes: the same gathers, in the file's order."""
+        for _ in self.read(file_order(self.specs)):
+            pass
+
+
+class GatheredWeights(Gathered):
     """An FSDP2 policy's full weights as a ``TensorSource`` (weights/layout.py), in the HF model's names and
     its dtypes: each tensor is gathered (``DTensor.full_tensor()``, a collective) when a transport reads it,
     cast, written and dropped, so a rank holds one full parameter beyond its shards, never a state dict (30B
@@ -178,18 +202,6 @@ class GatheredWeights:
         self._tensors = {k: v for k, (_, v) in state.items()}
         self.specs = {k: (dtypes.get(fqn, v.dtype), tuple(v.shape)) for k, (fqn, v) in state.items()}
         self.device = next(iter(self._tensors.values())).device if self._tensors else torch.device("cpu")
-
-    def read(self, names: list[str]) -> Iterator[Tensor]:
-        for name in names:
-            t = self._tensors[name].detach()
-            if hasattr(t, "full_tensor"):
-                t = t.full_tensor()  # every rank: an all-gather of this one parameter
-            yield t.to(self.specs[name][0])
-
-    def drain(self) -> None:
-        """What a rank other than 0 does while rank 0 publishes: the same gathers, in the file's order."""
-        for _ in self.read(file_order(self.specs)):
-            pass
 
 
 def publishable(policy: nn.Module, ranks: Ranks):

@@ -225,7 +225,7 @@ def save_state(policy: Policy, optimizer, tokenizer, run_dir: Path, step: int, e
                ranks: parallel.Ranks) -> str:
     """An atomic checkpoint (a collective with several ranks: all gather, rank 0 writes)."""
     out = checkpoint.step_dir(Path(run_dir) / "checkpoints", step)
-    if hasattr(policy.model, "peft_config"):  # LoRA: the adapter in peft's format, and its optimizer state
+    if lora.attached(policy.model):  # LoRA: the adapter in peft's format, and its optimizer state
         adapter = lora.AdapterWriter(lora.AdapterSource(policy).state_dict(), lora.config_dict(policy.model))
         if not ranks.distributed:
             return str(checkpoint.save(out, adapter, tokenizer, optimizer, step, extra))
@@ -257,17 +257,13 @@ def save_state(policy: Policy, optimizer, tokenizer, run_dir: Path, step: int, e
 def publish(transport, policy: Policy, ranks: parallel.Ranks, version: int):
     """The policy's weights as ``version`` through ``transport`` (rank 0); under FSDP2 every rank takes part in
     the gathers, one parameter at a time. Rank 0's ``WeightsReady``, None on the others."""
-    if hasattr(policy.model, "peft_config"):  # LoRA: the adapter alone, with its config in the notice
-        weights = lora.AdapterSource(policy)
-        if not ranks.main:
-            weights.drain()
-            return None
-        return dataclasses.replace(transport.publish(weights, version), adapter=lora.config_dict(policy.model))
-    weights = parallel.publishable(policy, ranks)
+    adapted = lora.attached(policy.model)  # LoRA: the adapter alone, its config in the notice
+    weights = lora.AdapterSource(policy) if adapted else parallel.publishable(policy, ranks)
     if not ranks.main:
         weights.drain()
         return None
-    return transport.publish(weights, version)
+    notice = transport.publish(weights, version)
+    return dataclasses.replace(notice, adapter=lora.config_dict(policy.model)) if adapted else notice
 
 
 def strip_prefix(weights):

@@ -216,7 +216,9 @@ class Cascade:
     def handoff(final: str, stage_dir: Path) -> str:
         """The model the next stage starts from: the stage's final checkpoint, or, a LoRA checkpoint, its merge
         into ``<stage_dir>/merged`` (made once, reused when there)."""
-        from .export import is_adapter, merge_to
+        from cascade_rl.weights.adapters import is_adapter
+
+        from .export import merge_to
 
         if not is_adapter(Path(final)):
             return final
@@ -290,7 +292,9 @@ class Cascade:
     def servable(self, path: str) -> Iterator[str]:
         """A model directory the samplers load for checkpoint ``path``: itself, or, a LoRA checkpoint, its merge
         into a directory under run_dir deleted after the block."""
-        from .export import is_adapter, merge_to
+        from cascade_rl.weights.adapters import is_adapter
+
+        from .export import merge_to
 
         if not is_adapter(Path(path)):
             yield path

@@ -20,18 +20,13 @@ import shutil
 from pathlib import Path
 
 from cascade_rl.learner import checkpoint_dirs
+from cascade_rl.weights.adapters import is_adapter
 
-# weights/adapters.py imports torch: read here without it (cli.py imports this module for every command)
-ADAPTER_CONFIG = "adapter_config.json"
 LEFT_BEHIND = (checkpoint_dirs.STATE_FILE, checkpoint_dirs.STATE_JSON)
 
 
 class ExportError(ValueError):
     """A path that is not a checkpoint or a run, or an output that cannot be written: one line for the user."""
-
-
-def is_adapter(path: Path) -> bool:
-    return (path / ADAPTER_CONFIG).is_file()
 
 
 def resolve(path: str | Path) -> Path:
