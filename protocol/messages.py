@@ -45,7 +45,8 @@ class WorkKey:
     a duplicate). Built here, by kind; carried as a map, never as text to parse. ``str(key)`` is its name in
     logs and the stall report: ``{group}/{index}/{attempt}`` (score), ``{group}/teacher/{attempt}``,
     ``{group}/{index}:sample/{attempt}`` (a first turn), ``{group}/{index}:env{turn}/{attempt}`` and
-    ``{group}/{index}:gen{turn}/{attempt}`` (multi-turn, §12)."""
+    ``{group}/{index}:gen{turn}/{attempt}`` (multi-turn, §12), ``{group}/{index}:agent0/{attempt}`` (a user's agent
+    running row ``index``, §14; its model calls are ``gen`` keys)."""
 
     group: str  # the group id (orchestrator/groups.py: s3g5, e2)
     kind: str  # one of KINDS
@@ -53,7 +54,7 @@ class WorkKey:
     turn: int = 0  # env: the step after model turn ``turn``; gen: the sampler's turn ``turn`` + 1; else 0
     attempt: int = 0  # the group's re-dispatches when it was handed out
 
-    KINDS = ("sample", "score", "teacher", "env", "gen")  # a class constant, not a field
+    KINDS = ("sample", "score", "teacher", "env", "gen", "agent")  # a class constant, not a field
     SAMPLING = ("sample", "gen")  # the kinds of a PromptRequest and its Rollouts
 
     @classmethod
@@ -103,7 +104,7 @@ class WorkKey:
             return f"kind {self.kind!r} is none of {self.KINDS}"
         if min(self.index, self.turn, self.attempt) < 0:
             return f"negative index, turn or attempt in {self}"
-        if self.kind in ("sample", "score", "teacher") and self.turn:
+        if self.kind in ("sample", "score", "teacher", "agent") and self.turn:
             return f"a {self.kind} key has no turn ({self.turn})"
         if self.kind == "teacher" and self.index:
             return f"a teacher key has no row index ({self.index})"
@@ -164,6 +165,8 @@ class Rollout:
     # engine chose for every token it ran (prompt, then response but the last); None: not asked for (R3)
     token_versions: np.ndarray | None = array("int32", default=None)  # [R] the policy version that sampled each
     # token (in-flight updates: a row can span versions); None: all are ``policy_version``
+    segment_starts: np.ndarray | None = array("int32", default=None)  # positions in prompt + response where a new
+    # segment begins (an agent that rewrote its history, §14): each segment is its own sequence in training
 
     def validate(self) -> str:
         if self.key.kind not in WorkKey.SAMPLING:
@@ -184,6 +187,10 @@ class Rollout:
                 return "policy_version must be the oldest token version"
         if self.loss_mask is not None and len(self.loss_mask) != len(self.response_ids):
             return f"{len(self.response_ids)} response ids but a loss mask of {len(self.loss_mask)}"
+        if self.segment_starts is not None:
+            total, starts = len(self.prompt_ids) + len(self.response_ids), self.segment_starts
+            if len(starts) and (int(starts.min()) <= 0 or int(starts.max()) >= total or np.any(np.diff(starts) <= 0)):
+                return f"segment starts {starts.tolist()} are not increasing positions inside 1..{total - 1}"
         return ""
 
 
@@ -328,6 +335,8 @@ class TrainBatch:
     # input_ids[t] (-1: none, e.g. each row's last token and padding); None: the rollouts carried none
     cursor: dict[str, int] = field(default_factory=dict)  # the orchestrator's data cursor, saved with checkpoints
     ids: list[str] = field(default_factory=list)  # [N] each row's rollout id (the ledger's; trained_ids.jsonl)
+    segment_starts: np.ndarray | None = array("int32", 2, default=None)  # [N, S] where each row's later segments
+    # begin (-1: none); each segment is its own sequence, with its row's reward (agents' rewritten histories, §14)
 
     def validate(self) -> str:
         n, length = self.input_ids.shape
@@ -346,6 +355,9 @@ class TrainBatch:
             return "loss_masked must have one entry per row"
         if self.routes is not None and self.routes.shape[:2] != (n, length):
             return f"routes shape {self.routes.shape[:2]} != {(n, length)} (+ layers, top_k)"
+        if self.segment_starts is not None and (len(self.segment_starts) != n or (
+                self.segment_starts.size and int(self.segment_starts.max()) >= length)):
+            return f"segment_starts shape {self.segment_starts.shape} for {n} rows of {length}"
         return ""
 
 

@@ -19,6 +19,7 @@ from cascade_rl.environments.base import EnvSettings
 from cascade_rl.modeling.choices import AttnImpl, MoeImpl
 from cascade_rl.protocol.devices import Dtype
 
+from .schema_agents import AgentConfig, GatewayConfig
 from .schema_choices import InflightKV, LrDecay, OnBadRow, Progress
 from .schema_lora import LoraSettings
 from .schema_ray import LauncherName, RayConfig
@@ -88,6 +89,11 @@ class DataConfig:
     them (counted per reason in summary.json)."""
     seed: int = 0
     """Seed of the draw order (data/order.py): which file, then which row of its shuffled epoch."""
+    verifiers_env: str = ""
+    """A ``verifiers`` environment (PrimeIntellect's package): a module name or .py path exposing
+    ``load_environment()``; its dataset is the prompt set, its rollouts run through the gateway, its rubric rewards."""
+    verifiers_args: dict = field(default_factory=dict)
+    """Keyword arguments of its ``load_environment``."""
 
 
 @dataclass
@@ -472,5 +478,9 @@ class LaunchConfig:
     """The environment processes of multi-turn rows: their tools and limits."""
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     """The supervisor: heartbeats, restarts, the live display, draining, the run's time limit."""
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """The OpenAI-compatible gateway your agents call (started when the data has agent rows)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Your agent program for rows whose env is ``agent``: a function or a command."""
 
 

@@ -22,7 +22,9 @@ ALLOWED = {
     "teachers": {"protocol", "modeling"},  # never the trainer's package
     "environments": {"protocol", "verifiers"},  # the sandbox and the plugin loader are the verifiers'
     "supervisor": {"protocol", "data", "verifiers", "samplers", "learner", "orchestrator", "modeling", "kernels",
-                   "teachers", "environments", "configs", "weights"},
+                   "teachers", "environments", "configs", "weights", "gateway"},
+    # the chat template and tokenizer (data), the tool-call parser (environments), the OpenAI wire format (samplers)
+    "gateway": {"protocol", "data", "environments", "samplers"},
     # samplers: offline evaluation's engine; learner: the checkpoint's data cursor (learner/checkpoint.py)
     "orchestrator": {"protocol", "data", "verifiers", "samplers", "learner", "environments"},
     "learner": {"protocol", "kernels", "modeling", "data", "weights"},
