@@ -47,6 +47,7 @@ from . import checkpoint, lora, parallel
 from .losses import group_advantages, group_token_mean, mismatch_stats
 from .objectives import OBJECTIVES, Terms
 from .optim import MasterAdamW, clip_grad_norm_
+from .segments import forward_rows
 
 log = logging.getLogger("trainer")
 
@@ -64,6 +65,7 @@ class Batch:
     group_size: int
     teacher_logprobs: torch.Tensor | None = None  # [N, L], MOPD
     routes: torch.Tensor | None = None  # [N, L, MoE layers, top_k] int16, the engine's experts (-1: none)
+    segment_starts: torch.Tensor | None = None  # [N, S] where each row's later segments start (-1: none; §14)
 
     @classmethod
     def from_message(cls, msg: TrainBatch) -> Batch:
@@ -84,6 +86,7 @@ class Batch:
             group_size=msg.group_size,
             teacher_logprobs=None if msg.teacher_logprobs is None else torch.from_numpy(msg.teacher_logprobs.copy()),
             routes=None if msg.routes is None else torch.from_numpy(msg.routes.copy()),
+            segment_starts=None if msg.segment_starts is None else torch.from_numpy(msg.segment_starts.copy()),
         )
 
     @property
@@ -141,11 +144,13 @@ def train_step(policy: Policy, optimizer, batch: Batch, cfg, step: int,
     trainer_lp = torch.zeros_like(batch.inf_logprobs)
     for rows, weight in batch.groups(cfg.micro_batch_groups):
         mb = batch.rows(rows)
-        logprobs, entropy = policy(mb.input_ids, mb.lengths, mb.response_mask, with_entropy=True, routes=mb.routes)
+        logprobs, entropy = forward_rows(policy, mb.input_ids, mb.lengths, mb.response_mask, mb.segment_starts,
+                                         mb.routes, with_entropy=True)
         ref = None
         if reference is not None:
             with torch.no_grad():
-                ref, _ = reference(mb.input_ids, mb.lengths, mb.response_mask, routes=mb.routes)
+                ref, _ = forward_rows(reference, mb.input_ids, mb.lengths, mb.response_mask, mb.segment_starts,
+                                      mb.routes)
         loss, stats = objective(Terms(logprobs, entropy, mb.inf_logprobs, mb.loss_mask, advantages[rows],
                                       batch.group_size, ref, mb.teacher_logprobs), cfg)
         (loss * weight).backward()

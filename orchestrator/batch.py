@@ -43,7 +43,20 @@ def build_batch(step: int, groups: list[Group], group_size: int, pad_id: int, mo
         routes=routes,
         cursor=dict(cursor),
         ids=[rid for rid, _, _ in rows],
+        segment_starts=batch_segments([r for _, r, _ in rows]),
     )
+
+
+def batch_segments(rollouts: list) -> np.ndarray | None:
+    """Where each row's later segments start [N, S] (-1: none), or None when no row has more than one."""
+    most = max((len(r.segment_starts) for r in rollouts if r.segment_starts is not None), default=0)
+    if not most:
+        return None
+    out = np.full((len(rollouts), most), -1, np.int32)
+    for i, r in enumerate(rollouts):
+        if r.segment_starts is not None:
+            out[i, : len(r.segment_starts)] = r.segment_starts  # positions in prompt + response: the row's
+    return out
 
 
 def version_span(r) -> int:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 import numpy as np
 
 from cascade_rl.data.rows import Row
+from cascade_rl.protocol.agents import AgentDone, GatewayGenerate, GatewayReward
 from cascade_rl.protocol.messages import (
     EnvReply,
     GroupScoreRequest,
@@ -58,7 +59,8 @@ from cascade_rl.protocol.messages import (
 from cascade_rl.protocol.sockets import UNREACHABLE
 from cascade_rl.verifiers.registry import is_group_domain
 
-from .groups import UNAVAILABLE, Group, filter_reason, masked, staleness
+from .agents import Agents
+from .groups import AGENT, UNAVAILABLE, Group, filter_reason, masked, staleness
 from .ledger import Ledger
 from .pool import Worker, WorkerPool
 from .rules import Rules
@@ -77,6 +79,7 @@ class Core:
         self.rules, self.decode, self.ledger, self.clock = rules, decode, ledger, clock
         self.pool = WorkerPool()
         self.trajectories = Trajectories(rules, template, self.pool, clock)  # multi-turn rows' steps and turns
+        self.agents = Agents(rules, self.trajectories, self.pool, clock)  # agents' runs and their model calls
         self.groups: dict[str, Group] = {}
         self.prompt_queue: deque[str] = deque()  # group ids waiting for a sampler
         self.score_queue: deque[tuple[str, int]] = deque()  # (group id, rollout index; -1: the whole group)
@@ -91,7 +94,8 @@ class Core:
         self._seq: Counter = Counter()  # groups made per step ("e": evaluation)
         self._handlers = {Ready: self._on_ready, Rollout: self._on_rollout, Score: self._on_score,
                           TeacherLogprobs: self._on_teacher, WeightsReady: self._on_weights, StepDone: self._on_step,
-                          EnvReply: self._on_env}
+                          EnvReply: self._on_env, GatewayGenerate: self._on_call, AgentDone: self._on_agent_done,
+                          GatewayReward: self._on_posted_reward}
 
     # ------------------------------------------------------------------ input
 
@@ -118,7 +122,10 @@ class Core:
         g = Group(f"{scope}g{self._seq[scope]}" if train else f"e{self._seq[scope]}", row, prompt_ids, n, sampling,
                   self.version, train, step, needs_teacher=train and self.rules.mopd, env=env)
         self.groups[g.group_id] = g
-        self.prompt_queue.append(g.group_id)
+        if env == AGENT:  # its agents make the prompts: no first turn of the group's own
+            self.agents.start(g)
+        else:
+            self.prompt_queue.append(g.group_id)
         if train:
             self.ledger.dispatch(g)
         return g
@@ -141,7 +148,7 @@ class Core:
 
     def dispatch(self) -> None:
         self._dispatch_prompts()
-        for ident, msg in self.trajectories.dispatch(self.groups):
+        for ident, msg in [*self.agents.dispatch(self.groups), *self.trajectories.dispatch(self.groups)]:
             self._send(ident, msg)
         self._dispatch_scores()
         self._dispatch_teachers()
@@ -211,7 +218,11 @@ class Core:
         key = r.key
         if key.kind == "gen":  # a later turn of a multi-turn row, from any sampler
             g = self._turn_reply(ident, key, "gen")
-            if g is not None:
+            if g is not None and g.env == AGENT:  # an agent's call: its reply goes back through the gateway
+                g.trajectories[key.index].sampler = ident
+                if (back := self.agents.took_turn(g, r)) is not None:
+                    self._send(*back)
+            elif g is not None:
                 self._finished(g, self.trajectories.next_turn(g, ident, r))
             return
         g = self.groups.get(key.group)
@@ -241,6 +252,35 @@ class Core:
         g = self._turn_reply(ident, reply.key, "env")
         if g is not None:
             self._finished(g, self.trajectories.env_step(g, reply))
+
+    def _on_call(self, ident: bytes, call: GatewayGenerate) -> None:
+        """The gateway asks for an agent's model call: queued as its trajectory's next turn, or refused."""
+        refused = self.agents.generate(self.groups.get(call.key.group), ident, call)
+        if refused is not None:
+            log.info("gateway call %s refused (%d): %s", call.key, refused.status, refused.error)
+            self._send(ident, refused)
+
+    def _on_agent_done(self, ident: bytes, msg: AgentDone) -> None:
+        """An agent ended: its trajectory scored by its own reward, or by the domain's verifier (reward None)."""
+        self.pool.release(ident, msg.key)
+        g = self.groups.get(msg.key.group)
+        t = g.trajectories.get(msg.key.index) if g is not None and g.attempt == msg.key.attempt else None
+        if t is None or t.phase == "done" or g.error:
+            self._dropped(msg.key.rollout_id if t is not None else "", msg.key.attempt, f"the end of agent {msg.key} "
+                          "after its trajectory ended")
+            return
+        r = self.agents.finished(g, msg)
+        if r is not None:
+            if t.reward is not None:  # its own reward: no verifier
+                g.scores[r.key.index] = Score(g.score_key(r.key.index), t.reward, True, "the agent's reward",
+                                              worker_id=msg.worker_id)
+            self._rollout_done(g, r)
+
+    def _on_posted_reward(self, ident: bytes, msg: GatewayReward) -> None:
+        g = self.groups.get(msg.key.group)
+        t = g.trajectories.get(msg.key.index) if g is not None and g.attempt == msg.key.attempt else None
+        if t is not None and t.agent:
+            t.posted_reward = msg.reward
 
     def _finished(self, g: Group, r: Rollout | None) -> None:
         """A multi-turn row's handler is done: ``r`` is its finished trajectory, if it ended."""
@@ -415,6 +455,8 @@ class Core:
             return  # its group is done, or was re-dispatched (the new attempt asks for itself)
         if key.kind == "teacher":
             self.teacher_queue.append(g.group_id)
+        elif key.kind == "agent":  # an agent cannot be resumed midway: its trajectory fails
+            self.agents.lost(g, key)
         elif key.kind in ("env", "gen"):
             self.trajectories.requeue(key)  # its trajectory still waits for it (else the dispatch skips it)
         else:

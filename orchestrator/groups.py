@@ -24,6 +24,7 @@ from .trajectory import Trajectory
 # the reason of a group failed by a verifier that could not score (verifiers/errors.py): not the prompts' fault, so
 # its replacements do not use up refill rounds (orchestrator/main.py sample_batch)
 UNAVAILABLE = "verifier_unavailable"
+AGENT = "agent"  # the env of rows a user's agent runs through the gateway (orchestrator/agents.py)
 
 
 @dataclasses.dataclass

@@ -32,6 +32,7 @@ from cascade_rl.data.promptset import PromptSet, PromptStream
 from cascade_rl.data.render import PromptRenderer, TurnRenderer
 from cascade_rl.data.tokenizer import load_tokenizer
 from cascade_rl.learner import checkpoint_dirs
+from cascade_rl.protocol.agents import AgentDone, GatewayGenerate, GatewayReward, read_secret
 from cascade_rl.protocol.messages import (
     EnvReply,
     Ready,
@@ -55,7 +56,8 @@ from .report import MetricsLog, live_metrics, write_summary
 from .rules import Rules
 
 log = logging.getLogger("orchestrator")
-INBOUND = (Ready, Rollout, Score, TeacherLogprobs, StepDone, WeightsReady, EnvReply)
+INBOUND = (Ready, Rollout, Score, TeacherLogprobs, StepDone, WeightsReady, EnvReply, GatewayGenerate, AgentDone,
+           GatewayReward)
 UNAVAILABLE_MAX_WAIT_S = 30.0  # the longest wait between refill rounds while a verifier is unavailable
 
 
@@ -80,7 +82,10 @@ class Orchestrator:
         self.data_report = json.loads((data_dir / "data.json").read_text())
         # --- resume, rules and ledger, the IO thread
         self.start_step = self._resume()
-        self.core = Core(Rules.from_config(cfg, evaluation.model_context(cfg.model.path)), self._decode,
+        rules = Rules.from_config(cfg, evaluation.model_context(cfg.model.path))
+        if cfg.gateway.secret_file:  # agent rows: each trajectory's API key is signed with it
+            rules.gateway_secret = read_secret(cfg.gateway.secret_file)
+        self.core = Core(rules, self._decode,
                          Ledger(self.run_dir / LEDGER_FILE, self.start_step),
                          template=TurnRenderer(self.render), version=self.start_step)
         self.metrics = MetricsLog(self.run_dir, cfg.orchestrator.tensorboard)

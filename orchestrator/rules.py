@@ -27,6 +27,9 @@ class Rules:
     max_turns: int = 4  # model turns of a multi-turn trajectory at most
     max_total_tokens: int = 0  # tokens of a trajectory after its prompt at most; 0: max_turns x the group's max_tokens
     context: int = 0  # the model's context length: a trajectory (prompt included) never outgrows it; 0: no limit
+    agent_timeout_s: float = 300.0  # an agent's whole run (agent.timeout_s)
+    gateway_url: str = ""  # the gateway's OpenAI base URL agents are pointed at ("": no agent rows)
+    gateway_secret: bytes = b""  # signs each trajectory's API key (gateway.secret_file's)
 
     @classmethod
     def from_config(cls, cfg, context: int = 0) -> Rules:
@@ -45,4 +48,6 @@ class Rules:
             max_turns=o.max_turns,
             max_total_tokens=o.max_total_tokens,
             context=context,
+            agent_timeout_s=cfg.agent.timeout_s,
+            gateway_url=cfg.gateway.base_url,
         )

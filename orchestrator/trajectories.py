@@ -22,9 +22,9 @@ from typing import Protocol
 
 import numpy as np
 
-from cascade_rl.protocol.messages import EnvReply, EnvRequest, PromptRequest, Rollout, WorkKey
+from cascade_rl.protocol.messages import EnvReply, EnvRequest, PromptRequest, Rollout, SamplingParams, WorkKey
 
-from .groups import Group
+from .groups import AGENT, Group
 from .pool import WorkerPool
 from .rules import Rules
 from .trajectory import Phase, Trajectory, budget, next_phase
@@ -104,10 +104,26 @@ class Trajectories:
         carries its trajectory's state: any worker can serve it); skipped at dispatch if no longer awaited."""
         self.queue.append(key)
 
+    def room(self, g: Group, t: Trajectory) -> int:
+        """Tokens its next model turn may sample: what the trajectory's budget leaves, and (an agent's) what the
+        context leaves after its current segment."""
+        room = self.budget(g) - t.tokens()
+        if t.agent and self.rules.context:
+            room = min(room, self.rules.context - len(t.context(g.prompt_ids)))
+        return room
+
+    def turn_sampling(self, g: Group, t: Trajectory) -> SamplingParams:
+        """The group's sampling for its next turn: at most what is left (and an agent's call: its own max_tokens,
+        never over the run's, and its stop strings besides the run's)."""
+        cap = min(g.sampling.max_tokens, t.call_max_tokens or g.sampling.max_tokens, self.room(g, t))
+        return dataclasses.replace(g.sampling, max_tokens=cap, stop=[*g.sampling.stop, *t.call_stop])
+
     def budget(self, g: Group) -> int:
         """Tokens after the prompt a trajectory of ``g`` may have: ``orchestrator.max_total_tokens`` (or a full turn
         each), and never past the model's context (``Rules.context``)."""
         limit = budget(self.rules.max_total_tokens, self.rules.max_turns, g.sampling.max_tokens)
+        if g.env == AGENT:  # an agent's rows hold their prompts: its segments' contexts are bounded in ``room``
+            return limit
         return min(limit, self.rules.context - len(g.prompt_ids)) if self.rules.context else limit
 
     def dispatch(self, groups: Mapping[str, Group]) -> list[tuple[bytes, EnvRequest | PromptRequest]]:
@@ -136,10 +152,8 @@ class Trajectories:
                                  timeout_s)
             else:
                 timeout_s = self.rules.sampler_timeout_s
-                room = self.budget(g) - t.tokens()
-                sampling = dataclasses.replace(g.sampling, max_tokens=min(g.sampling.max_tokens, room))
-                msg = PromptRequest(key, g.row.domain, np.concatenate([g.prompt_ids, t.ids()]), 1, sampling,
-                                    g.min_version, keep=True)
+                sampling = self.turn_sampling(g, t)
+                msg = PromptRequest(key, g.row.domain, t.context(g.prompt_ids), 1, sampling, g.min_version, keep=True)
             self.pool.assign(ident, key, need, self.clock(), timeout_s)
             out.append((ident, msg))
         return out

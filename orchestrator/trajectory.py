@@ -25,6 +25,7 @@ from cascade_rl.protocol.messages import EnvReply, Rollout, WorkKey
 class Phase(StrEnum):
     gen = "gen"  # a sampler holds its next turn (or it waits for one)
     env = "env"  # an environment runs the last turn's tool calls (or it waits for one)
+    agent = "agent"  # a user's agent holds it: its next model call, or its end (orchestrator/agents.py)
     done = "done"  # ended: no tool call, max_turns, the token budget, or a truncated turn
 
 
@@ -50,9 +51,42 @@ class Trajectory:
     timeouts: int = 0
     first: Rollout | None = None  # the first turn's rollout (its key, domain, sampler)
     sampler: bytes | None = None  # the sampler of its last turn: its next turn goes there first (prefix reuse)
+    # an agent's trajectory (orchestrator/agents.py): no prompt of its own (its first segment's prompt is its first
+    # piece); the pieces where later segments start (a rewritten history); the call in flight's own limits
+    agent: bool = False
+    segment_starts: list[int] = dataclasses.field(default_factory=list)
+    call_max_tokens: int = 0
+    call_stop: list[str] = dataclasses.field(default_factory=list)
+    posted_reward: float | None = None  # POST /rl/reward, for an agent that ends without one
+    reward: float | None = None  # the agent's own reward (None: the domain's verifier scores)
+    gateway: bytes | None = None  # the gateway that asked for the call in flight (its reply goes there)
 
     def tokens(self) -> int:
         return sum(len(s) for s in self.segments)
+
+    def context(self, prompt_ids: np.ndarray) -> np.ndarray:
+        """The ids its next model turn continues: the prompt and every piece, or an agent's current segment."""
+        if self.agent:
+            start = self.segment_starts[-1] if self.segment_starts else 0
+            return np.concatenate(self.segments[start:]).astype(np.int32) if self.segments else np.zeros(0, np.int32)
+        return np.concatenate([prompt_ids, self.ids()]).astype(np.int32)
+
+    def open_segment(self, prompt_ids: np.ndarray) -> None:
+        """An agent's call whose rendering does not extend its tokens (the agent rewrote its history): a new segment,
+        its prompt the whole rendering, its own sequence in training (``Rollout.segment_starts``)."""
+        if self.segments:
+            self.segment_starts.append(len(self.segments))
+        self.add_piece(prompt_ids)
+
+    def add_piece(self, ids: np.ndarray) -> None:
+        """Context tokens of an agent's call (what its rendering adds after the tokens so far): no loss."""
+        if not len(ids):
+            return
+        self.segments.append(np.asarray(ids, np.int32))
+        self.logprobs.append(np.zeros(len(ids), np.float32))
+        self.model.append(False)
+        last = self.token_versions[-1] if self.token_versions else np.zeros(0, np.int32)
+        self.token_versions.append(np.full(len(ids), int(last.max()) if len(last) else -1, np.int32))  # -1: its oldest
 
     def observation_tokens(self) -> int:
         return sum(len(s) for s, m in zip(self.segments, self.model) if not m)
@@ -100,13 +134,23 @@ class Trajectory:
         """The finished trajectory as one rollout: everything after the prompt, the loss on the model's tokens.
         Its policy version is its oldest turn's (staleness counts from there)."""
         r = self.first
+        if self.agent:  # an agent's row is its pieces alone; each later segment starts a sequence of its own
+            prompt_ids = np.zeros(0, np.int32)
         mask = np.concatenate([np.full(len(s), m, bool) for s, m in zip(self.segments, self.model)])
         ran = len(prompt_ids) + self.tokens() - 1
         routes = self.routes if self.routes is not None and len(self.routes) == ran else None  # else not this text's
         key = WorkKey.step(r.key.group, r.key.index, "gen", self.turn, r.key.attempt)  # turn: its model turns
+        offsets = np.cumsum([0] + [len(s) for s in self.segments])
+        starts = np.array([offsets[k] for k in self.segment_starts], np.int32) if self.segment_starts else None
         return Rollout(key, r.domain, prompt_ids, self.ids(), np.concatenate(self.logprobs).astype(np.float32),
                        self.finish_reason, min(self.versions), r.sampler_id, r.t_gen, loss_mask=mask, routes=routes,
-                       token_versions=np.concatenate(self.token_versions) if self.spans_versions else None)
+                       token_versions=self._token_versions() if self.spans_versions else None,
+                       segment_starts=starts)
+
+    def _token_versions(self) -> np.ndarray:
+        versions = np.concatenate(self.token_versions)
+        versions[versions < 0] = min(self.versions)  # an agent's first prompt: as old as its oldest turn
+        return versions
 
 
 def next_phase(t: Trajectory, max_turns: int, budget: int) -> Phase:
@@ -134,10 +178,12 @@ class Totals:
     timeouts: int = 0
     tokens: int = 0
     observation_tokens: int = 0
+    segments: int = 0
 
     def add(self, trajectories) -> Totals:
         for t in trajectories:
             self.trajectories += 1
+            self.segments += 1 + len(t.segment_starts)
             self.turns += t.turn
             self.tool_calls += t.tool_calls
             self.tool_errors += t.tool_errors
@@ -155,6 +201,7 @@ class Totals:
             "tool_errors": self.tool_errors,
             "tool_timeouts": self.timeouts,
             "observation_token_frac": self.observation_tokens / max(1, self.tokens),
+            "segments_mean": self.segments / self.trajectories,  # > 1: agents that rewrote their history (§14)
         }
 
 

@@ -95,9 +95,12 @@ def prepare_run_data(cfg: DictConfig) -> Report:
     return report
 
 
+AGENT = "agent"  # the env of rows a user's agent runs (docs/ARCHITECTURE.md §14): served by agent.fn / agent.command
+
+
 def environments_of(cfg: DictConfig, report: Report, domains: list[str]) -> list[str]:
     """The environments the data's multi-turn rows use (their ``env``, else ``environment.defaults`` of their
-    domain), each registered (built-ins, or ``environment.plugins``)."""
+    domain), each registered (built-ins, or ``environment.plugins``), or ``agent`` with an agent configured."""
     e = cfg.environment
     e.plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in e.plugins]
     wanted = sorted(set(report.envs) | {e.defaults[d] for d in domains if e.defaults.get(d)})
@@ -105,8 +108,11 @@ def environments_of(cfg: DictConfig, report: Report, domains: list[str]) -> list
         return []
     from cascade_rl.environments.registry import ENVIRONMENTS, load_environments
 
+    if AGENT in wanted and not (cfg.agent.fn or cfg.agent.command or cfg.data.verifiers_env):
+        raise ConfigError("the data has rows whose env is 'agent' but no agent is set: agent.fn=module:function (or "
+                          "path.py:function), agent.command=[program, args...], or data.verifiers_env=MODULE")
     load_environments(list(e.plugins))
-    if unknown := [name for name in wanted if name not in ENVIRONMENTS]:
+    if unknown := [name for name in wanted if name not in ENVIRONMENTS and name != AGENT]:
         raise ConfigError(f"the data names environments {unknown} that are not registered (registered: "
                           f"{sorted(ENVIRONMENTS)}; a module of yours can add one: environment.plugins)")
     return wanted
