@@ -32,17 +32,19 @@ class PromptRenderer:
         generation = with_prompt[len(without):] if with_prompt.startswith(without) else ""
         self.prefix = generation[generation.rfind(THINK):] if THINK in generation else ""
 
-    def _template(self, messages: Sequence, add_generation_prompt: bool):
-        """The rendered text of one conversation, or of each of a list of conversations."""
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, enable_thinking=self.thinking)
+    def _template(self, messages: Sequence, add_generation_prompt: bool, tools: Sequence[dict] | None = None):
+        """The rendered text of one conversation, or of each of a list of conversations; ``tools``: the OpenAI
+        function schemas the template lists (an agent's request, gateway/sessions.py)."""
+        return self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                  add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                  enable_thinking=self.thinking)
 
-    def text(self, messages: Sequence[dict]) -> str:
-        return self._template(messages, add_generation_prompt=True)
+    def text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        return self._template(messages, add_generation_prompt=True, tools=tools)
 
-    def ids(self, messages: Sequence[dict]) -> list[int]:
+    def ids(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
         # the template writes the special tokens (BOS, turn markers) itself: add none on top
-        return self.tokenizer(self.text(messages), add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self.text(messages, tools), add_special_tokens=False)["input_ids"]
 
     def lengths(self, conversations: Sequence[Sequence[dict]]) -> list[int]:
         """Prompt tokens of many conversations (one batched tokenizer call; a fast tokenizer's Rust backend
@@ -93,9 +95,10 @@ class TurnRenderer:
             ids.pop()
         return self.render.prefix + self.decode(ids)
 
-    def observation_ids(self, trajectory_ids, messages: Sequence[dict]) -> list[int]:
+    def observation_ids(self, trajectory_ids, messages: Sequence[dict],
+                        tools: Sequence[dict] | None = None) -> list[int]:
         so_far = self.decode(trajectory_ids)
-        full = self.render.text(messages)
+        full = self.render.text(messages, tools)
         if not full.startswith(so_far):
             raise ValueError(f"the chat template does not extend the trajectory: {parting(so_far, full)} (trajectory "
                              f"vs template; multi-turn needs a template that renders earlier turns as they were "

@@ -129,3 +129,9 @@ def session_of(secret: bytes, api_key: str) -> WorkKey | None:
     if not (group and index.isdigit() and attempt.isdigit() and hmac.compare_digest(mac, good)):
         return None
     return WorkKey(group, "agent", int(index), 0, int(attempt))
+
+
+def read_secret(path) -> bytes:
+    """The run's gateway secret (``gateway.secret_file``: 32 random bytes as hex, written by the supervisor)."""
+    with open(path) as f:
+        return bytes.fromhex(f.read().strip())

@@ -51,7 +51,7 @@ class ChatRequest:
                                  stop=self.stop, seed=self.seed)
 
 
-def _number(body: dict, key: str, default: float, kind: type = float, low: float | None = None) -> Any:
+def number(body: dict, key: str, default: float, kind: type = float, low: float | None = None) -> Any:
     """``body[key]`` as ``kind`` (default when absent or null), at least ``low``; 400 otherwise."""
     value = body.get(key)
     if value is None:
@@ -63,7 +63,7 @@ def _number(body: dict, key: str, default: float, kind: type = float, low: float
     return kind(value)
 
 
-def _content(message: dict, i: int) -> str:
+def content_text(message: dict, i: int) -> str:
     """A message's text: a string, or OpenAI's list of ``{"type": "text", "text": ...}`` parts joined."""
     content = message.get("content")
     if content is None:
@@ -86,7 +86,7 @@ def _messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise ApiError(400, f"messages[{i}] must be an object with a string `role`, got {m!r:.80}",
                            param="messages")
-        out.append({"role": m["role"], "content": _content(m, i)})
+        out.append({"role": m["role"], "content": content_text(m, i)})
     return out
 
 
@@ -99,7 +99,7 @@ def parse_chat(body: Any, served_name: str, max_tokens_default: int) -> ChatRequ
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     if body.get("stream"):
         raise ApiError(400, "`stream` is not supported by this server: send stream=false", param="stream")
-    if _number(body, "n", 1, int) != 1:
+    if number(body, "n", 1, int) != 1:
         raise ApiError(400, f"only n=1 is supported, got n={body['n']}", param="n")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
@@ -109,7 +109,7 @@ def parse_chat(body: Any, served_name: str, max_tokens_default: int) -> ChatRequ
     if not isinstance(kwargs, dict):
         raise ApiError(400, f"`chat_template_kwargs` must be an object, got {kwargs!r}", param="chat_template_kwargs")
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-    top_p = _number(body, "top_p", 1.0)
+    top_p = number(body, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise ApiError(400, f"`top_p` must be in (0, 1], got {top_p}", param="top_p")
     seed = body.get("seed")
@@ -117,8 +117,8 @@ def parse_chat(body: Any, served_name: str, max_tokens_default: int) -> ChatRequ
         raise ApiError(400, f"`seed` must be an integer, got {seed!r}", param="seed")
     return ChatRequest(
         messages=_messages(body),
-        max_tokens=_number({"max_tokens": max_tokens}, "max_tokens", max_tokens_default, int, 1),
-        temperature=_number(body, "temperature", 1.0, float, 0.0),
+        max_tokens=number({"max_tokens": max_tokens}, "max_tokens", max_tokens_default, int, 1),
+        temperature=number(body, "temperature", 1.0, float, 0.0),
         top_p=top_p, seed=seed, stop=list(stop), chat_template_kwargs=dict(kwargs))
 
 
