@@ -1,0 +1,68 @@
+"""PrimeIntellect's ``verifiers`` environments (``data.verifiers_env``) run as agents: the environment's own rollout
+for one dataset row, against the run's gateway, scored by the environment's rubric.
+
+    env = load_verifiers_env("my_env.py", {"n": 10})        # its load_environment(**data.verifiers_args)
+    reward = await run_verifiers_rollout(env, client, row)  # client: the trajectory's openai.AsyncOpenAI
+
+The row is one that data/verifiers_source.py made: ``metadata["verifiers_row"]`` is the dataset row itself
+(prompt, answer, info, example_id, ...), handed to ``env.run_rollout`` as its input. The model is called
+"policy" with no sampling arguments, so the run's sampling settings govern every turn (the gateway applies them).
+Works for every classic environment: ``vf.SingleTurnEnv``, ``vf.ToolEnv`` (its tools run here, in the worker),
+``vf.MultiTurnEnv`` subclasses.
+
+``import verifiers`` must find the PyPI package, not this repository's ``verifiers/`` folder: the workers run
+with ``python -P`` (the repository root is not on sys.path); ``import_vf`` says so when it finds the wrong one.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from cascade_rl.verifiers.registry import load_plugin
+
+MODEL = "policy"  # the name the gateway serves (any name is answered by the run's policy)
+
+
+def import_vf() -> ModuleType:
+    """PrimeIntellect's ``verifiers`` package; ImportError saying why when it is missing or shadowed."""
+    try:
+        import verifiers
+    except ImportError as e:
+        raise ImportError(f"data.verifiers_env needs PrimeIntellect's `verifiers` package (make install): {e}") from e
+    if getattr(verifiers, "Environment", None) is None:
+        raise ImportError(f"`import verifiers` found {verifiers.__file__}, not PrimeIntellect's package: run with "
+                          "`python -P` (or from another folder) so the repository root is not on sys.path")
+    return verifiers
+
+
+def load_verifiers_env(entry: str, args: dict[str, Any] | None = None, setting: str = "data.verifiers_env"):
+    """The environment of ``entry`` (a module name or a .py path exposing ``load_environment``), built with
+    ``args``; PluginError (cascade_rl/verifiers/registry.py) or TypeError naming what is wrong."""
+    vf = import_vf()
+    module = load_plugin(entry, setting)
+    build = getattr(module, "load_environment", None)
+    if not callable(build):
+        raise TypeError(f"{setting}: {entry} has no load_environment() function")
+    env = build(**dict(args or {}))
+    if not isinstance(env, vf.Environment):
+        raise TypeError(f"{setting}: {entry}'s load_environment() returned a {type(env).__name__}, not a "
+                        "verifiers Environment")
+    return env
+
+
+async def run_verifiers_rollout(env, client, row: dict[str, Any]) -> float:
+    """The rubric's reward of ``env``'s rollout of ``row`` (an AgentRequest's row) through ``client`` (an
+    ``openai.AsyncOpenAI``). RuntimeError with the environment's own error when the rollout failed (verifiers
+    records a failed model call in the state instead of raising; it would otherwise score 0)."""
+    vf = import_vf()
+    source = (row.get("metadata") or {}).get("verifiers_row")
+    if not isinstance(source, dict):
+        raise ValueError("the row has no metadata.verifiers_row: it was not made by data/verifiers_source.py")
+    output = await env.run_rollout(dict(source), vf.OpenAIChatCompletionsClient(client), MODEL, {})
+    if output.get("error"):
+        raise RuntimeError(f"the verifiers rollout failed: {output['error']}")
+    reward = output.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise TypeError(f"the rubric gave {type(reward).__name__} {reward!r}, not a number")
+    return float(reward)
