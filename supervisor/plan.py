@@ -7,14 +7,15 @@
 
 ``prepare`` resolves the config in place, in this order: ``run_dir`` absolute (its ``logs/`` made); what
 ``--inline`` cannot run (supervisor/inline.py); the data (supervisor/run_data.py: every row validated, written to
-``run_dir/data``, the served domains settled); what this machine must offer the config (``MACHINE_CHECKS``: the
-GPU layout of supervisor/placement.py, SGLang's servers, CURVE for tcp endpoints); the run id and the socket folder
-(ipc paths must stay under ~100 bytes, so a short temp dir, mode 0700); the run's CURVE keys (protocol/auth.py:
+``run_dir/data``, the served domains settled); what this machine must offer the config (``MACHINE_CHECKS``: the GPU
+layout of supervisor/placement.py, SGLang's servers, CURVE for tcp endpoints); the run id and the socket folder (ipc
+paths must stay under ~100 bytes, so a short temp dir, mode 0700); the run's CURVE keys (protocol/auth.py:
 ``run_dir/auth.keys``, mode 0600, config.yaml holds its path only); the launcher (supervisor/launchers/: ray joins
 its cluster and places the two workers that bind) and the run's four endpoints; the model's absolute path; a served
-judge's port (supervisor/judge.py). It starts no process and binds no socket, so tests build plans from the presets
-and inspect them. What a running supervisor is asked (``ctl scale``, ``ctl swap``) is checked here too, before it
-touches a process: ``check_scale``, ``check_swap``.
+judge's port (supervisor/judge.py); the agents' gateway's URL and secret (supervisor/gateway_setup.py). It starts no
+process and binds no socket, so tests build plans from the presets and inspect them. What a running supervisor is
+asked (``ctl scale``, ``ctl swap``) is checked here too, before it touches a process: ``check_scale``,
+``check_swap``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 from cascade_rl.data.prepare import Report
 from cascade_rl.protocol import auth
 
+from . import gateway_setup, judge, placement
 from . import inline as inline_mode
-from . import judge, placement
 from .config_errors import ConfigError
 from .launchers import make_launcher
 from .memory_report import seq_tokens
@@ -103,6 +104,8 @@ def prepare(cfg: DictConfig, inline: bool = False) -> Plan:
         cfg.sampler.vllm.max_model_len = vllm_context(cfg)
     if judge.needed(cfg):  # the verifiers read the served judge's URL from config.yaml
         judge.assign_port(cfg.verifier.judge)
+    if gateway_setup.needed(cfg):  # the orchestrator hands the gateway's URL to every agent
+        gateway_setup.assign(cfg, run_dir)
     procs, after_judge, served = start_order(cfg)
     return Plan(cfg, data, launcher, sock_dir, procs, after_judge, served, OmegaConf.to_yaml(cfg, resolve=True))
 
@@ -192,6 +195,7 @@ def start_order(cfg: DictConfig) -> tuple[list[Proc], list[Proc], Proc | None]:
     for i in range(cfg.sampler.count):
         first += sampler_procs(cfg, f"sampler-{i}", i)
     first += [Proc("environment", f"environment-{i}") for i in range(cfg.environment.count if cfg.environment.serve else 0)]
+    first += [Proc("gateway", "gateway-0")] if gateway_setup.needed(cfg) else []
     for i, (path, heads) in enumerate(teacher_groups(cfg.teacher.checkpoints).items()):
         first.append(Proc("teacher", f"teacher-{i}", args=teacher_args(path, heads),
                           gpus=placement.gpus_of(cfg, "teacher", i)))

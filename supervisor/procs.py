@@ -64,6 +64,7 @@ ROLES = {
     "verifier": Role("cascade_rl.verifiers.worker"),
     "teacher": Role("cascade_rl.teachers.server"),
     "environment": Role("cascade_rl.environments.worker"),
+    "gateway": Role("cascade_rl.gateway.server"),  # the agents' OpenAI-compatible gateway (supervisor/gateway_setup.py)
     "sglang": Role(),  # one sampler's SGLang server (sampler_procs)
     "judge": Role(ready=_judge_answers),  # the judge model's server (supervisor/judge.py: ours or vLLM's)
 }
