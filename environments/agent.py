@@ -141,6 +141,12 @@ class AgentRunner:
         asyncio.set_event_loop(loop)
         loop.create_task(self._heartbeat(loop))
         loop.run_forever()
+        tasks = asyncio.all_tasks(loop)  # closed: what still runs is cancelled (a program's group is killed)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            loop.run_until_complete(asyncio.wait(tasks, timeout=5.0))
+        loop.close()
 
     async def _heartbeat(self, loop: asyncio.AbstractEventLoop) -> None:
         while loop is self.loop:
