@@ -47,7 +47,7 @@ from cascade_rl.protocol.sockets import RouterLink
 from cascade_rl.protocol.worker_main import worker_start
 
 from . import evaluate as evaluation
-from . import trajectory
+from . import rollout_log, trajectory
 from .batch import build_batch, mismatch_summary, step_metrics
 from .core import Core
 from .groups import UNAVAILABLE, Group
@@ -83,7 +83,7 @@ class Orchestrator:
         # --- resume, rules and ledger, the IO thread
         self.start_step = self._resume()
         rules = Rules.from_config(cfg, evaluation.model_context(cfg.model.path))
-        if cfg.gateway.secret_file:  # agent rows: each trajectory's API key is signed with it
+        if cfg.get("gateway", {}).get("secret_file"):  # agent rows: each trajectory's API key is signed with it
             rules.gateway_secret = read_secret(cfg.gateway.secret_file)
         self.core = Core(rules, self._decode,
                          Ledger(self.run_dir / LEDGER_FILE, self.start_step),
@@ -205,6 +205,8 @@ class Orchestrator:
         batch = build_batch(step, groups, self.cfg.run.group_size, self.tokenizer.pad_token_id or 0,
                             self.core.rules.mopd, o.overlong_penalty, {"examples_drawn": self.prompts.drawn})
         self.core.to_trainer(batch, groups)
+        if o.get("save_rollouts", False):
+            rollout_log.append(self.run_dir / "rollouts.jsonl", batch)
         self._flush()
         self.multi_turn.add(t for g in groups for t in g.trajectories.values())
         self.trainer_window[0] = self.trainer_window[0] or time.perf_counter()

@@ -48,6 +48,6 @@ class Rules:
             max_turns=o.max_turns,
             max_total_tokens=o.max_total_tokens,
             context=context,
-            agent_timeout_s=cfg.agent.timeout_s,
-            gateway_url=cfg.gateway.base_url,
+            agent_timeout_s=cfg.get("agent", {}).get("timeout_s", 300.0),  # older configs: no agents
+            gateway_url=cfg.get("gateway", {}).get("base_url", ""),
         )

@@ -83,6 +83,10 @@ def prepare_run_data(cfg: DictConfig) -> Report:
                           f"verifier.judge.base_url (its OpenAI-compatible endpoint, e.g. a vLLM server), or serve "
                           f"one: verifier.judge.serve=torch (or vllm) verifier.judge.path=DIR")
     cfg.environment.serve = environments_of(cfg, report, used)
+    if AGENT in cfg.environment.serve and cfg.run.algorithm == "mopd":
+        raise ConfigError("run.algorithm=mopd with agent rows (env: agent): a teacher scores a row as one sequence "
+                          "after the row's prompt, but an agent's row is the prompts its agent made, segments and "
+                          "all; train agent rows with run.algorithm=grpo")
     if cfg.run.algorithm == "mopd":
         trained = set(report.domains["train"])
         if untaught := sorted(trained - set(cfg.teacher.checkpoints)):

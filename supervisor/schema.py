@@ -219,6 +219,9 @@ class OrchestratorConfig:
     """Reward 0 for a response cut off at max_tokens (paper: on, except RLHF)."""
     tensorboard: bool = False
     """Also write the step metrics as TensorBoard events under run_dir/tensorboard (pip install -e .[tensorboard])."""
+    save_rollouts: bool = False
+    """Write every trained row to run_dir/rollouts.jsonl as the trainer gets it (id, step, token ids, loss mask,
+    sampler log-probs, reward, versions, segment starts): to inspect what was trained, token by token."""
     max_refill_rounds: int = 16
     """Rounds of replacement groups per step before the step fails with the filter counts (as verl's
     max_num_gen_batches): a stage whose prompts all give uniform rewards stops instead of spinning."""
