@@ -5,8 +5,8 @@
 
 What runs one trajectory, in this order of precedence:
 
-- ``data.verifiers_env``: the ``verifiers`` environment's own rollout, scored by its rubric
-  (environments/verifiers_rollout.py);
+- ``data.verifiers_env``, for a row of its dataset (``metadata.verifiers_row``, data/verifiers_source.py): the
+  ``verifiers`` environment's own rollout, scored by its rubric (environments/verifiers_rollout.py);
 - ``agent.fn`` (``module:function`` or ``path/to/file.py:function``): ``await fn(client, row)`` with ``client`` an
   ``openai.AsyncOpenAI`` on the trajectory's session (no retries: the gateway's error reaches the agent);
 - ``agent.command``: an external program per trajectory (environments/agent_command.py).
@@ -96,7 +96,7 @@ class AgentRunner:
             from .verifiers_rollout import load_verifiers_env
 
             vf_env = load_verifiers_env(vf_name, dict(data.get("verifiers_args") or {}))
-        fn = load_agent_fn(agent["fn"]) if agent.get("fn") and vf_env is None else None
+        fn = load_agent_fn(agent["fn"]) if agent.get("fn") else None
         return cls(worker_id, fn=fn, command=list(agent.get("command") or []), vf_env=vf_env,
                    concurrency=int(agent.get("concurrency", 16)), timeout_s=float(agent.get("timeout_s", 300.0)))
 
@@ -176,12 +176,13 @@ class AgentRunner:
             self.results.put(msg)
 
     async def _trajectory(self, req: AgentRequest) -> float | None:
-        if self.vf_env is not None or self.fn is not None:
+        verifiers_row = self.vf_env is not None and "verifiers_row" in (req.row.get("metadata") or {})
+        if verifiers_row or self.fn is not None or not self.command:
             import openai
 
             client = openai.AsyncOpenAI(base_url=req.base_url, api_key=req.api_key, max_retries=0)
             try:
-                if self.vf_env is not None:
+                if verifiers_row or self.fn is None:
                     from .verifiers_rollout import run_verifiers_rollout
 
                     return await run_verifiers_rollout(self.vf_env, client, req.row)
