@@ -1,6 +1,6 @@
 """``orchestrator.save_rollouts``: each trained row as the trainer gets it, one JSON line in run_dir/rollouts.jsonl.
 
-    {"id": "s0g1/0", "step": 0, "ids": [...], "loss_mask": [...], "logprobs": [...], "reward": 1.0,
+    {"id": "s0g1/0", "row": "tool_arithmetic-rl-7", "step": 0, "ids": [...], "loss_mask": [...], "logprobs": [...], "reward": 1.0,
      "version": 0, "segment_starts": [...]}
 
 ``ids`` are the row's tokens (prompt, then response: an agent's row is its pieces alone), ``loss_mask`` 1 on the
@@ -18,18 +18,18 @@ import numpy as np
 from cascade_rl.protocol.messages import TrainBatch
 
 
-def rows(batch: TrainBatch):
-    """The batch's rows as records (padding cut)."""
+def rows(batch: TrainBatch, row_ids: list[str]):
+    """The batch's rows as records (padding cut); ``row_ids``: each row's data row (its prompt's id)."""
     for i, rid in enumerate(batch.ids):
         mask = batch.response_mask[i]
         end = int(np.flatnonzero(mask)[-1]) + 1 if mask.any() else 0
         starts = [] if batch.segment_starts is None else [int(s) for s in batch.segment_starts[i] if s >= 0]
-        yield {"id": rid, "step": batch.step, "ids": batch.input_ids[i, :end].tolist(),
+        yield {"id": rid, "row": row_ids[i], "step": batch.step, "ids": batch.input_ids[i, :end].tolist(),
                "loss_mask": mask[:end].astype(int).tolist(),
                "logprobs": [round(float(x), 6) for x in batch.inf_logprobs[i, :end]],
                "reward": float(batch.rewards[i]), "version": int(batch.versions[i]), "segment_starts": starts}
 
 
-def append(path: Path, batch: TrainBatch) -> None:
+def append(path: Path, batch: TrainBatch, row_ids: list[str]) -> None:
     with open(path, "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows(batch))
+        f.writelines(json.dumps(r) + "\n" for r in rows(batch, row_ids))

@@ -129,7 +129,7 @@ def validate(cfg: DictConfig) -> None:
         problems.append(unserved)
     if s.engine == "vllm" and not uses_gpus(cfg, "sampler") and (refused := _vllm_cpu_refusal(cfg.model.path)):
         problems.append(refused)
-    if not cfg.data.files:
+    if not cfg.data.files and not cfg.data.get("verifiers_env"):
         problems.append("data.files is empty: name the training prompts, e.g. data.files=[prompts.jsonl] "
                         "(built-in miniature sets: cascade-rl make-data NAME --out DIR)")
     from cascade_rl.verifiers.registry import GROUP_VERIFIERS, VERIFIERS, load_plugins

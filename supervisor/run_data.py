@@ -15,6 +15,8 @@ and, for MOPD, that every trained domain has a teacher.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -63,6 +65,8 @@ def prepare_run_data(cfg: DictConfig) -> Report:
         tokenizer = load_tokenizer(cfg.model.path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path={cfg.model.path}: no tokenizer loads from it: {e}") from None
+    if cfg.data.verifiers_env:  # its dataset as prompt files the run reads like the user's own
+        add_verifiers_rows(cfg)
     with _reading(cfg.supervisor.progress) as on_read:
         report = prepare(cfg.data, tokenizer, Path(cfg.run_dir) / "data", domains, on_read=on_read)
     if report.bad and cfg.data.on_bad_row == "error":
@@ -112,6 +116,9 @@ def environments_of(cfg: DictConfig, report: Report, domains: list[str]) -> list
         return []
     from cascade_rl.environments.registry import ENVIRONMENTS, load_environments
 
+    if cfg.agent.fn and ".py:" in cfg.agent.fn:  # workers get an absolute path to the user's file
+        path, _, name = cfg.agent.fn.rpartition(":")
+        cfg.agent.fn = f"{Path(path).resolve()}:{name}"
     if AGENT in wanted and not (cfg.agent.fn or cfg.agent.command or cfg.data.verifiers_env):
         raise ConfigError("the data has rows whose env is 'agent' but no agent is set: agent.fn=module:function (or "
                           "path.py:function), agent.command=[program, args...], or data.verifiers_env=MODULE")
@@ -120,6 +127,34 @@ def environments_of(cfg: DictConfig, report: Report, domains: list[str]) -> list
         raise ConfigError(f"the data names environments {unknown} that are not registered (registered: "
                           f"{sorted(ENVIRONMENTS)}; a module of yours can add one: environment.plugins)")
     return wanted
+
+
+def add_verifiers_rows(cfg: DictConfig) -> None:
+    """``data.verifiers_env``'s dataset (and its eval dataset, held out) written as JSONL under run_dir/data/verifiers
+    and added to ``data.files`` / ``data.eval_files``: rows of env ``agent``, run by the environment's own rollout."""
+    import cascade_rl.verifiers
+    from cascade_rl.data.verifiers_source import verifiers_rows
+
+    # `python -m cascade_rl...` from a checkout puts it on sys.path, where our verifiers/ folder would stand in for
+    # PrimeIntellect's package of that name (the editable install maps cascade_rl without sys.path)
+    checkout = Path(cascade_rl.verifiers.__file__).resolve().parent.parent
+    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != checkout]
+    if cfg.data.verifiers_env.endswith(".py"):
+        cfg.data.verifiers_env = str(Path(cfg.data.verifiers_env).resolve())
+    out = Path(cfg.run_dir) / "data" / "verifiers"
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        train, held_out = verifiers_rows(cfg.data.verifiers_env, dict(cfg.data.verifiers_args))
+    except Exception as e:  # the user's module: its import, load_environment() or dataset
+        raise ConfigError(f"data.verifiers_env={cfg.data.verifiers_env}: {type(e).__name__}: {e}") from None
+    for name, rows, key in (("train", train, "files"), ("eval", held_out, "eval_files")):
+        if not rows:
+            continue
+        path = out / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"id": r.id, "prompt": list(r.messages), "domain": r.domain,
+                                            "answer": r.answer, "metadata": r.metadata, "env": r.env}) + "\n"
+                                for r in rows))
+        cfg.data[key] = [*cfg.data[key], str(path)]
 
 
 def describe(report: Report) -> str:

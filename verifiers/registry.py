@@ -412,3 +412,10 @@ def _llm_judge(response: str, reference: str, metadata: dict[str, Any]) -> float
         return reward
 
     return on_judge(judge_endpoint(), run)
+
+
+@register_verifier("verifiers")
+def _verifiers_env(response: str, reference: str, metadata: dict[str, Any]) -> float:
+    """Rows of a PrimeIntellect ``verifiers`` environment (``data.verifiers_env``): their environment's rubric scores
+    them in the agent runner (environments/verifiers_rollout.py); a request here is an error, never a reward."""
+    raise ValueError("rows of data.verifiers_env are scored by their environment's rubric in the agent runner")
