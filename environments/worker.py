@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         load_environments(list(section.get("plugins") or []))
         settings = EnvSettings.from_config(section)
-        envs = build_environments(list(section.get("serve") or []), settings)
+        serve = list(section.get("serve") or [])
+        tools = [name for name in serve if name != AGENT_DOMAIN]  # "agent": the agent runner's, not a tool environment
+        envs = build_environments(tools, settings) if tools or not serve else {}
         agents = AgentRunner.from_config(*(OmegaConf.to_container(cfg[k], resolve=True) if cfg.get(k) else {}
                                            for k in ("agent", "data")), args.worker_id)
     except (PluginError, ValueError, TypeError, ImportError) as e:

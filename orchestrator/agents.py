@@ -97,23 +97,30 @@ class Agents:
             return GatewayRefused(key, 400, f"this trajectory has made its {t.turn} model calls "
                                             f"(orchestrator.max_turns={self.rules.max_turns}); end the agent")
         prompt = np.asarray(call.prompt_ids, np.int32)
-        current = t.segment_starts.__len__()
-        if call.segment == current and t.segments:
+        current = len(t.segment_starts)
+        continuing = call.segment == current and bool(t.segments)
+        if continuing:
             so_far = t.context(g.prompt_ids)
             if len(prompt) < len(so_far) or not np.array_equal(prompt[:len(so_far)], so_far):
                 return GatewayRefused(key, 400, "the prompt does not extend the session's tokens in its segment "
                                                 f"{current} (a gateway error: it must open segment {current + 1})")
-            t.add_piece(prompt[len(so_far):])
+            grown = len(prompt) - len(so_far)  # what the rendering adds: the agent's new messages
         elif call.segment == current + (1 if t.segments else 0):
-            t.open_segment(prompt)
+            grown = 0  # a segment's prompt is context, outside the budget (as a row's prompt is)
         else:
             return GatewayRefused(key, 400, f"segment {call.segment} after segment {current}")
+        room = min(self.trajectories.budget(g) - t.after_prompts() - grown,
+                   self.rules.context - len(prompt) if self.rules.context else 1 << 30)
+        if room <= 0:
+            return GatewayRefused(key, 400, f"this trajectory has no tokens left for a reply: {t.after_prompts() + grown}"
+                                            f" tokens after its prompts (orchestrator.max_total_tokens, or "
+                                            f"max_turns x sampling.max_tokens), a prompt of {len(prompt)} in a "
+                                            f"context of {self.rules.context}; end the agent")
+        if continuing:
+            t.add_piece(prompt[len(prompt) - grown:])
+        else:
+            t.open_segment(prompt)
         t.call_max_tokens, t.call_stop = call.max_tokens, list(call.stop)
-        if self.trajectories.room(g, t) <= 0:
-            t.phase = Phase.done
-            g.error = (f"agent_over_budget: {t.tokens()} tokens (orchestrator.max_total_tokens, the model's "
-                       f"context {self.rules.context})")
-            return GatewayRefused(key, 400, f"this trajectory has no tokens left: {g.error}")
         t.gateway, t.phase = gateway, Phase.gen
         self.trajectories.queue.append(key)
         return None

@@ -107,7 +107,7 @@ class Trajectories:
     def room(self, g: Group, t: Trajectory) -> int:
         """Tokens its next model turn may sample: what the trajectory's budget leaves, and (an agent's) what the
         context leaves after its current segment."""
-        room = self.budget(g) - t.tokens()
+        room = self.budget(g) - t.after_prompts()
         if t.agent and self.rules.context:
             room = min(room, self.rules.context - len(t.context(g.prompt_ids)))
         return room

@@ -64,6 +64,14 @@ class Trajectory:
     def tokens(self) -> int:
         return sum(len(s) for s in self.segments)
 
+    def after_prompts(self) -> int:
+        """Tokens after its prompt(s), what ``orchestrator.max_total_tokens`` bounds: an agent's segments' prompts (the
+        first piece of each) are context, as a row's prompt is."""
+        if not self.agent:
+            return self.tokens()
+        firsts = {0, *self.segment_starts} if self.segments else set()
+        return sum(len(s) for k, s in enumerate(self.segments) if k not in firsts)
+
     def context(self, prompt_ids: np.ndarray) -> np.ndarray:
         """The ids its next model turn continues: the prompt and every piece, or an agent's current segment."""
         if self.agent:
