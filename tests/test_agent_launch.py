@@ -137,3 +137,72 @@ def test_a_tool_agent_loop_trains_the_same_tokens_as_the_built_in_path(tools_mod
             so_far = [*so_far, *observation]
         replayed += 1
     assert replayed >= 8 and segmented >= 8, (replayed, segmented)
+
+
+MISBEHAVING = f'''
+import asyncio, importlib.util, json
+
+import agents
+from cascade_rl.environments.base import EnvSettings
+from cascade_rl.environments.python_tool import PythonTool
+
+spec = importlib.util.spec_from_file_location("python_tool_agent", {str(EXAMPLES / "python_tool_agent.py")!r})
+tools = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tools)
+BEHAVIOUR = json.load(open(__file__[:-3] + ".json"))  # row id -> what its agent does
+PYTHON = PythonTool(EnvSettings())
+
+
+@agents.function_tool
+async def python(code: str) -> str:
+    """Run Python code and return what it prints."""
+    return (await asyncio.to_thread(PYTHON, {{"code": code}}, {{}})).content
+
+
+async def agent(client, row):
+    what = BEHAVIOUR.get(row["id"], "tools")
+    if what == "hang":
+        await asyncio.sleep(3600)
+    if what == "raise":
+        raise RuntimeError("the agent broke")
+    if what == "spin":  # 1,000 calls: the gateway refuses those past orchestrator.max_turns, and the client raises
+        for _ in range(1000):
+            await client.chat.completions.create(model="policy", messages=row["messages"])
+    if what == "sdk":  # the OpenAI Agents SDK: an Agent with one function tool over the chat-completions model
+        agents.set_tracing_disabled(True)
+        model = agents.OpenAIChatCompletionsModel(model="policy", openai_client=client)
+        bot = agents.Agent(name="solver", instructions="", tools=[python], model=model)
+        result = await agents.Runner.run(bot, row["question"], max_turns=3)
+        assert isinstance(result.final_output, str)
+        return None
+    return await tools.agent(client, row)
+'''
+
+
+@pytest.mark.slow
+def test_hanging_raising_and_spinning_agents_end_with_their_reasons_and_an_agents_sdk_agent_trains(
+        tools_model, tools_data, tmp_path):
+    rows = [json.loads(x) for x in Path(tools_data["rl"]["tool_arithmetic"]).read_text().splitlines()[:8]]
+    behaviour = dict(zip((r["id"] for r in rows), ["hang", "raise", "spin", "sdk", "sdk"]))
+    agent_file = tmp_path / "misbehaving.py"
+    agent_file.write_text(MISBEHAVING)
+    (tmp_path / "misbehaving.json").write_text(json.dumps(behaviour))
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({**r, "env": "agent"}) + "\n" for r in rows))
+    run_dir, steps = tmp_path / "run", 2
+    summary = launch(run_dir, tools_model, str(data), agent_file, f"run.steps={steps}", "run.prompts_per_step=4",
+                     "run.group_size=2", "orchestrator.dynamic_filtering=false", "agent.timeout_s=4")
+    books = summary["books"]
+    assert books["lost"] == 0 and books["in_flight"] == 0 and books["trainer_ids"]["match"], books
+    assert books["trained"] == steps * 4 * 2
+    reasons = books["filtered_reasons"]
+    assert any(k.startswith("agent_timeout: no end after 4") for k in reasons), reasons
+    assert any(k.startswith("agent_error: RuntimeError: the agent broke") for k in reasons), reasons
+    assert any(k.startswith("agent_error: BadRequestError") and "orchestrator.max_turns=3" in k for k in reasons)
+    ledger = read_ledger(run_dir)
+    assert len(ledger) == books["dispatched"] and all(e["fate"] for e in ledger.values())
+    failed = {e["reason"].split(":")[0] for e in ledger.values() if e["fate"] == "filtered"}
+    assert failed == {"agent_timeout", "agent_error"}, failed
+    trained = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    sdk = [r for r in trained if behaviour.get(r["row"]) == "sdk"]
+    assert sdk and all(sum(r["loss_mask"]) > 0 for r in sdk)  # the SDK agent's trajectories were trained
