@@ -5,7 +5,7 @@ CLI := $(VENV)/bin/cascade-rl
 STAMP := $(VENV)/.installed-stamp
 RUN_DIR ?= runs/demo
 
-.PHONY: install run judge full full-sft tools test lint bench bench-trl clean
+.PHONY: install run judge full full-sft tools tools-model agent test lint bench bench-trl clean
 comma := ,
 FULL_SFT_STEPS ?= 2000
 
@@ -95,13 +95,25 @@ full-sft: install
 # tokenizer knows the tool-call format -> a short SFT on the multi-turn traces -> GRPO on multi-turn rollouts
 # with the sandboxed python tool (configs/run/tools.yaml); summary.json has held-out accuracy with and without tools.
 TOOLS_DATA ?= runs/data/tools
-tools: install
+tools: tools-model
+	rm -rf runs/tools
+	$(CLI) launch tools run_dir=runs/tools
+
+tools-model: install
 	test -f $(TOOLS_DATA)/manifest.json || $(CLI) make-data tools --out $(TOOLS_DATA)
 	test -f models/tools/config.json || $(CLI) make-tiny-model --out models/tools --task tools
 	test -f models/tools-sft/config.json || $(CLI) sft model=models/tools out=models/tools-sft \
 		"files=[$(TOOLS_DATA)/sft/tool_arithmetic.jsonl,$(TOOLS_DATA)/sft/tool_arithmetic_direct.jsonl]" steps=500
-	rm -rf runs/tools
-	$(CLI) launch tools run_dir=runs/tools
+
+# Bring your own agent, in miniature: the same tool task trained twice from models/tools-sft, through the built-in
+# python environment and with the agent written as a plain openai client loop (examples/agents/python_tool_agent.py)
+# through the run's gateway; runs/agent/report.md has both held-out gains, their difference with a paired 95 %
+# interval, and the agent run's segments (re-tokenisations: zero expected). AGENT_STEPS=100 each (~30 min each here).
+AGENT_STEPS ?= 100
+agent: tools-model
+	rm -rf runs/agent
+	$(VENV)/bin/python bench/_agent_vs_builtin.py --data $(TOOLS_DATA) --model models/tools-sft --steps $(AGENT_STEPS) \
+		--out runs/agent
 
 # TEST_WORKERS=N: pytest-xdist workers (0: one process). Launches of whole runs one at a time on one worker and
 # first, light tests beside them, the launches that time nothing last on whichever worker is free; each worker's

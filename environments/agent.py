@@ -73,7 +73,7 @@ class AgentRunner:
     """Runs agent trajectories on a background event loop; ``poll`` hands back their ``AgentDone``s."""
 
     def __init__(self, worker_id: str, fn=None, command: list[str] | None = None, vf_env=None,
-                 concurrency: int = 16, timeout_s: float = 300.0) -> None:
+                 concurrency: int = 128, timeout_s: float = 300.0) -> None:
         if fn is None and not command and vf_env is None:
             raise ValueError("an AgentRunner needs agent.fn, agent.command or data.verifiers_env")
         self.worker_id, self.fn, self.command, self.vf_env = worker_id, fn, list(command or []), vf_env
@@ -98,7 +98,7 @@ class AgentRunner:
             vf_env = load_verifiers_env(vf_name, dict(data.get("verifiers_args") or {}))
         fn = load_agent_fn(agent["fn"]) if agent.get("fn") else None
         return cls(worker_id, fn=fn, command=list(agent.get("command") or []), vf_env=vf_env,
-                   concurrency=int(agent.get("concurrency", 16)), timeout_s=float(agent.get("timeout_s", 300.0)))
+                   concurrency=int(agent.get("concurrency", 128)), timeout_s=float(agent.get("timeout_s", 300.0)))
 
     # --- the worker's side (its thread)
 

@@ -55,7 +55,7 @@ class Gateway:
         self.sessions: dict[str, Session] = {}
         self.waiters: dict[str, Waiter] = {}
         self.counters = {"calls": 0, "new_segments": 0, "overridden": 0, "refused": 0, "unauthorized": 0,
-                         "failed": 0, "timeouts": 0, "late": 0, "rewards": 0}
+                         "failed": 0, "timeouts": 0, "late": 0, "rewards": 0, "call_s": 0.0, "wait_s": 0.0}
 
     def status(self) -> dict:
         """The heartbeat's status (protocol/sockets.py)."""
@@ -90,6 +90,7 @@ class Gateway:
         return 200, {"ok": True}, {}
 
     def chat(self, api_key: str | None, body: Any) -> tuple[int, dict, dict]:
+        t0 = time.perf_counter()
         agent = self.agent_of(api_key)
         call = parse_call(body, self.run)
         session = self._take(agent, call.overridden)
@@ -102,17 +103,24 @@ class Gateway:
                     raise ApiError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") \
                         from None
             key = session.model_call()
+            t_sent = time.perf_counter()
             rollout = self._generate(GatewayGenerate(key, prompt, segment, call.max_tokens, call.stop))
+            waited = time.perf_counter() - t_sent
             with self.tokenizer_lock:
                 message, reason = self.rules.record(session, prompt, segment, rollout)
         finally:
             with self.lock:
                 session.busy, session.last_used = False, time.monotonic()
+        reply = completion(self.served_name, message, reason, len(prompt), len(rollout.response_ids))
         with self.lock:
             self.counters["calls"] += 1
             self.counters["new_segments"] += opened
+            # per answered call: its whole time here, and the part spent waiting for the orchestrator (its turn's
+            # dispatch and sampling); the rest is the gateway's own (rendering, tokenising, parsing)
+            self.counters["call_s"] += time.perf_counter() - t0
+            self.counters["wait_s"] += waited
         headers = {OVERRIDDEN_HEADER: ",".join(call.overridden)} if call.overridden else {}
-        return 200, completion(self.served_name, message, reason, len(prompt), len(rollout.response_ids)), headers
+        return 200, reply, headers
 
     # ------------------------------------------------------------------ sessions and calls
 

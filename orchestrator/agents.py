@@ -121,7 +121,7 @@ class Agents:
         else:
             t.open_segment(prompt)
         t.call_max_tokens, t.call_stop = call.max_tokens, list(call.stop)
-        t.gateway, t.phase = gateway, Phase.gen
+        t.gateway, t.phase, t.queued_at = gateway, Phase.gen, self.clock()
         self.trajectories.queue.append(key)
         return None
 

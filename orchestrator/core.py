@@ -60,6 +60,7 @@ from cascade_rl.protocol.sockets import UNREACHABLE
 from cascade_rl.verifiers.registry import is_group_domain
 
 from .agents import Agents
+from .trajectory import Mean
 from .groups import AGENT, UNAVAILABLE, Group, filter_reason, masked, staleness
 from .ledger import Ledger
 from .pool import Worker, WorkerPool
@@ -91,6 +92,7 @@ class Core:
         self.last_step: StepDone | None = None
         self.malformed = 0
         self.stray_replies = 0  # replies naming no training rollout: late evaluation replies, unknown keys
+        self.turn_waits = {"builtin": Mean(), "agent": Mean()}  # multi-turn turns after the first: queued to sampled
         self._seq: Counter = Counter()  # groups made per step ("e": evaluation)
         self._handlers = {Ready: self._on_ready, Rollout: self._on_rollout, Score: self._on_score,
                           TeacherLogprobs: self._on_teacher, WeightsReady: self._on_weights, StepDone: self._on_step,
@@ -218,6 +220,9 @@ class Core:
         key = r.key
         if key.kind == "gen":  # a later turn of a multi-turn row, from any sampler
             g = self._turn_reply(ident, key, "gen")
+            if g is not None:  # queued to sampled: what a turn waits, an agent's call or a built-in turn
+                t = g.trajectories[key.index]
+                self.turn_waits["agent" if t.agent else "builtin"].add(self.clock() - t.queued_at)
             if g is not None and g.env == AGENT:  # an agent's call: its reply goes back through the gateway
                 g.trajectories[key.index].sampler = ident
                 if (back := self.agents.took_turn(g, r)) is not None:

@@ -138,6 +138,10 @@ class Orchestrator:
             heldout_gain={k: evaluation.paired_gain(self.per_question[k], b) for k, b in per_question_before.items()},
             heldout_domain_gain=evaluation.domain_gains(self.per_question, per_question_before, self.heldout),
             heldout_ci95=evaluation.domain_intervals(self.per_question, self.heldout),
+            # per held-out row (ids in order), each mode: what another run's gains can be paired with
+            heldout_per_question={"rows": [row.id for row in self.heldout], **{
+                k: {"before": np.round(b, 4).tolist(), "after": np.round(self.per_question[k], 4).tolist()}
+                for k, b in per_question_before.items()}},
             steps=steps, resumed_from_step=self.start_step, max_staleness=o.max_staleness,
             loop_s=loop_s,  # the training steps alone (no evaluations before and after)
             trainer_busy_frac=self.trainer_busy_s / max(1e-9, self.trainer_window[1] - self.trainer_window[0]),
@@ -145,6 +149,7 @@ class Orchestrator:
             version_span=self.core.ledger.version_span(),  # in-flight updates: tokens of one rollout, many versions
             eval={"n": o.eval_n, "questions": len(self.heldout), "temperature": o.eval_temperature},
             mismatch=mismatch_summary(self.mismatch), multi_turn=self.multi_turn.summary(),
+            turn_wait={k: m.summary() for k, m in self.core.turn_waits.items() if m.n},  # queued to sampled
             malformed_messages=self.core.malformed + self.link.malformed, data=self.data_report,
             checkpoint=self.core.last_step.checkpoint if self.core.last_step else "")
         self.status["state"] = "done"

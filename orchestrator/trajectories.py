@@ -88,7 +88,7 @@ class Trajectories:
         if t.tokens() >= self.budget(g):  # no room for another turn: the trajectory ends on the observation
             t.phase = Phase.done
             return t.rollout(g.prompt_ids)
-        t.phase = Phase.gen
+        t.phase, t.queued_at = Phase.gen, self.clock()
         self.queue.append(g.turn_key(i, "gen", t.turn))
         return None
 

@@ -60,6 +60,7 @@ class Trajectory:
     posted_reward: float | None = None  # POST /rl/reward, for an agent that ends without one
     reward: float | None = None  # the agent's own reward (None: the domain's verifier scores)
     gateway: bytes | None = None  # the gateway that asked for the call in flight (its reply goes there)
+    queued_at: float = 0.0  # when its next turn was queued (the turn's wait: queued to sampled, ``Core.turn_waits``)
 
     def tokens(self) -> int:
         return sum(len(s) for s in self.segments)
@@ -97,7 +98,9 @@ class Trajectory:
         self.token_versions.append(np.full(len(ids), int(last.max()) if len(last) else -1, np.int32))  # -1: its oldest
 
     def observation_tokens(self) -> int:
-        return sum(len(s) for s, m in zip(self.segments, self.model) if not m)
+        """Tokens after its prompt(s) the model did not sample (an agent's segment prompts are its prompts)."""
+        firsts = {0, *self.segment_starts} if self.agent and self.segments else set()
+        return sum(len(s) for k, (s, m) in enumerate(zip(self.segments, self.model)) if not m and k not in firsts)
 
     def ids(self) -> np.ndarray:
         return np.concatenate(self.segments).astype(np.int32) if self.segments else np.zeros(0, np.int32)
@@ -196,7 +199,7 @@ class Totals:
             self.tool_calls += t.tool_calls
             self.tool_errors += t.tool_errors
             self.timeouts += t.timeouts
-            self.tokens += t.tokens()
+            self.tokens += t.after_prompts()
             self.observation_tokens += t.observation_tokens()
         return self
 
@@ -216,3 +219,17 @@ class Totals:
 def summary(trajectories) -> dict[str, float]:
     """Per-step multi-turn metrics of these trajectories."""
     return Totals().add(trajectories).summary()
+
+
+@dataclasses.dataclass
+class Mean:
+    """A running count and sum (``Core.turn_waits``)."""
+
+    n: int = 0
+    total: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.n, self.total = self.n + 1, self.total + x
+
+    def summary(self) -> dict[str, float]:
+        return {"turns": self.n, "mean_s": self.total / self.n} if self.n else {}
