@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cascade_rl.protocol.agents import GatewayGenerate, GatewayRefused, GatewayReward, session_of
+from cascade_rl.protocol.agents import GatewayEnded, GatewayGenerate, GatewayRefused, GatewayReward, session_of
 from cascade_rl.protocol.messages import Rollout, WorkKey
 from cascade_rl.samplers.chat_api import ApiError, model_list
 
@@ -31,6 +31,7 @@ log = logging.getLogger("gateway")
 
 IDLE_S = 3600.0  # a session unused this long is dropped
 OVERRIDDEN_HEADER = "x-cascade-overridden"  # the sampling fields of the request the run's sampling replaced
+LIMIT_HEADER = "x-cascade-limit"  # a call answered empty at its trajectory's limit: which limit
 
 
 @dataclasses.dataclass
@@ -38,7 +39,7 @@ class Waiter:
     """One model call waiting for the orchestrator's answer."""
 
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    answer: Rollout | GatewayRefused | None = None
+    answer: Rollout | GatewayRefused | GatewayEnded | None = None
 
 
 class Gateway:
@@ -106,12 +107,17 @@ class Gateway:
             t_sent = time.perf_counter()
             rollout = self._generate(GatewayGenerate(key, prompt, segment, call.max_tokens, call.stop))
             waited = time.perf_counter() - t_sent
-            with self.tokenizer_lock:
-                message, reason = self.rules.record(session, prompt, segment, rollout)
+            if isinstance(rollout, GatewayEnded):  # at the trajectory's limit: no tokens, nothing recorded
+                message, reason, sampled = {"role": "assistant", "content": ""}, "length", 0
+                headers = {LIMIT_HEADER: rollout.reason}
+            else:
+                with self.tokenizer_lock:
+                    message, reason = self.rules.record(session, prompt, segment, rollout)
+                sampled, headers = len(rollout.response_ids), {}
         finally:
             with self.lock:
                 session.busy, session.last_used = False, time.monotonic()
-        reply = completion(self.served_name, message, reason, len(prompt), len(rollout.response_ids))
+        reply = completion(self.served_name, message, reason, len(prompt), sampled)
         with self.lock:
             self.counters["calls"] += 1
             self.counters["new_segments"] += opened
@@ -119,7 +125,8 @@ class Gateway:
             # dispatch and sampling); the rest is the gateway's own (rendering, tokenising, parsing)
             self.counters["call_s"] += time.perf_counter() - t0
             self.counters["wait_s"] += waited
-        headers = {OVERRIDDEN_HEADER: ",".join(call.overridden)} if call.overridden else {}
+        if call.overridden:
+            headers[OVERRIDDEN_HEADER] = ",".join(call.overridden)
         return 200, reply, headers
 
     # ------------------------------------------------------------------ sessions and calls
@@ -147,8 +154,9 @@ class Gateway:
                         OVERRIDDEN_HEADER)
         return session
 
-    def _generate(self, request: GatewayGenerate) -> Rollout:
-        """Send one model call and wait for its answer; ApiError for a refusal, a failure or a timeout."""
+    def _generate(self, request: GatewayGenerate) -> Rollout | GatewayEnded:
+        """Send one model call and wait for its answer (a Rollout, or GatewayEnded at the trajectory's limit);
+        ApiError for a refusal, a failure or a timeout."""
         name, waiter = str(request.key), Waiter()
         with self.lock:
             self.waiters[name] = waiter
@@ -164,6 +172,8 @@ class Gateway:
             with self.lock:
                 self.counters["refused"] += 1
             raise ApiError(answer.status, answer.error, "BadRequestError" if answer.status < 500 else "APIError")
+        if isinstance(answer, GatewayEnded):
+            return answer
         if answer.finish_reason == "error":
             with self.lock:
                 self.counters["failed"] += 1

@@ -15,7 +15,7 @@ it asks for it; heartbeats with the counters of gateway/calls.py) and serves HTT
 - ``GET /v1/models`` (auth): the served name; ``GET /health`` (no auth): 200.
 
 Errors have OpenAI's shape (401 without a valid session key). A dispatcher thread hands each arriving ``Rollout``
-or ``GatewayRefused`` to the call waiting for its key, and forgets idle sessions. SIGTERM stops it.
+or ``GatewayRefused`` / ``GatewayEnded`` to the call waiting for its key, and forgets idle sessions. SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from cascade_rl.data.render import PromptRenderer, TurnRenderer
 from cascade_rl.data.tokenizer import load_tokenizer
-from cascade_rl.protocol.agents import GatewayRefused, read_secret
+from cascade_rl.protocol.agents import GatewayEnded, GatewayRefused, read_secret
 from cascade_rl.protocol.messages import Ready, Rollout
 from cascade_rl.protocol.sockets import WorkerLink
 from cascade_rl.protocol.worker_main import worker_start
@@ -166,7 +166,7 @@ def dispatch(gateway: Gateway, inbox: queue.Queue, stop: threading.Event) -> Non
             msg = inbox.get(timeout=0.5)
         except queue.Empty:
             msg = None
-        if isinstance(msg, (Rollout, GatewayRefused)):
+        if isinstance(msg, (Rollout, GatewayRefused, GatewayEnded)):
             gateway.resolve(msg)
         if time.monotonic() >= next_sweep:
             if dropped := gateway.sweep():
@@ -178,7 +178,7 @@ def start(gateway: Gateway, cfg, worker_id: str) -> Running:
     """Connect to the orchestrator (Ready), start the dispatcher and serve HTTP on the config's host and port."""
     ep = cfg.endpoints
     link = WorkerLink(worker_id, "gateway", ep.orchestrator, ep.get("heartbeat") or None, None,
-                      expect=(Rollout, GatewayRefused), status=gateway.status,
+                      expect=(Rollout, GatewayRefused, GatewayEnded), status=gateway.status,
                       heartbeat_s=float(cfg.supervisor.heartbeat_s))
     link.start()
     gateway.send = link.send

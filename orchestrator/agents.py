@@ -23,7 +23,14 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from cascade_rl.protocol.agents import AgentDone, AgentRequest, GatewayGenerate, GatewayRefused, session_key
+from cascade_rl.protocol.agents import (
+    AgentDone,
+    AgentRequest,
+    GatewayEnded,
+    GatewayGenerate,
+    GatewayRefused,
+    session_key,
+)
 from cascade_rl.protocol.messages import Rollout, WorkKey
 
 from .groups import Group
@@ -82,8 +89,10 @@ class Agents:
                                             session_key(self.rules.gateway_secret, key), timeout_s)))
         return out
 
-    def generate(self, g: Group | None, gateway: bytes, call: GatewayGenerate) -> GatewayRefused | None:
-        """Model call ``call.key.turn`` of the row's agent: queued as the trajectory's next turn, or refused."""
+    def generate(self, g: Group | None, gateway: bytes,
+                 call: GatewayGenerate) -> GatewayRefused | GatewayEnded | None:
+        """Model call ``call.key.turn`` of the row's agent: queued as the trajectory's next turn (None), answered empty
+        at a limit of the run, or refused."""
         key = call.key
         t = g.trajectories.get(key.index) if g is not None and g.attempt == key.attempt and not g.error else None
         if t is None or not t.agent or t.phase == Phase.done:
@@ -93,9 +102,11 @@ class Agents:
             return GatewayRefused(key, 409, "a call of this session is still being answered: one call at a time")
         if key.turn != t.turn:
             return GatewayRefused(key, 409, f"call {key.turn} of a session that has made {t.turn}")
+        if t.ended:
+            return GatewayRefused(key, 400, f"this trajectory ended at its limit ({t.ended}): its agent gets no more "
+                                            "model calls; end the agent")
         if t.turn >= self.rules.max_turns:
-            return GatewayRefused(key, 400, f"this trajectory has made its {t.turn} model calls "
-                                            f"(orchestrator.max_turns={self.rules.max_turns}); end the agent")
+            return self.limit(t, key, f"orchestrator.max_turns={self.rules.max_turns} model calls")
         prompt = np.asarray(call.prompt_ids, np.int32)
         current = len(t.segment_starts)
         continuing = call.segment == current and bool(t.segments)
@@ -112,10 +123,9 @@ class Agents:
         room = min(self.trajectories.budget(g) - t.after_prompts() - grown,
                    self.rules.context - len(prompt) if self.rules.context else 1 << 30)
         if room <= 0:
-            return GatewayRefused(key, 400, f"this trajectory has no tokens left for a reply: {t.after_prompts() + grown}"
-                                            f" tokens after its prompts (orchestrator.max_total_tokens, or "
-                                            f"max_turns x sampling.max_tokens), a prompt of {len(prompt)} in a "
-                                            f"context of {self.rules.context}; end the agent")
+            return self.limit(t, key, f"no tokens left: {t.after_prompts() + grown} after its prompts "
+                                      f"(orchestrator.max_total_tokens, or max_turns x sampling.max_tokens), a prompt "
+                                      f"of {len(prompt)} in a context of {self.rules.context}")
         if continuing:
             t.add_piece(prompt[len(prompt) - grown:])
         else:
@@ -124,6 +134,13 @@ class Agents:
         t.gateway, t.phase, t.queued_at = gateway, Phase.gen, self.clock()
         self.trajectories.queue.append(key)
         return None
+
+    @staticmethod
+    def limit(t: Trajectory, key: WorkKey, reason: str) -> GatewayEnded:
+        """The trajectory is at a limit: this call is answered with no tokens (its messages are not added), the next
+        is refused; the agent's end scores the trajectory as it stands, as the built-in path does there."""
+        t.ended = reason
+        return GatewayEnded(key, reason)
 
     def took_turn(self, g: Group, r: Rollout) -> tuple[bytes, Rollout] | None:
         """Model call ``r.key.turn`` sampled: the trajectory holds it, and it goes back to the gateway (the agent's

@@ -60,12 +60,12 @@ from cascade_rl.protocol.sockets import UNREACHABLE
 from cascade_rl.verifiers.registry import is_group_domain
 
 from .agents import Agents
-from .trajectory import Mean
 from .groups import AGENT, UNAVAILABLE, Group, filter_reason, masked, staleness
 from .ledger import Ledger
 from .pool import Worker, WorkerPool
 from .rules import Rules
 from .trajectories import Trajectories, TurnTemplate
+from .trajectory import Mean
 
 log = logging.getLogger("orchestrator")
 
@@ -259,11 +259,12 @@ class Core:
             self._finished(g, self.trajectories.env_step(g, reply))
 
     def _on_call(self, ident: bytes, call: GatewayGenerate) -> None:
-        """The gateway asks for an agent's model call: queued as its trajectory's next turn, or refused."""
-        refused = self.agents.generate(self.groups.get(call.key.group), ident, call)
-        if refused is not None:
-            log.info("gateway call %s refused (%d): %s", call.key, refused.status, refused.error)
-            self._send(ident, refused)
+        """The gateway asks for an agent's model call: queued as its trajectory's next turn, answered empty at a limit,
+        or refused."""
+        answer = self.agents.generate(self.groups.get(call.key.group), ident, call)
+        if answer is not None:  # refused, or answered empty at the trajectory's limit
+            log.info("gateway call %s: %s", call.key, answer)
+            self._send(ident, answer)
 
     def _on_agent_done(self, ident: bytes, msg: AgentDone) -> None:
         """An agent ended: its trajectory scored by its own reward, or by the domain's verifier (reward None)."""

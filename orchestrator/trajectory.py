@@ -60,6 +60,7 @@ class Trajectory:
     posted_reward: float | None = None  # POST /rl/reward, for an agent that ends without one
     reward: float | None = None  # the agent's own reward (None: the domain's verifier scores)
     gateway: bytes | None = None  # the gateway that asked for the call in flight (its reply goes there)
+    ended: str = ""  # an agent's trajectory at a limit of the run (its calls are answered empty, then refused)
     queued_at: float = 0.0  # when its next turn was queued (the turn's wait: queued to sampled, ``Core.turn_waits``)
 
     def tokens(self) -> int:

@@ -96,6 +96,17 @@ class GatewayRefused:
     error: str
 
 
+@message("gateway_ended")
+class GatewayEnded:
+    """orchestrator → gateway: model call ``key`` finds its trajectory at a limit of the run (``orchestrator.max_turns``
+    calls, or no tokens left under ``orchestrator.max_total_tokens`` or the context): answered with no tokens and
+    ``finish_reason`` "length", as the built-in path ends a trajectory there, so an agent's loop ends and its
+    trajectory is scored. A call after this one is refused (400)."""
+
+    key: WorkKey
+    reason: str
+
+
 @message("gateway_reward")
 class GatewayReward:
     """gateway → orchestrator: an external agent's ``POST /rl/reward`` for its session's trajectory (used when the

@@ -7,16 +7,35 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_multi_turn import S0, V0, Clock, join, make, model_turn, sent, tokenizer, turn_rollout, turns  # noqa: F401
+from test_multi_turn import S0, V0, Clock, join, make, model_turn, sent, turn_rollout
+from transformers import AutoTokenizer
 
+from cascade_rl.data.render import PromptRenderer, TurnRenderer
 from cascade_rl.data.rows import Row
 from cascade_rl.orchestrator.batch import build_batch
-from cascade_rl.protocol.agents import AgentDone, AgentRequest, GatewayGenerate, GatewayRefused, session_of
+from cascade_rl.protocol.agents import (
+    AgentDone,
+    AgentRequest,
+    GatewayEnded,
+    GatewayGenerate,
+    GatewayRefused,
+    session_of,
+)
 from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, SamplingParams, Score, ScoreRequest, WorkKey
 
 A0, GW = b"environment-0", b"gateway-0"
 SECRET = b"k" * 32
 USER = ({"role": "user", "content": "What is 2+3?"},)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def turns(tokenizer):
+    return TurnRenderer(PromptRenderer(tokenizer, thinking=True))
 
 
 @pytest.fixture
@@ -117,6 +136,9 @@ def test_gateway_calls_past_the_limits_or_out_of_turn_are_refused(world, tokeniz
         got = sent(core, PromptRequest)
         if t < 3:
             (s, gen), = got
+    (_, ended), = sent(core, GatewayEnded)  # the first call past the limit: answered empty, as the built-in path ends
+    assert ended.key.turn == 4 and "orchestrator.max_turns=4" in ended.reason and not sent(core, GatewayRefused)
+    call(core, key, 4, ids)  # and the next is refused
     (refused,) = [m for _, m in sent(core, GatewayRefused)]
     assert refused.status == 400 and "orchestrator.max_turns=4" in refused.error
     core.receive(A0, AgentDone(key, ok=False, error="agent_error: BadRequestError: " + refused.error))

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from cascade_rl.gateway.calls import OVERRIDDEN_HEADER
 from cascade_rl.gateway.server import build_gateway, start
-from cascade_rl.protocol.agents import GatewayGenerate, GatewayReward, read_secret, session_key
+from cascade_rl.protocol.agents import GatewayEnded, GatewayGenerate, GatewayReward, read_secret, session_key
 from cascade_rl.protocol.messages import Ready, Rollout, WorkKey
 from cascade_rl.protocol.sockets import recv_routed, send
 from cascade_rl.supervisor import gateway_setup
@@ -52,7 +52,11 @@ class FakeOrchestrator:
             ident, msg = recv_routed(self.sock, (Ready, GatewayGenerate, GatewayReward))
             self.got.append(msg)
             if isinstance(msg, GatewayGenerate):
-                ids = self.tokenizer(self.replies.get_nowait(), add_special_tokens=False)["input_ids"]
+                text = self.replies.get_nowait()
+                if text is None:  # the trajectory at its limit
+                    send(self.sock, GatewayEnded(msg.key, "orchestrator.max_turns=1 model calls"), identity=ident)
+                    continue
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 ids.append(self.tokenizer.eos_token_id)
                 send(self.sock, Rollout(msg.key, "agent", msg.prompt_ids, np.asarray(ids, np.int32),
                                         np.zeros(len(ids), np.float32)), identity=ident)
@@ -173,3 +177,14 @@ def test_a_run_with_agent_rows_starts_one_gateway(tmp_path, tiny_model, math_dat
     assert "gateway-0" not in [p.worker_id for p in start_order(cfg)[0]]
     cfg.environment.serve = ["agent"]
     assert [p.role for p in start_order(cfg)[0] if p.worker_id == "gateway-0"] == ["gateway"]
+
+
+def test_a_call_at_the_trajectorys_limit_is_answered_empty_with_length(served):
+    url, orchestrator, key = served
+    client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+    orchestrator.replies.put(None)
+    raw = client.chat.completions.with_raw_response.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    reply = raw.parse()
+    assert reply.choices[0].finish_reason == "length" and not reply.choices[0].message.content
+    assert not reply.choices[0].message.tool_calls and reply.usage.completion_tokens == 0
+    assert raw.headers["x-cascade-limit"] == "orchestrator.max_turns=1 model calls"
