@@ -15,6 +15,14 @@ import pytest
 import zmq
 
 from cascade_rl.protocol import codec
+from cascade_rl.protocol.agents import (
+    AgentDone,
+    AgentRequest,
+    GatewayEnded,
+    GatewayGenerate,
+    GatewayRefused,
+    GatewayReward,
+)
 from cascade_rl.protocol.codec import MAX_HEADER_BYTES, PROTOCOL_VERSION, ProtocolError, decode, encode
 from cascade_rl.protocol.messages import (
     Control,
@@ -128,6 +136,21 @@ def sample_messages() -> list[Any]:
                  state={"cells": ["x = 1", "print(2*3)"]}, tool_calls=1, worker_id="environment-0", t_env=0.2),
         EnvReply(key=WorkKey.step("g-1", 3, "env", 2, 0), done=True),
         EnvReply(key=WorkKey.step("g-1", 3, "env", 2, 1), done=False, ok=False, error="no environment 'pythn'"),
+        # users' agents (protocol/agents.py)
+        AgentRequest(key=WorkKey("g-1", "agent", 3, 0, 1), domain="math",
+                     row={"id": "r7", "messages": [{"role": "user", "content": "2*3?"}], "answer": "6", "metadata": {}},
+                     base_url="http://127.0.0.1:8000/v1", api_key="cr-g-1.3.1.0123abcd", deadline_s=60.0),
+        AgentDone(key=WorkKey("g-1", "agent", 3, 0, 1), reward=0.5, t_agent=2.5, worker_id="environment-0"),
+        AgentDone(key=WorkKey("g-1", "agent", 3, 0, 1)),  # reward None: the domain's verifier scores
+        AgentDone(key=WorkKey("g-1", "agent", 3, 0, 1), ok=False, error="agent_timeout: no end after 60 s"),
+        GatewayGenerate(key=WorkKey.step("g-1", 3, "gen", 2, 1), prompt_ids=np.arange(30, dtype=np.int32), segment=1,
+                        max_tokens=64, stop=["</answer>"]),
+        GatewayRefused(key=WorkKey.step("g-1", 3, "gen", 2, 1), status=409, error="one call at a time"),
+        GatewayEnded(key=WorkKey.step("g-1", 3, "gen", 4, 1), reason="orchestrator.max_turns=4 model calls"),
+        GatewayReward(key=WorkKey("g-1", "agent", 3, 0, 1), reward=-1.0),
+        _rollout(key=WorkKey.step("g-1", 3, "gen", 2, 0), prompt_ids=np.zeros(0, np.int32), n_resp=5,
+                 loss_mask=np.array([False, True, False, False, True]),
+                 segment_starts=np.array([2], np.int32)),  # an agent's row of two segments
         ScoreRequest(
             key=WorkKey.score("g-1", 3, 0),
             domain="math",
@@ -150,6 +173,7 @@ def sample_messages() -> list[Any]:
         _train_batch(),
         _train_batch(teacher=False),
         _train_batch(n=0, length=7, group_size=4),  # 0 rows, 2-D empty arrays
+        dataclasses.replace(_train_batch(), segment_starts=np.array([[3], [-1], [2], [-1]], np.int32)),  # agents' rows
         StepDone(step=17, version=18, metrics={"loss": 0.4375, "kl": 1e-3, "grad_norm": 2.0}),
         StepDone(step=0, version=1),
         WeightsReady(version=18, uri="file:///tmp/weights/v18", format="safetensors", nbytes=1 << 33, checksum="ab12"),
