@@ -17,6 +17,7 @@ import json
 import math
 import os
 import signal
+import sys
 from typing import Any
 
 OUTPUT_CAP = 1 << 20  # bytes of stdout (its tail) and of stderr (its tail) kept per program
@@ -27,9 +28,14 @@ class AgentExit(RuntimeError):
     """The program exited non-zero."""
 
 
+PYTHONS = ("python", "python3")  # a command starting with one of these runs under the run's interpreter
+
+
 async def run_command(command: list[str], row: dict[str, Any], base_url: str, api_key: str) -> float | None:
     """Run ``command`` for ``row`` to its end (see the module docstring); cancelling it kills the process group."""
     env = dict(os.environ, OPENAI_BASE_URL=base_url, OPENAI_API_KEY=api_key, CASCADE_ROW_ID=str(row.get("id", "")))
+    if command and command[0] in PYTHONS:  # the run's own Python (its openai and the rest), not the first on PATH
+        command = [sys.executable, *command[1:]]
     proc = await asyncio.create_subprocess_exec(
         *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env=env, start_new_session=True)

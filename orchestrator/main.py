@@ -182,10 +182,12 @@ class Orchestrator:
             outage = Outage()
             rounds += 1
             if rounds > o.max_refill_rounds:
-                raise RuntimeError(
-                    f"step {step}: only {len(kept)} of {wanted} groups survived {o.max_refill_rounds} refill rounds "
-                    f"(filtered so far: {self.core.ledger.reasons}); the prompts are all too easy or too hard "
-                    f"for this model, or raise orchestrator.max_refill_rounds")
+                reasons = self.core.ledger.reasons
+                why = ("the prompts are all too easy or too hard for this model, or raise orchestrator.max_refill_rounds"
+                       if reasons.get("uniform_rewards", 0) * 2 >= sum(reasons.values()) else
+                       f"most groups failed; the commonest reason: {reasons.most_common(1)[0][0][:500]}")
+                raise RuntimeError(f"step {step}: only {len(kept)} of {wanted} groups survived {o.max_refill_rounds} "
+                                   f"refill rounds (filtered so far: {dict(reasons)}); {why}")
 
     def wait_for_verifiers(self, step: int, lost: int, reason: str, outage: Outage) -> None:
         """``lost`` groups of this round failed because a verifier could not score (a judge down or restarting: the

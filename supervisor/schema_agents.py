@@ -42,7 +42,7 @@ class AgentConfig:
     command: list[str] = field(default_factory=list)
     """Or an external program (any language): run with OPENAI_BASE_URL and OPENAI_API_KEY set and the row as JSON on
     stdin; its reward is its last stdout line (a number), or what it POSTed to ``$OPENAI_BASE_URL/../rl/reward``,
-    else the domain verifier scores."""
+    else the domain verifier scores. A leading ``python`` / ``python3`` runs under the run's own interpreter."""
     concurrency: int = 128
     """Agent trajectories one environment worker runs at once (on one event loop: an agent mostly waits for its model
     calls, so this is what keeps the samplers' batches full; the tools miniature's 16 prompts x 8 rows ran 2.7x slower
