@@ -131,6 +131,7 @@ class AgentRunner:
 
     def _start_loop(self) -> None:
         self.loop = asyncio.new_event_loop()
+        self.http = None  # the loop's connection pool, made on first use (in the loop)
         self.beat = time.monotonic()
         self.slots = asyncio.Semaphore(self.concurrency)  # bound to self.loop on first use
         self.thread = threading.Thread(target=self._loop_main, args=(self.loop,), daemon=True,
@@ -178,17 +179,20 @@ class AgentRunner:
     async def _trajectory(self, req: AgentRequest) -> float | None:
         verifiers_row = self.vf_env is not None and "verifiers_row" in (req.row.get("metadata") or {})
         if verifiers_row or self.fn is not None or not self.command:
+            import httpx
             import openai
 
-            client = openai.AsyncOpenAI(base_url=req.base_url, api_key=req.api_key, max_retries=0)
-            try:
-                if verifiers_row or self.fn is None:
-                    from .verifiers_rollout import run_verifiers_rollout
+            if self.http is None:  # one connection pool for every trajectory of the loop (a client of its own
+                # builds an SSL context: 19 ms each, which held the loop for 2.4 s per 128 agents)
+                self.http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(
+                    max_connections=self.concurrency, max_keepalive_connections=self.concurrency))
+            client = openai.AsyncOpenAI(base_url=req.base_url, api_key=req.api_key, max_retries=0,
+                                        http_client=self.http)  # not closed: the pool is the loop's
+            if verifiers_row or self.fn is None:
+                from .verifiers_rollout import run_verifiers_rollout
 
-                    return await run_verifiers_rollout(self.vf_env, client, req.row)
-                return await self.fn(client, dict(req.row))
-            finally:
-                await client.close()
+                return await run_verifiers_rollout(self.vf_env, client, req.row)
+            return await self.fn(client, dict(req.row))
         return await run_command(self.command, dict(req.row), req.base_url, req.api_key)
 
     def _done(self, req: AgentRequest, t0: float, ok: bool, reward: float | None, error: str) -> AgentDone:
