@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any
 
-from cascade_rl.samplers.chat_api import ApiError, content_text, number
+from cascade_rl.samplers.chat_api import ApiError, messages_of, number
 
 TOLERANCE = 1e-6  # a client's temperature/top_p this close to the run's is the run's (no override reported)
 
@@ -50,23 +50,6 @@ class ChatCall:
     stop: list[str]
     max_tokens: int  # 0: the run's sampling.max_tokens
     overridden: list[str]  # the sampling fields the client set to another value than the run's
-
-
-def _messages(body: dict) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "`messages` must be a non-empty list of {role, content} objects", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
-            raise ApiError(400, f"messages[{i}] must be an object with a string `role`, got {m!r:.80}",
-                           param="messages")
-        tool_calls = m.get("tool_calls")
-        if tool_calls is not None and not (isinstance(tool_calls, list) and all(isinstance(c, dict)
-                                                                                for c in tool_calls)):
-            raise ApiError(400, f"messages[{i}].tool_calls must be a list of objects", param="messages")
-        out.append({**m, "content": content_text(m, i)})
-    return out
 
 
 def _tools(body: dict) -> list[dict] | None:
@@ -107,7 +90,7 @@ def parse_call(body: Any, run: RunSampling) -> ChatCall:
                        param="n")
     asked = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = number({"max_tokens": asked}, "max_tokens", 0, int, 0)
-    return ChatCall(messages=_messages(body), tools=_tools(body), stop=_stop(body),
+    return ChatCall(messages=messages_of(body, whole=True), tools=_tools(body), stop=_stop(body),
                     max_tokens=min(max_tokens, run.max_tokens) if max_tokens else 0,
                     overridden=_overridden(body, run))
 

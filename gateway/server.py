@@ -24,11 +24,8 @@ import dataclasses
 import json
 import logging
 import queue
-import sys
 import threading
 import time
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from cascade_rl.data.render import PromptRenderer, TurnRenderer
 from cascade_rl.data.tokenizer import load_tokenizer
@@ -36,7 +33,7 @@ from cascade_rl.protocol.agents import GatewayEnded, GatewayRefused, read_secret
 from cascade_rl.protocol.messages import Ready, Rollout
 from cascade_rl.protocol.sockets import WorkerLink
 from cascade_rl.protocol.worker_main import worker_start
-from cascade_rl.samplers.chat_api import ApiError, error_body
+from cascade_rl.samplers.json_http import JsonHandler, JsonServer
 
 from .api import RunSampling
 from .calls import Gateway
@@ -57,84 +54,17 @@ def build_gateway(cfg) -> Gateway:
                    served_name=str(gw_cfg.served_name), call_timeout_s=float(gw_cfg.call_timeout_s))
 
 
-def handler_for(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
-    routes = {
-        ("GET", "/health"): lambda key, body: (200, {"status": "ok"}, {}),
-        ("GET", "/v1/models"): lambda key, body: gateway.models(key),
-        ("POST", "/v1/chat/completions"): gateway.chat,
-        ("POST", "/rl/reward"): gateway.reward,
-    }
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: an agent's client reuses its connections
-
-        def do_GET(self) -> None:
-            self._route("GET")
-
-        def do_POST(self) -> None:
-            self._route("POST")
-
-        def _route(self, method: str) -> None:
-            path = self.path.split("?", 1)[0].rstrip("/") or "/"
-            headers: dict[str, str] = {}
-            try:
-                body = self._body() if method == "POST" else None
-                route = routes.get((method, path))
-                if route is None:
-                    known = sorted(p for m, p in routes if m == method)
-                    raise ApiError(404, f"no route {method} {path} (the gateway has {', '.join(known)})",
-                                   "NotFoundError")
-                status, payload, headers = route(self._api_key(), body)
-            except ApiError as e:
-                status, payload = e.status, error_body(e)
-                if e.status >= 500:
-                    log.warning("%s %s: %d %s", method, path, e.status, e.message)
-            except Exception as e:  # never a traceback to the client: the log has it
-                log.exception("%s %s failed", method, path)
-                status, payload = 500, error_body(ApiError(500, f"{type(e).__name__}: {e}", "InternalServerError"))
-            self._send(status, payload, headers)
-
-        def _api_key(self) -> str | None:
-            scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
-            return token.strip() or None if scheme.lower() == "bearer" else None
-
-        def _body(self) -> dict | None:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length > 0 else b""
-            try:
-                return json.loads(raw) if raw else None
-            except ValueError as e:
-                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-
-        def _send(self, status: int, payload: dict, headers: dict[str, str]) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status, HTTPStatus(status).phrase)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for name, value in headers.items():
-                self.send_header(name, value)
-            try:
-                self.end_headers()
-                self.wfile.write(data)
-            except (BrokenPipeError, ConnectionResetError):  # the agent gave up on this call: fine
-                self.close_connection = True
-
-        def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
-            log.debug("%s %s", self.address_string(), format % args)
+def handler_for(gateway: Gateway) -> type[JsonHandler]:
+    class Handler(JsonHandler):
+        name = "the gateway"
+        routes = {
+            ("GET", "/health"): lambda handler, body: (200, {"status": "ok"}, {}),
+            ("GET", "/v1/models"): lambda handler, body: gateway.models(handler.bearer()),
+            ("POST", "/v1/chat/completions"): lambda handler, body: gateway.chat(handler.bearer(), body),
+            ("POST", "/rl/reward"): lambda handler, body: gateway.reward(handler.bearer(), body),
+        }
 
     return Handler
-
-
-class HttpServer(ThreadingHTTPServer):
-    daemon_threads = True  # a request thread never holds the process up at exit
-    request_queue_size = 1024  # many agents' calls arrive together
-
-    def handle_error(self, request, client_address) -> None:
-        """A client that closed its connection is no error; anything else is logged with its traceback."""
-        if isinstance(sys.exc_info()[1], ConnectionError):
-            log.debug("%s closed the connection", client_address)
-            return
-        log.exception("a request from %s failed", client_address)
 
 
 @dataclasses.dataclass
@@ -142,7 +72,7 @@ class Running:
     """A started gateway: its HTTP server, its link to the orchestrator and its dispatcher."""
 
     gateway: Gateway
-    httpd: HttpServer
+    httpd: JsonServer
     link: WorkerLink
     stop: threading.Event
 
@@ -185,7 +115,7 @@ def start(gateway: Gateway, cfg, worker_id: str) -> Running:
     link.send(Ready(worker_id, "gateway", slots=0))
     host, port = cfg.gateway.host or cfg.get("host") or "127.0.0.1", int(cfg.gateway.port)  # as its base_url says
     try:
-        httpd = HttpServer((host, port), handler_for(gateway))
+        httpd = JsonServer((host, port), handler_for(gateway))
     except OSError as e:
         link.close()
         raise SystemExit(f"cannot listen on {host}:{port}: {e}") from None

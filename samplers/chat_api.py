@@ -77,7 +77,9 @@ def content_text(message: dict, i: int) -> str:
                    param="messages")
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def messages_of(body: dict, whole: bool = False) -> list[dict[str, Any]]:
+    """The request's messages, each with its content as text: {role, content} only, or (``whole``: the gateway,
+    which renders tool calls and tool-call ids) every field, ``tool_calls`` checked to be a list of objects."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "`messages` must be a non-empty list of {role, content} objects", param="messages")
@@ -86,7 +88,13 @@ def _messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise ApiError(400, f"messages[{i}] must be an object with a string `role`, got {m!r:.80}",
                            param="messages")
-        out.append({"role": m["role"], "content": content_text(m, i)})
+        if not whole:
+            out.append({"role": m["role"], "content": content_text(m, i)})
+            continue
+        calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise ApiError(400, f"messages[{i}].tool_calls must be a list of objects", param="messages")
+        out.append({**m, "content": content_text(m, i)})
     return out
 
 
@@ -116,7 +124,7 @@ def parse_chat(body: Any, served_name: str, max_tokens_default: int) -> ChatRequ
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"`seed` must be an integer, got {seed!r}", param="seed")
     return ChatRequest(
-        messages=_messages(body),
+        messages=messages_of(body),
         max_tokens=number({"max_tokens": max_tokens}, "max_tokens", max_tokens_default, int, 1),
         temperature=number(body, "temperature", 1.0, float, 0.0),
         top_p=top_p, seed=seed, stop=list(stop), chat_template_kwargs=dict(kwargs))

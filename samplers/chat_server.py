@@ -32,15 +32,13 @@ import json
 import logging
 import queue
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .chat_api import ApiError, ChatRequest, completion, error_body, model_list, parse_chat
+from .chat_api import ApiError, ChatRequest, completion, model_list, parse_chat
 from .engine import ENGINES, GenerationRequest, Sample, register_builtin_engines
+from .json_http import JsonHandler, JsonServer
 
 log = logging.getLogger("chat_server")
 
@@ -207,72 +205,19 @@ class ChatServer:
         return 200, completion(self.served_name, reply, sample.finish_reason, len(ids), len(sample.response_ids))
 
 
-def handler_for(server: ChatServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: a judge client reuses its connections
+def _as_route(route: Callable[[dict | None], tuple[int, dict]]):
+    """A chat-server route (body -> status, payload) as a JsonHandler's (handler, body -> status, payload, headers)."""
+    return lambda _handler, body: (*route(body), {})
 
-        def do_GET(self) -> None:
-            self._route("GET")
 
-        def do_POST(self) -> None:
-            self._route("POST")
+def handler_for(server: ChatServer) -> type[JsonHandler]:
+    class Handler(JsonHandler):
+        routes = {key: _as_route(route) for key, route in server.routes.items()}
 
-        def _route(self, method: str) -> None:
-            path = self.path.split("?", 1)[0].rstrip("/") or "/"
-            try:
-                body = self._body() if method == "POST" else None
-                route = server.routes.get((method, path))
-                if route is None:
-                    known = sorted(p for m, p in server.routes if m == method)
-                    raise ApiError(404, f"no route {method} {path} (this server has {', '.join(known)})",
-                                   "NotFoundError")
-                status, payload = route(body)
-            except ApiError as e:
-                status, payload = e.status, error_body(e)
-                if e.status >= 500 and e.status != 503:  # 503: loading or stopping, what /health polls see
-                    log.warning("%s %s: %d %s", method, path, e.status, e.message)
-            except Exception as e:  # never a traceback to the client: the log has it
-                log.exception("%s %s failed", method, path)
-                status, payload = 500, error_body(ApiError(500, f"{type(e).__name__}: {e}", "InternalServerError"))
-            self._send(status, payload)
-
-        def _body(self) -> dict | None:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length > 0 else b""
-            try:
-                return json.loads(raw) if raw else None
-            except ValueError as e:
-                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-
-        def _send(self, status: int, payload: dict) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status, HTTPStatus(status).phrase)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            try:
-                self.end_headers()
-                self.wfile.write(data)
-            except (BrokenPipeError, ConnectionResetError):  # the client gave up (a health poll's timeout): fine
-                self.close_connection = True
-
-        def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
-            log.debug("%s %s", self.address_string(), format % args)
+        def warn(self, status: int) -> bool:
+            return status >= 500 and status != 503  # 503: loading or stopping, what /health polls see
 
     return Handler
-
-
-class Server(ThreadingHTTPServer):
-    daemon_threads = True  # a request thread never holds the process up at exit
-    # the listen backlog: socketserver's 5 resets the connections of a burst of judge calls that arrive together
-    request_queue_size = 1024
-
-    def handle_error(self, request, client_address) -> None:
-        """A client that closed its connection (a cancelled call, a keep-alive socket dropped) is no error: one debug
-        line, not socketserver's traceback on stderr; anything else is logged with its traceback."""
-        if isinstance(sys.exc_info()[1], ConnectionError):
-            log.debug("%s closed the connection", client_address)
-            return
-        log.exception("a request from %s failed", client_address)
 
 
 class _Stop(Exception):
@@ -311,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     server = ChatServer(args.model, args.served_model_name, args.engine, args.device, args.dtype, args.max_batch,
                         args.batch_window_s, args.max_tokens_default)
     try:
-        httpd = Server((args.host, args.port), handler_for(server))
+        httpd = JsonServer((args.host, args.port), handler_for(server))
     except OSError as e:
         raise SystemExit(f"cannot listen on {args.host}:{args.port}: {e}") from None
     host, port = httpd.server_address[:2]

@@ -39,12 +39,13 @@ def moe_judge_model(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("judge") / "model", task="arithmetic", max_len=4096))
 
 
-@pytest.fixture(scope="module")
-def server(moe_judge_model, tmp_path_factory):
-    """(base URL, the server's Popen, its log path); SIGKILLed at teardown if a test left it running."""
-    port, log_path = free_port(), tmp_path_factory.mktemp("judge-log") / "judge.log"
-    cmd = [sys.executable, "-m", "cascade_rl.samplers.chat_server", "--model", moe_judge_model, "--port", str(port),
-           "--served-model-name", SERVED, "--batch-window-s", "0.05", "--threads", "1"]
+@contextlib.contextmanager
+def chat_server(model: str, served: str, log_path, *args: str):
+    """Our chat server on ``model`` as its own process until the block ends (SIGKILLed then if it still runs):
+    (base URL, its Popen)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "cascade_rl.samplers.chat_server", "--model", model, "--port", str(port),
+           "--served-model-name", served, "--threads", "1", *args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -57,11 +58,19 @@ def server(moe_judge_model, tmp_path_factory):
                     break
             assert time.monotonic() < t_end, f"no /health within 120 s:\n{log_path.read_text()[-3000:]}"
             time.sleep(0.2)
-        yield base, proc, log_path
+        yield base, proc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(moe_judge_model, tmp_path_factory):
+    """(base URL, the server's Popen, its log path)."""
+    log_path = tmp_path_factory.mktemp("judge-log") / "judge.log"
+    with chat_server(moe_judge_model, SERVED, log_path, "--batch-window-s", "0.05") as (base, proc):
+        yield base, proc, log_path
 
 
 def chat(base: str, **body) -> httpx.Response:
