@@ -206,3 +206,19 @@ def tools_model(tmp_path_factory, tools_data) -> str:
         return str(root / "tools-sft")
 
     return built_once(tmp_path_factory, "tools-models", build)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    """The tiny model's tokenizer (a module may define its own)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def turns(tokenizer):
+    """The chat template's side of multi-turn rows (data/render.py ``TurnRenderer``), thinking on."""
+    from cascade_rl.data.render import PromptRenderer, TurnRenderer
+
+    return TurnRenderer(PromptRenderer(tokenizer, thinking=True))

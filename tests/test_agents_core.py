@@ -8,9 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_multi_turn import S0, V0, Clock, join, make, model_turn, sent, turn_rollout
-from transformers import AutoTokenizer
 
-from cascade_rl.data.render import PromptRenderer, TurnRenderer
 from cascade_rl.data.rows import Row
 from cascade_rl.orchestrator.batch import build_batch
 from cascade_rl.protocol.agents import (
@@ -26,16 +24,6 @@ from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, Sampling
 A0, GW = b"environment-0", b"gateway-0"
 SECRET = b"k" * 32
 USER = ({"role": "user", "content": "What is 2+3?"},)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def turns(tokenizer):
-    return TurnRenderer(PromptRenderer(tokenizer, thinking=True))
 
 
 @pytest.fixture

@@ -22,15 +22,20 @@ from cascade_rl.verifiers.registry import load_plugin
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "agents"
 
 ENV_MODULE = textwrap.dedent('''\
+    import json, os
     import verifiers as vf
     from datasets import Dataset
 
     SCORED = []  # (completion, answer, reward) of every rubric call: the test recomputes it
+    LOG = os.environ.get("VF_TEST_SCORED")  # a launch's workers: every rubric call, a JSON line in this file
 
     def contains(completion, answer, **kwargs):
         text = str(completion[-1]["content"] if isinstance(completion, list) else completion)
         reward = 1.0 if answer in text else 0.25 + 0.01 * len(text) % 0.5
         SCORED.append((text, answer, reward))
+        if LOG:
+            with open(LOG, "a") as f:
+                f.write(json.dumps({"answer": answer, "reward": reward}) + "\n")
         return reward
 
     def add(a: int, b: int) -> int:

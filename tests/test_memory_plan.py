@@ -25,10 +25,10 @@ import sys
 from cascade_rl.supervisor.cli import main
 for stage in sys.argv[1:]:
     print("=== " + stage, flush=True)
-    rc = main(["plan", "stage=" + stage, "model.path=%s", "model.dtype=bf16", "--gpu-memory", "h200"])
+    rc = main(["plan", "stage=" + stage, "model.path=NANO", "model.dtype=bf16", "--gpu-memory", "h200"])
     print("=== rc", rc, flush=True)
 assert "torch" not in sys.modules, "cascade-rl plan imported torch"
-""" % NANO
+""".replace("NANO", NANO)
 
 
 def test_plan_on_every_paper_scale_stage_preset_without_torch():

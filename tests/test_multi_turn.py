@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
-from cascade_rl.data.render import PromptRenderer, TurnRenderer
 from cascade_rl.data.rows import Row
 from cascade_rl.orchestrator import trajectory
 from cascade_rl.orchestrator.batch import build_batch
@@ -41,16 +39,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def turns(tokenizer):
-    return TurnRenderer(PromptRenderer(tokenizer, thinking=True))
 
 
 def model_turn(tokenizer, text: str) -> np.ndarray:

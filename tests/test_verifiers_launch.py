@@ -1,5 +1,5 @@
 """PrimeIntellect ``verifiers`` environments trained unchanged (``data.verifiers_env``): a ``SingleTurnEnv`` and a
-``ToolEnv`` written here, each a real launch of 2 steps where the environment's dataset is the prompt set, its own
+``ToolEnv`` (tests/test_agents_verifiers.py), each a real launch of 2 steps where the environment's dataset is the prompt set, its own
 rollout runs against the run's gateway, and its rubric's scores are the rewards trained on."""
 
 from __future__ import annotations
@@ -7,43 +7,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import textwrap
 
 import pytest
+from test_agents_verifiers import ENV_MODULE  # its SingleTurnEnv and ToolEnv; rubric calls logged
 from test_launch import CLI
-
-ENV_MODULE = textwrap.dedent('''\
-    import json, os
-    import verifiers as vf
-    from datasets import Dataset
-
-    LOG = os.path.join(os.path.dirname(__file__), "scored.jsonl")
-
-    def contains(completion, answer, **kwargs):
-        """1 for the answer in the reply, else a fraction of the reply's length: rewards that differ."""
-        text = str(completion[-1]["content"] if isinstance(completion, list) else completion)
-        reward = 1.0 if answer in text else round(0.1 + (len(text) % 7) / 10, 3)
-        with open(LOG, "a") as f:
-            f.write(json.dumps({"answer": answer, "reward": reward}) + "\\n")
-        return reward
-
-    def add(a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: the first
-            b: the second
-        """
-        return a + b
-
-    def load_environment(kind="single"):
-        rows = [{"question": f"What is {i} + {i + 3}?", "answer": str(2 * i + 3)} for i in range(12)]
-        rubric = vf.Rubric(funcs=[contains])
-        if kind == "tool":
-            return vf.ToolEnv(dataset=Dataset.from_list(rows), tools=[add], max_turns=2, rubric=rubric)
-        return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows[:2]),
-                                rubric=rubric)
-    ''')
 
 
 @pytest.mark.slow
@@ -51,9 +18,9 @@ ENV_MODULE = textwrap.dedent('''\
 def test_a_verifiers_environment_trains_two_steps_on_its_rubrics_rewards(tiny_model, tmp_path, kind):
     (tmp_path / "my_env.py").write_text(ENV_MODULE)
     run_dir = tmp_path / "run"
-    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), VF_TEST_SCORED=str(tmp_path / "scored.jsonl"))
     r = subprocess.run([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}",
-                        f"data.verifiers_env={tmp_path / 'my_env.py'}", f"+data.verifiers_args.kind={kind}",
+                        f"data.verifiers_env={tmp_path / 'my_env.py'}", f"+data.verifiers_args.kind={kind}", "+data.verifiers_args.n=12",
                         "run.steps=2", "run.prompts_per_step=2", "run.group_size=2", "orchestrator.eval_n=0",
                         "orchestrator.dynamic_filtering=false", "orchestrator.save_rollouts=true",
                         "supervisor.progress=none"], env=env, capture_output=True, text=True, timeout=300)
@@ -64,7 +31,7 @@ def test_a_verifiers_environment_trains_two_steps_on_its_rubrics_rewards(tiny_mo
     scored = [json.loads(x) for x in (tmp_path / "scored.jsonl").read_text().splitlines()]
     trained = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert len(trained) == 8 and all(t["row"].startswith("verifiers-train-") for t in trained)
-    data = {f"verifiers-train-{i}": str(2 * i + 3) for i in range(12)}
+    data = {f"verifiers-train-{i}": str(2 * i) for i in range(12)}
     for t in trained:  # each reward trained on is one the rubric gave for that row's answer
         assert {"answer": data[t["row"]], "reward": pytest.approx(t["reward"])} in scored, t["row"]
     assert sum(t["loss_mask"].count(1) for t in trained) > 0
