@@ -122,8 +122,11 @@ class Agents:
             return GatewayRefused(key, 400, f"segment {call.segment} after segment {current}")
         room = min(self.trajectories.budget(g) - t.after_prompts() - grown,
                    self.rules.context - len(prompt) if self.rules.context else 1 << 30)
-        if room <= 0:
-            return self.limit(t, key, f"no tokens left: {t.after_prompts() + grown} after its prompts "
+        if room <= 0:  # the new messages stay in the row as context, as the built-in path keeps the last observation
+            used = t.after_prompts() + grown
+            if continuing:
+                t.add_piece(prompt[len(prompt) - grown:])
+            return self.limit(t, key, f"no tokens left: {used} after its prompts "
                                       f"(orchestrator.max_total_tokens, or max_turns x sampling.max_tokens), a prompt "
                                       f"of {len(prompt)} in a context of {self.rules.context}")
         if continuing:

@@ -213,7 +213,7 @@ class Orchestrator:
                             self.core.rules.mopd, o.overlong_penalty, {"examples_drawn": self.prompts.drawn})
         self.core.to_trainer(batch, groups)
         if o.get("save_rollouts", False):
-            rollout_log.append(self.run_dir / "rollouts.jsonl", batch, [g.row.id for g in groups for _ in range(g.n)])
+            rollout_log.append(self.run_dir / "rollouts.jsonl", batch, groups)
         self._flush()
         self.multi_turn.add(t for g in groups for t in g.trajectories.values())
         self.trainer_window[0] = self.trainer_window[0] or time.perf_counter()

@@ -13,16 +13,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from cascade_rl.protocol.messages import TrainBatch
 
 
-def rows(batch: TrainBatch, row_ids: list[str]):
-    """The batch's rows as records (padding cut); ``row_ids``: each row's data row (its prompt's id)."""
-    for i, rid in enumerate(batch.ids):
+def rows(batch: TrainBatch, row_ids: list[str], lengths: list[int]):
+    """The batch's rows as records (padding cut); ``row_ids``: each row's data row (its prompt's id); ``lengths``:
+    each row's tokens (a trajectory may end on context: padding cannot be told from it by the masks)."""
+    for i, (rid, end) in enumerate(zip(batch.ids, lengths)):
         mask = batch.response_mask[i]
-        end = int(np.flatnonzero(mask)[-1]) + 1 if mask.any() else 0
         starts = [] if batch.segment_starts is None else [int(s) for s in batch.segment_starts[i] if s >= 0]
         yield {"id": rid, "row": row_ids[i], "step": batch.step, "ids": batch.input_ids[i, :end].tolist(),
                "loss_mask": mask[:end].astype(int).tolist(),
@@ -30,6 +28,9 @@ def rows(batch: TrainBatch, row_ids: list[str]):
                "reward": float(batch.rewards[i]), "version": int(batch.versions[i]), "segment_starts": starts}
 
 
-def append(path: Path, batch: TrainBatch, row_ids: list[str]) -> None:
+def append(path: Path, batch: TrainBatch, groups: list) -> None:
+    """``batch``'s rows, made of ``groups`` (orchestrator/groups.py), appended to ``path``."""
+    rollouts = [(g.row.id, g.rollouts[i]) for g in groups for i in range(g.n)]
     with open(path, "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows(batch, row_ids))
+        f.writelines(json.dumps(r) + "\n" for r in rows(batch, [rid for rid, _ in rollouts],
+                                                        [len(r.prompt_ids) + len(r.response_ids) for _, r in rollouts]))

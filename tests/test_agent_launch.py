@@ -125,10 +125,8 @@ def test_a_tool_agent_loop_trains_the_same_tokens_as_the_built_in_path(tools_mod
             messages.append({"role": "assistant", "content": turns.assistant_text(np.array(turn))})
             step = python.step(messages, state, {})
             if k + 1 == len(parts):
-                # the agent ended where the built-in path ends (no call, the turn limit, a truncated turn), or on calls
-                # the parser cannot read (no OpenAI tool_calls to hand the agent; the built-in path answers an error)
-                assert (step.done or len(parts) // 2 == 3 or r["ids"][-1] != tokenizer.eos_token_id
-                        or step.tool_errors == step.tool_calls), (r["id"], step)
+                # the agent ended where the built-in path ends: no call, the turn limit, a truncated turn
+                assert step.done or len(parts) // 2 == 3 or r["ids"][-1] != tokenizer.eos_token_id, (r["id"], step)
                 break
             state = step.state
             messages += step.tool_messages
