@@ -70,13 +70,13 @@ def main() -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     waits = summary["turn_wait"]
     gw = gateway_counters(run_dir / "logs" / "gateway-0.log")
-    calls = max(1, gw["calls"])
+    calls = max(1, gw["calls"] - gw["ended"])  # the sampled ones (not those answered empty at a limit)
     call_ms, wait_ms = 1e3 * gw["call_s"] / calls, 1e3 * gw["wait_s"] / calls
     builtin_ms = 1e3 * waits["builtin"]["mean_s"]
     record = {
         "steps": args.steps, "wall_s": round(time.perf_counter() - t0, 1),
         "builtin_turns": waits["builtin"]["turns"], "builtin_turn_wait_ms": round(builtin_ms, 2),
-        "agent_calls": gw["calls"], "agent_call_ms": round(call_ms, 2),
+        "agent_calls": gw["calls"], "agent_calls_at_a_limit": gw["ended"], "agent_call_ms": round(call_ms, 2),
         "agent_waiting_for_orchestrator_ms": round(wait_ms, 2), "gateway_own_ms": round(call_ms - wait_ms, 2),
         "agent_turn_wait_ms": round(1e3 * waits["agent"]["mean_s"], 2),
         "overhead_per_call_ms": round(call_ms - 1e3 * waits["agent"]["mean_s"], 2), "new_segments": gw["new_segments"],

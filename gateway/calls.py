@@ -56,7 +56,8 @@ class Gateway:
         self.sessions: dict[str, Session] = {}
         self.waiters: dict[str, Waiter] = {}
         self.counters = {"calls": 0, "new_segments": 0, "overridden": 0, "refused": 0, "unauthorized": 0,
-                         "failed": 0, "timeouts": 0, "late": 0, "rewards": 0, "call_s": 0.0, "wait_s": 0.0}
+                         "failed": 0, "timeouts": 0, "late": 0, "rewards": 0, "ended": 0, "call_s": 0.0,
+                         "wait_s": 0.0}
 
     def status(self) -> dict:
         """The heartbeat's status (protocol/sockets.py)."""
@@ -121,10 +122,12 @@ class Gateway:
         with self.lock:
             self.counters["calls"] += 1
             self.counters["new_segments"] += opened
-            # per answered call: its whole time here, and the part spent waiting for the orchestrator (its turn's
-            # dispatch and sampling); the rest is the gateway's own (rendering, tokenising, parsing)
-            self.counters["call_s"] += time.perf_counter() - t0
-            self.counters["wait_s"] += waited
+            if headers:  # at the trajectory's limit: answered without sampling
+                self.counters["ended"] += 1
+            else:  # per sampled call: its whole time here, and the part spent waiting for the orchestrator (its
+                # turn's dispatch and sampling); the rest is the gateway's own (rendering, tokenising, parsing)
+                self.counters["call_s"] += time.perf_counter() - t0
+                self.counters["wait_s"] += waited
         if call.overridden:
             headers[OVERRIDDEN_HEADER] = ",".join(call.overridden)
         return 200, reply, headers
