@@ -71,6 +71,7 @@ class Agents:
             self.queue.append(agent_key(g, i))
 
     def dispatch(self, groups: Mapping[str, Group]) -> list[tuple[bytes, AgentRequest]]:
+        """Queued agent runs to environment workers serving "agent" (each holds one credit until its AgentDone)."""
         out = []
         while self.queue:
             key = self.queue[0]
