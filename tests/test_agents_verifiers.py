@@ -35,7 +35,7 @@ ENV_MODULE = textwrap.dedent('''\
         SCORED.append((text, answer, reward))
         if LOG:
             with open(LOG, "a") as f:
-                f.write(json.dumps({"answer": answer, "reward": reward}) + "\n")
+                f.write(json.dumps({"answer": answer, "reward": reward}) + "\\n")
         return reward
 
     def add(a: int, b: int) -> int:

@@ -213,8 +213,23 @@ def _fix_ready(draw, kw: dict) -> None:
     kw["slots"] = abs(kw["slots"])
 
 
+_AGENT_KEYS = st.builds(lambda group, index, attempt: WorkKey(group, "agent", index, 0, attempt), _GROUP, _COUNT,
+                        _COUNT)  # a user's agent's run of one row (protocol/agents.py)
+_GEN_KEYS = st.builds(WorkKey.step, _GROUP, _COUNT, st.just("gen"), _COUNT, _COUNT)  # an agent's model call
+
+
+def _fix_segment_starts(starts, total: int):
+    """Segment starts as validate() wants them: increasing, inside 1..total - 1 (None when none fit)."""
+    if starts is None:
+        return None
+    kept = sorted({int(s) for s in np.asarray(starts).ravel() if 0 < int(s) < total})
+    return np.array(kept, np.int32) if kept else None
+
+
 def _fix_rollout(draw, kw: dict) -> None:  # arrays share one length, so response ids and log-probs match
     kw["key"] = draw(_SAMPLING_KEYS)
+    kw["segment_starts"] = _fix_segment_starts(kw.get("segment_starts"),
+                                               len(kw["prompt_ids"]) + len(kw["response_ids"]))
     kw["finish_reason"] = draw(st.sampled_from(["stop", "length", "error"]))
     if kw.get("routes") is not None:  # the experts of every token the engine ran: prompt + response - 1
         ran = len(kw["prompt_ids"]) + len(kw["response_ids"]) - 1
@@ -256,10 +271,35 @@ def _fix_teacher_request(draw, kw: dict) -> None:  # response_lens split respons
 
 
 def _fix_train_batch(draw, kw: dict) -> None:
-    n = kw["input_ids"].shape[0]
+    n, length = kw["input_ids"].shape
+    if kw.get("segment_starts") is not None:  # one row of starts per row, each inside the row (-1: none)
+        starts = draw(st.lists(st.integers(-1, max(length - 1, -1)), min_size=n, max_size=n))
+        kw["segment_starts"] = np.array(starts, np.int32).reshape(n, 1) if n else None
     kw["group_size"] = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0] or [1, 2, 3]))
     if kw.get("ids"):  # rollout ids: none, or one per row
         kw["ids"] = draw(st.lists(st.text(max_size=6), min_size=n, max_size=n))
+
+
+def _fix_agent_request(draw, kw: dict) -> None:
+    kw["key"] = draw(_AGENT_KEYS)
+    kw["base_url"], kw["api_key"] = "http://127.0.0.1:1/v1", draw(st.text(min_size=1, max_size=8))
+    _fix_deadline(draw, kw)
+
+
+def _fix_agent_done(draw, kw: dict) -> None:
+    kw["key"] = draw(_AGENT_KEYS)
+    if kw.get("reward") is not None:
+        kw["reward"] = draw(st.floats(allow_nan=False, allow_infinity=False))
+
+
+def _fix_gateway_generate(draw, kw: dict) -> None:
+    kw["key"] = draw(_GEN_KEYS)
+    kw["prompt_ids"] = np.array(draw(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=4)), np.int32)
+    kw["segment"], kw["max_tokens"] = abs(kw["segment"]), abs(kw["max_tokens"])
+
+
+def _fix_gateway_reward(draw, kw: dict) -> None:
+    kw["reward"] = draw(st.floats(allow_nan=False, allow_infinity=False))
 
 
 def _fix_control(draw, kw: dict) -> None:
@@ -295,6 +335,10 @@ FIXUPS = {
     "weights_get": _fix_weights_get,
     "weights_chunk": _fix_weights_chunk,
     "weights_refused": _fix_weights_refused,
+    "agent_request": _fix_agent_request,
+    "agent_done": _fix_agent_done,
+    "gateway_generate": _fix_gateway_generate,
+    "gateway_reward": _fix_gateway_reward,
 }
 
 
