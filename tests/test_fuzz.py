@@ -295,7 +295,7 @@ def _fix_agent_done(draw, kw: dict) -> None:
 def _fix_gateway_generate(draw, kw: dict) -> None:
     kw["key"] = draw(_GEN_KEYS)
     kw["prompt_ids"] = np.array(draw(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=4)), np.int32)
-    kw["segment"], kw["max_tokens"] = abs(kw["segment"]), abs(kw["max_tokens"])
+    kw["segment"], kw["max_tokens"] = abs(kw.get("segment", 0)), abs(kw.get("max_tokens", 0))
 
 
 def _fix_gateway_reward(draw, kw: dict) -> None:
