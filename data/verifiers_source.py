@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cascade_rl.verifiers.registry import load_plugin
+from cascade_rl.verifiers.pypi_env import load_verifiers_env
 
 from .rows import Row
 
@@ -22,20 +22,9 @@ DOMAIN = "verifiers"  # the rows' domain: their reward is the environment's rubr
 AGENT = "agent"  # the rows' env: run by the environment workers' agent runner
 
 
-def load_environment(entry: str, args: dict[str, Any] | None = None):
-    """The environment ``entry`` names (a module name or a .py path exposing ``load_environment``) built with
-    ``args``; PluginError or TypeError naming what is wrong (``import verifiers`` must find PrimeIntellect's
-    package, not this repository's ``verifiers/``: run from another folder, or with ``python -P``)."""
-    module = load_plugin(entry, "data.verifiers_env")
-    build = getattr(module, "load_environment", None)
-    if not callable(build):
-        raise TypeError(f"data.verifiers_env: {entry} has no load_environment() function")
-    return build(**dict(args or {}))
-
-
 def verifiers_rows(entry: str, args: dict[str, Any] | None = None) -> tuple[list[Row], list[Row]]:
-    """(training rows, held-out rows) of the environment ``entry`` names (see ``load_environment``)."""
-    env = load_environment(entry, args)
+    """(training rows, held-out rows) of the environment ``entry`` names (``load_verifiers_env``)."""
+    env = load_verifiers_env(entry, args)
     train = dataset_rows(env.get_dataset(), "train")
     eval_set = env.build_eval_dataset() if hasattr(env, "build_eval_dataset") else getattr(env, "eval_dataset", None)
     return train, (dataset_rows(eval_set, "eval") if eval_set is not None else [])

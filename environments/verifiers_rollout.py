@@ -16,39 +16,11 @@ with ``python -P`` (the repository root is not on sys.path); ``import_vf`` says 
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
-from cascade_rl.verifiers.registry import load_plugin
+from cascade_rl.verifiers.pypi_env import import_vf, load_verifiers_env  # noqa: F401 (the worker's loader)
 
 MODEL = "policy"  # the name the gateway serves (any name is answered by the run's policy)
-
-
-def import_vf() -> ModuleType:
-    """PrimeIntellect's ``verifiers`` package; ImportError saying why when it is missing or shadowed."""
-    try:
-        import verifiers
-    except ImportError as e:
-        raise ImportError(f"data.verifiers_env needs PrimeIntellect's `verifiers` package (make install): {e}") from e
-    if getattr(verifiers, "Environment", None) is None:
-        raise ImportError(f"`import verifiers` found {verifiers.__file__}, not PrimeIntellect's package: run with "
-                          "`python -P` (or from another folder) so the repository root is not on sys.path")
-    return verifiers
-
-
-def load_verifiers_env(entry: str, args: dict[str, Any] | None = None, setting: str = "data.verifiers_env"):
-    """The environment of ``entry`` (a module name or a .py path exposing ``load_environment``), built with
-    ``args``; PluginError (cascade_rl/verifiers/registry.py) or TypeError naming what is wrong."""
-    vf = import_vf()
-    module = load_plugin(entry, setting)
-    build = getattr(module, "load_environment", None)
-    if not callable(build):
-        raise TypeError(f"{setting}: {entry} has no load_environment() function")
-    env = build(**dict(args or {}))
-    if not isinstance(env, vf.Environment):
-        raise TypeError(f"{setting}: {entry}'s load_environment() returned a {type(env).__name__}, not a "
-                        "verifiers Environment")
-    return env
 
 
 async def run_verifiers_rollout(env, client, row: dict[str, Any]) -> float:
