@@ -21,18 +21,25 @@ from typing import Any
 from cascade_rl.verifiers.pypi_env import import_vf, load_verifiers_env  # noqa: F401 (the worker's loader)
 
 MODEL = "policy"  # the name the gateway serves (any name is answered by the run's policy)
+# Errors that are the policy's own output (an empty or unparseable turn), not the environment's: the rollout is
+# trained on with the rubric's reward (0 when the rubric gives none), as a wrong answer would be.
+POLICY_ERRORS = ("EmptyModelResponseError", "InvalidModelResponseError")
 
 
 async def run_verifiers_rollout(env, client, row: dict[str, Any]) -> float:
     """The rubric's reward of ``env``'s rollout of ``row`` (an AgentRequest's row) through ``client`` (an
     ``openai.AsyncOpenAI``). RuntimeError with the environment's own error when the rollout failed (verifiers
-    records a failed model call in the state instead of raising; it would otherwise score 0)."""
+    records a failed model call in the state instead of raising; it would otherwise score 0), unless the policy's
+    own turn was the failure (``POLICY_ERRORS``): that scores what the rubric gave it."""
     vf = import_vf()
     source = (row.get("metadata") or {}).get("verifiers_row")
     if not isinstance(source, dict):
         raise ValueError("the row has no metadata.verifiers_row: it was not made by data/verifiers_source.py")
     output = await env.run_rollout(dict(source), vf.OpenAIChatCompletionsClient(client), MODEL, {})
-    if output.get("error"):
+    error = output.get("error")
+    if error and isinstance(error, dict) and error.get("error") in POLICY_ERRORS:
+        return float(output.get("reward") or 0.0)
+    if error:
         raise RuntimeError(f"the verifiers rollout failed: {output['error']}")
     reward = output.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, int | float):
