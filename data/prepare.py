@@ -5,13 +5,15 @@
     # writes out_dir/train.arrow, out_dir/eval.arrow and out_dir/data.json (the report and the sources)
 
 Every row of ``data.files`` and ``data.eval_files`` is read (data/sources.py),
-parsed (data/rows.py), its domain looked up among the registered verifiers and
+handed to ``data.map`` when one is set (data/row_map.py), parsed (data/rows.py:
+``data.fields`` paths, ``data.domain_map``), its domain looked up among the registered verifiers and
 its answer and metadata checked by that domain's check
 (verifiers/registry.py ``check_row``); with a tokenizer, its prompt is rendered
 in the chat template and measured. A row that breaks a rule is a bad row,
 reported with its file and line; a prompt over ``data.max_prompt_tokens`` is
 dropped and counted. Whether bad rows stop the launch is the caller's call
-(``data.on_bad_row``).
+(``data.on_bad_row``); so is refusing a file with no rows (``Report.empty``) or
+a run with no row to train on.
 
 Held-out rows come from ``data.eval_files``, or from ``data.files`` by a hash of
 the prompt (``data.heldout_fraction``: question-disjoint, the same split in
@@ -37,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 
 from .render import PromptRenderer
+from .row_map import DROPPED, RowMap, apply_row_map, load_row_map
 from .rows import BadRow, Fields, Row, heldout_by_hash, parse_row
 from .sources import DataError, FileSpec, parse_spec, read_records
 
@@ -72,6 +75,7 @@ class Report:
     lengths: dict[str, array] = dataclasses.field(default_factory=lambda: {"train": array("i"), "eval": array("i")})
     weighted: bool = False
     read: int = 0  # records read: every one is kept, bad or dropped
+    empty: list[str] = dataclasses.field(default_factory=list)  # "SETTING: FILE" of each file with no rows at all
 
     def percentiles(self, split: str) -> dict[str, int]:
         values = np.frombuffer(self.lengths[split], np.int32) if len(self.lengths[split]) else None
@@ -147,10 +151,32 @@ class _Split:
             self.writer.close()
 
 
-def _rows(spec: FileSpec, setting: str, fields: Fields, default_domain: str, domains: set[str] | None,
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a raw record becomes a row: ``data.map``, then ``data.fields``, ``data.default_domain`` and
+    ``data.domain_map``."""
+
+    fields: Fields
+    default_domain: str = ""
+    domain_map: dict[str, str] = dataclasses.field(default_factory=dict)
+    row_map: RowMap | None = None
+
+    @classmethod
+    def of(cls, data) -> Layout:
+        """The launch schema's ``data`` section's; DataError for a ``data.map`` that does not load or a
+        ``data.domain_map`` that is not a mapping of names to domain names."""
+        domain_map = dict(data.domain_map)
+        if bad := {k: v for k, v in domain_map.items() if not isinstance(v, str) or not v}:
+            raise DataError(f"data.domain_map: each value of the domain field maps to a domain's name, got {bad} "
+                            f"(e.g. data.domain_map={{openai/gsm8k: math}})")
+        return cls(Fields(**dict(data.fields)), data.default_domain, domain_map, load_row_map(data.map))
+
+
+def _rows(spec: FileSpec, setting: str, layout: Layout, domains: set[str] | None,
           bad: Callable[[BadLine], None], report: Report,
           on_read: Callable[[int], None] | None) -> Iterator[tuple[Row, int]]:
-    """The valid rows of one file with their lines; every bad one goes to ``bad`` and is counted."""
+    """The valid rows of one file with their lines; every bad one goes to ``bad`` and is counted; a file with
+    no record at all goes to ``report.empty``."""
     from cascade_rl.verifiers.registry import check_row
 
     columnar = spec.path.is_dir() or spec.path.suffix == ".parquet"
@@ -158,6 +184,7 @@ def _rows(spec: FileSpec, setting: str, fields: Fields, default_domain: str, dom
         records = read_records(spec.path)
     except DataError as e:  # the file itself: name the setting it came from
         raise DataError(f"{setting}: {e}") from None
+    read_before = report.read
     for line, raw in records:
         report.read += 1
         if on_read is not None and report.read % FLUSH_ROWS == 0:
@@ -165,7 +192,10 @@ def _rows(spec: FileSpec, setting: str, fields: Fields, default_domain: str, dom
         try:
             if isinstance(raw, BadRow):
                 raise raw
-            row = parse_row(raw, fields, default_domain, drop_nulls=columnar)
+            if layout.row_map is not None and (raw := apply_row_map(layout.row_map, raw)) is None:
+                report.dropped[DROPPED] += 1
+                continue
+            row = parse_row(raw, layout.fields, layout.default_domain, columnar, layout.domain_map)
             if domains is not None and row.domain not in domains:
                 raise BadRow("unknown domain", f"domain {row.domain!r} has no registered verifier (registered: "
                                                f"{', '.join(sorted(domains))}; a module of yours can add one: "
@@ -181,6 +211,8 @@ def _rows(spec: FileSpec, setting: str, fields: Fields, default_domain: str, dom
             bad(BadLine(str(spec.path), line, e.kind, e.detail))
             continue
         yield row, line
+    if report.read == read_before:
+        report.empty.append(f"{setting}: {spec.path}")
 
 
 def prepare(data, tokenizer=None, out_dir: Path | None = None, domains: set[str] | None = None,
@@ -201,8 +233,8 @@ def prepare(data, tokenizer=None, out_dir: Path | None = None, domains: set[str]
 
     train_specs, eval_specs = _specs(data)
     report.weighted = any(s.weight is not None for s in train_specs)
+    layout = Layout.of(data)  # the user's data.map is imported here, before any file is read
     render = PromptRenderer(tokenizer, data.thinking) if tokenizer is not None else None
-    fields = Fields(**dict(data.fields))
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     paths = {split: Path(out_dir) / f"{split}.arrow" if out_dir is not None else None for split in ("train", "eval")}
@@ -211,11 +243,11 @@ def prepare(data, tokenizer=None, out_dir: Path | None = None, domains: set[str]
     eval_keys: set[str] = set()
     fraction = data.heldout_fraction  # read once: a config node's attribute costs ~25 us, a row ~100 us in all
     for i, spec in enumerate(eval_specs):
-        for row, line in _rows(spec, "data.eval_files", fields, data.default_domain, domains, bad, report, on_read):
+        for row, line in _rows(spec, "data.eval_files", layout, domains, bad, report, on_read):
             eval_keys.add(row.key())
             splits["eval"].add(row, i, line, str(spec.path))
     for i, spec in enumerate(train_specs):
-        for row, line in _rows(spec, "data.files", fields, data.default_domain, domains, bad, report, on_read):
+        for row, line in _rows(spec, "data.files", layout, domains, bad, report, on_read):
             key = row.key()
             if heldout_by_hash(key, fraction):
                 splits["eval"].add(row, len(eval_specs) + i, line, str(spec.path))

@@ -14,7 +14,9 @@ A row (one line of JSONL, one row of Parquet or of an HF dataset):
 | ``id`` | string or integer, optional | stable id; derived from the content when absent |
 | ``response`` | string | SFT only: the assistant turn to learn (RL ignores it) |
 
-Every name can be remapped (``data.fields.prompt=question``). A ``BadRow``
+Every name can be remapped (``data.fields.prompt=question``), to a dotted path too
+(``data.fields.answer=reward_model.ground_truth``, ``conversations.0.content``),
+and a domain field's values mapped to domains (``data.domain_map``). A ``BadRow``
 carries a short ``kind`` (counted per run: ``summary.json`` ``data.bad_rows``)
 and the ``detail`` a user reads next to ``FILE:LINE``.
 """
@@ -96,10 +98,43 @@ def _type(value: Any) -> str:
         type(value), type(value).__name__)
 
 
+MISSING = object()  # what ``lookup`` finds where nothing is (None is a value: a columnar file's null)
+
+
+def lookup(raw: dict, path: str) -> Any:
+    """The value at ``path`` in a record, or ``MISSING``: the exact key first (a key may hold a dot), then a
+    dotted path through objects and lists (a number picks a list's item: ``conversations.0.content``)."""
+    if path in raw:
+        return raw[path]
+    return _walk(raw, path.split(".")) if "." in path else MISSING
+
+
+def _walk(value: Any, parts: list[str]) -> Any:
+    if not parts:
+        return value
+    if isinstance(value, list):
+        head = parts[0]
+        return _walk(value[int(head)], parts[1:]) if head.isdigit() and int(head) < len(value) else MISSING
+    if not isinstance(value, dict):
+        return MISSING
+    for n in range(len(parts), 0, -1):  # the longest key first: a nested key may hold a dot too
+        key = ".".join(parts[:n])
+        if key in value and (found := _walk(value[key], parts[n:])) is not MISSING:
+            return found
+    return MISSING
+
+
 def _field(raw: dict, fields: Fields, name: str) -> tuple[str, Any]:
-    """(the user's field name, its value or None); the name says where to look if it is wrong."""
+    """(the user's field name, its value or None); the name says where to look if it is wrong. A dotted path
+    that leads nowhere is a bad row naming it (the user said the field is there), unlike an absent plain key of
+    an optional field."""
     key = getattr(fields, name)
-    return key, raw.get(key)
+    value = lookup(raw, key)
+    if value is MISSING:
+        if "." in key and name not in ("prompt", "domain"):  # those two say "missing" themselves
+            raise BadRow("missing field", f"missing field {_where(fields, name)}")
+        return key, None
+    return key, value
 
 
 def _where(fields: Fields, name: str) -> str:
@@ -173,23 +208,31 @@ def row_id(messages: tuple[dict[str, str], ...], domain: str, answer: str) -> st
     return xxhash.xxh64_hexdigest(json.dumps([prompt_key(messages), domain, answer], ensure_ascii=False).encode())
 
 
-def parse_row(raw: Any, fields: Fields = Fields(), default_domain: str = "", drop_nulls: bool = False) -> Row:
-    """One raw record as a ``Row``; raises ``BadRow`` for the first rule it breaks.
+def parse_row(raw: Any, fields: Fields = Fields(), default_domain: str = "", drop_nulls: bool = False,
+              domain_map: dict[str, str] | None = None) -> Row:
+    """One raw record as a ``Row``; raises ``BadRow`` for the first rule it breaks. ``domain_map``: the domain
+    of each value of the domain field (``data.domain_map``; a value not in it takes ``default_domain``).
 
     Which domains exist and whether the verifier accepts the metadata are checked by the caller
     (``data.prepare``): they depend on the registry, not on the row alone."""
     if not isinstance(raw, dict):
         raise BadRow("not an object", f"a row must be a JSON object, got {_type(raw)}")
-    key, prompt = _field(raw, fields, "prompt")
-    if key not in raw:
+    prompt = lookup(raw, fields.prompt)
+    if prompt is MISSING:
         raise BadRow("missing field", f"missing field {_where(fields, 'prompt')}")
     messages = parse_messages(prompt, _where(fields, "prompt"))
     _, domain = _field(raw, fields, "domain")
+    if domain is not None and not isinstance(domain, str):
+        raise BadRow("ill-typed field", f"field {_where(fields, 'domain')} must be a string, got {_type(domain)}")
+    if domain_map and domain is not None:
+        if domain not in domain_map and not default_domain:
+            raise BadRow("unmapped domain", f"field {_where(fields, 'domain')} is {domain!r}, which data.domain_map "
+                                            f"does not map: add it (data.domain_map={{{domain}: DOMAIN, ...}}) or "
+                                            f"set data.default_domain")
+        domain = domain_map.get(domain, default_domain)
     domain = default_domain if domain is None else domain
     if not domain:
         raise BadRow("missing field", f"missing field {_where(fields, 'domain')} (or set data.default_domain)")
-    if not isinstance(domain, str):
-        raise BadRow("ill-typed field", f"field {_where(fields, 'domain')} must be a string, got {_type(domain)}")
     answer = _text(_field(raw, fields, "answer")[1], _where(fields, "answer"))
     metadata = _metadata(_field(raw, fields, "metadata")[1], _where(fields, "metadata"), drop_nulls)
     _, rid = _field(raw, fields, "id")
@@ -205,9 +248,10 @@ def parse_row(raw: Any, fields: Fields = Fields(), default_domain: str = "", dro
 
 def parse_response(raw: dict, fields: Fields = Fields()) -> str:
     """SFT: the assistant turn a row teaches."""
-    key, response = _field(raw, fields, "response")
+    response = lookup(raw, fields.response)
     if not isinstance(response, str) or not response.strip():
-        got = "missing" if key not in raw else f"{_type(response)}" if not isinstance(response, str) else "empty"
-        raise BadRow("missing field" if key not in raw else "ill-typed field",
+        absent = response is MISSING
+        got = "missing" if absent else f"{_type(response)}" if not isinstance(response, str) else "empty"
+        raise BadRow("missing field" if absent else "ill-typed field",
                      f"SFT needs field {_where(fields, 'response')} (the assistant turn to learn): {got}")
     return response

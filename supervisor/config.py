@@ -30,6 +30,7 @@ from .launchers.rules import launch_problems
 from .schema import LaunchConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+FREE_DICTS = ("data.domain_map=",)  # schema fields whose keys are the user's (see compose)
 if not CONFIG_DIR.is_dir():  # installed as a wheel: configs is the cascade_rl.configs package
     import cascade_rl.configs as _configs
 
@@ -41,7 +42,9 @@ ConfigStore.instance().store(name="launch_schema", node=LaunchConfig)
 
 def compose(preset: str | None, overrides: list[str], check: bool = True) -> DictConfig:
     """Resolve a launch config from a preset name (configs/run/NAME.yaml) or a YAML path."""
-    overrides = list(overrides)
+    # a free-form mapping set whole (data.domain_map={openai/gsm8k: math}): Hydra merges a dict into the node,
+    # whose struct flag refuses every new key; "++" adds them
+    overrides = [f"++{o}" if o.startswith(FREE_DICTS) else o for o in overrides]
     if renamed := renamed_overrides(overrides):
         raise ConfigError("; ".join(renamed))
     try:

@@ -8,7 +8,9 @@ Prints one line per bad row, ``FILE:LINE: reason`` (as they are found, so a
 huge file streams), then rows per domain, prompt-length percentiles (in the
 model's tokens with ``--model``, chat template included; else in characters)
 and the count of each reason. Exits 1 when any row is bad (an overlong prompt
-included: a launch drops those), 0 when every row would train.
+included: a launch drops those), when a file has no rows (``FILE: no rows``) or
+when no row at all is left to train on, 0 when every row would train. A
+``data.map`` that does not load is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -44,9 +46,15 @@ def check(files: list[str], model: str | None, overrides: list[str]) -> int:
             console.print(f"{split} prompt {unit}: " + ", ".join(f"{k} {v}" for k, v in p.items()))
     for kind, n in [*report.bad.most_common(), *report.dropped.most_common()]:
         console.print(f"{kind}: {n} rows")
+    for empty in report.empty:  # a launch refuses these whatever data.on_bad_row says (print: no wrapping)
+        print(f"{empty.partition(': ')[2]}: no rows", flush=True)
+    if nothing := not any(report.domains[split] for split in ("train", "eval")):
+        print(f"no row to train on in {', '.join(files)}", flush=True)
     bad = sum(report.bad.values()) + report.dropped[OVERLONG]
-    console.print(f"[bold red]{bad} bad rows" if bad else "[bold green]every row is valid")
-    return 1 if bad else 0
+    verdict = (f"{bad} bad rows" if bad else "nothing to train on" if nothing else
+               f"{len(report.empty)} files with no rows" if report.empty else "")
+    console.print(f"[bold red]{verdict}" if verdict else "[bold green]every row is valid")
+    return 1 if bad or report.empty or nothing else 0
 
 
 def summary(report: Report) -> Table:

@@ -1,11 +1,12 @@
 """A launch's data, prepared before any process starts: validated, split, written to ``run_dir/data``.
 
-    report = prepare_run_data(cfg)   # raises BadData (every bad row, FILE:LINE: reason) or ConfigError
+    report = prepare_run_data(cfg)   # raises BadData (every bad row, FILE:LINE: reason), ConfigError or DataError
 
 The supervisor calls it first; the orchestrator then opens ``run_dir/data``
 memory-mapped (data/promptset.py). It imports the user's reward modules
 (``verifier.plugins``) so their domains are known, reads every row
-(data/prepare.py), and settles the rules that need the data: which domains the
+(data/prepare.py), refuses a file with no rows and a run with no row to train on
+(DataError, whatever ``data.on_bad_row`` says), and settles the rules that need the data: which domains the
 verifier workers serve (``verifier.domains``, filled with the data's
 domains when empty), that judge-scored domains have a judge model
 (``verifier.judge.model``, or one the supervisor serves: supervisor/judge.py)
@@ -24,6 +25,7 @@ from omegaconf import DictConfig
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from cascade_rl.data.prepare import Report, prepare
+from cascade_rl.data.sources import DataError
 
 from .config_errors import ConfigError
 
@@ -69,8 +71,12 @@ def prepare_run_data(cfg: DictConfig) -> Report:
         add_verifiers_rows(cfg)
     with _reading(cfg.supervisor.progress) as on_read:
         report = prepare(cfg.data, tokenizer, Path(cfg.run_dir) / "data", domains, on_read=on_read)
+    if report.empty:
+        raise DataError("; ".join(f"{e}: no rows" for e in report.empty) + " (an empty file: fill it or leave it out)")
     if report.bad and cfg.data.on_bad_row == "error":
         raise BadData(report)
+    if not report.domains["train"]:
+        raise DataError(f"data.files: no row to train on in {', '.join(cfg.data.files)} ({no_rows_why(report)})")
     # the held-out domains only where the stage evaluates (a cascade's stages leave that to the runner: a stage
     # of math then starts no judge for the held-out chat)
     evaluates = cfg.orchestrator.eval_n > 0 or cfg.orchestrator.eval_greedy
@@ -155,6 +161,15 @@ def add_verifiers_rows(cfg: DictConfig) -> None:
                                             "answer": r.answer, "metadata": r.metadata, "env": r.env}) + "\n"
                                 for r in rows))
         cfg.data[key] = [*cfg.data[key], str(path)]
+
+
+def no_rows_why(report: Report) -> str:
+    """Where the rows read went, when none is left to train on."""
+    held_out = sum(report.domains["eval"].values())
+    went = [f"{n} bad ({kind})" for kind, n in report.bad.items()] + [f"{n} {why}" for why, n in
+                                                                      report.dropped.items()]
+    went += [f"{held_out} held out"] if held_out else []
+    return f"{report.read} rows read: " + (", ".join(went) or "none kept")
 
 
 def describe(report: Report) -> str:

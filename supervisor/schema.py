@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cascade_rl.data.rows import Fields
 from cascade_rl.environments.base import EnvSettings
 from cascade_rl.modeling.choices import AttnImpl, MoeImpl
 from cascade_rl.protocol.devices import Dtype
 
 from .schema_agents import AgentConfig, GatewayConfig
-from .schema_choices import InflightKV, LrDecay, OnBadRow, Progress
+from .schema_choices import InflightKV, LrDecay, Progress
+from .schema_data import DataConfig
 from .schema_lora import LoraSettings
 from .schema_ray import LauncherName, RayConfig
 from .schema_services import JudgeConfig, SGLangConfig, TorchKVSettings, VLLMConfig
@@ -61,39 +61,6 @@ class ModelConfig:
     """Trainer's MoE experts: grouped (kernels/moe.py: torch's grouped_mm with index_select/index_add gathers;
     fastest on CPU, 1.1x a tiny-model step over hf) | hf (transformers' own) | torch (kernels/moe.py reference)
     | triton (kernels/moe.py; CUDA, or TRITON_INTERPRET=1 for tests)."""
-
-
-@dataclass
-class DataConfig:
-    files: list[str] = field(default_factory=list)
-    """Training prompts: ``PATH`` or ``PATH:WEIGHT`` (JSONL, JSONL.gz, Parquet, or a directory written by
-    ``datasets.save_to_disk``; rows as in data/rows.py). Weights on every file: each file's share of the
-    draws; on none: every row equally likely. Built-in miniature sets: ``cascade-rl make-data``."""
-    eval_files: list[str] = field(default_factory=list)
-    """Held-out prompts, evaluated per domain (training rows with the same prompt are dropped)."""
-    heldout_fraction: float = 0.0
-    """Without eval_files: hold out this fraction of ``files``, split by a hash of the prompt (question-disjoint,
-    the same split in every run)."""
-    eval_per_domain: int = 0
-    """Evaluate at most this many held-out rows per domain, the first in file order (0: all)."""
-    fields: Fields = field(default_factory=Fields)
-    """Where each field of the schema is in your rows, e.g. ``data.fields.prompt=question``."""
-    default_domain: str = ""
-    """The domain of rows without one (a single-domain file needs no domain column)."""
-    thinking: bool = True
-    """Render prompts in thinking mode (the chat template's ``enable_thinking``)."""
-    max_prompt_tokens: int = 4096
-    """Prompts longer than this (in the model's tokens, chat template included) are dropped and counted."""
-    on_bad_row: OnBadRow = OnBadRow.error
-    """error: refuse to launch while any row is bad, listing each as FILE:LINE: reason | skip: train without
-    them (counted per reason in summary.json)."""
-    seed: int = 0
-    """Seed of the draw order (data/order.py): which file, then which row of its shuffled epoch."""
-    verifiers_env: str = ""
-    """A ``verifiers`` environment (PrimeIntellect's package): a module name or .py path exposing
-    ``load_environment()``; its dataset is the prompt set, its rollouts run through the gateway, its rubric rewards."""
-    verifiers_args: dict = field(default_factory=dict)
-    """Keyword arguments of its ``load_environment``."""
 
 
 @dataclass
