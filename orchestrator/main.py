@@ -54,6 +54,7 @@ from .groups import UNAVAILABLE, Group
 from .ledger import LEDGER_FILE, Ledger, compare_trainer
 from .report import MetricsLog, live_metrics, write_summary
 from .rules import Rules
+from .trackers import RunIdentity, Trackers
 
 log = logging.getLogger("orchestrator")
 INBOUND = (Ready, Rollout, Score, TeacherLogprobs, StepDone, WeightsReady, EnvReply, GatewayGenerate, AgentDone,
@@ -88,7 +89,8 @@ class Orchestrator:
         self.core = Core(rules, self._decode,
                          Ledger(self.run_dir / LEDGER_FILE, self.start_step),
                          template=TurnRenderer(self.render), version=self.start_step)
-        self.metrics = MetricsLog(self.run_dir, cfg.orchestrator.tensorboard)
+        self.trackers = Trackers(list(cfg.logger), RunIdentity.of(cfg))  # W&B, MLflow, TensorBoard: a thread
+        self.metrics = MetricsLog(self.run_dir, self.trackers)
         self.status = {"state": "starting", "step": self.start_step, "steps": cfg.run.steps, "progress": 0}
         self._snapshot: dict = {"state": "starting"}
         self.link = RouterLink(cfg.endpoints.orchestrator, cfg.endpoints.get("heartbeat") or None, INBOUND,
@@ -321,19 +323,23 @@ class Orchestrator:
         log.info("resuming at step %d (%d prompts drawn)", info["step"], self.prompts.drawn)
         return info["step"]
 
-    def close(self) -> None:
+    def close(self, ok: bool) -> None:
+        if ok:
+            self.trackers.attach([self.run_dir / "summary.json", self.run_dir / "config.yaml"])
+        self.trackers.close(ok)
         self.core.ledger.close()
         self.link.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     _, cfg = worker_start(__doc__.splitlines()[0], argv, default_id="orchestrator")
-    orchestrator = Orchestrator(cfg)
+    orchestrator, ok = Orchestrator(cfg), False
     try:
         summary = orchestrator.run()
         log.info("done: %s", json.dumps(summary))
+        ok = True
     finally:
-        orchestrator.close()
+        orchestrator.close(ok)
 
 
 if __name__ == "__main__":

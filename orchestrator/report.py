@@ -1,5 +1,5 @@
-"""What a stage writes for people: ``metrics.jsonl`` (and TensorBoard events) as it goes, ``summary.json`` at
-the end."""
+"""What a stage writes for people: ``metrics.jsonl`` (and its dashboards: orchestrator/trackers.py) as it goes,
+``summary.json`` at the end."""
 
 from __future__ import annotations
 
@@ -7,18 +7,16 @@ import json
 import time
 from pathlib import Path
 
+from .trackers import Trackers
+
 
 class MetricsLog:
-    """One JSON line per evaluation and per step in ``run_dir/metrics.jsonl``; with ``tensorboard`` the numbers
-    as TensorBoard scalars too (``pip install -e .[tensorboard]``: fails at start if it is missing)."""
+    """One JSON line per evaluation and per step in ``run_dir/metrics.jsonl``, and the same line to the run's
+    dashboards (``trackers``: TensorBoard, W&B, MLflow; orchestrator/trackers.py)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+    def __init__(self, run_dir: Path, trackers: Trackers | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.trackers = trackers
 
     def log(self, metrics: dict) -> dict:
         """Append ``metrics`` with the wall clock (with max_staleness > 0 steps overlap: the time between two lines
@@ -26,11 +24,8 @@ class MetricsLog:
         metrics = {**metrics, "time": time.time()}
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and k not in ("step", "time"):
-                    self.tb.add_scalar(k, v, global_step=metrics.get("step", 0))
-            self.tb.flush()
+        if self.trackers is not None:
+            self.trackers.log(metrics)
         return metrics
 
 

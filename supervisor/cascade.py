@@ -47,6 +47,8 @@ from omegaconf import DictConfig, OmegaConf
 from cascade_rl.data.prepare import prepare
 from cascade_rl.data.promptset import PromptSet
 from cascade_rl.learner import checkpoint_dirs
+from cascade_rl.orchestrator.trackers import RunIdentity, Trackers, mlflow_uri
+from cascade_rl.orchestrator.trackers import problems as tracker_problems
 from cascade_rl.verifiers.registry import JUDGED_DOMAINS, SETTINGS
 
 from .config import CONFIG_DIR, compose, validate
@@ -54,6 +56,7 @@ from .config_errors import ConfigError, explain
 from .judge import served_name, serving_judge
 from .run_data import BadData, registered_domains
 from .schema import DataConfig
+from .schema_logging import MlflowConfig, WandbConfig
 
 
 @dataclass
@@ -106,6 +109,14 @@ class CascadeConfig:
     stages: list[StageConfig] = field(default_factory=list)
     report: bool = True
     """Write report.md and the PNG plots after every stage."""
+    logger: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where metrics go (every stage's, and the cascade's own: its held-out accuracy after each stage, its report
+    and plots at the end): jsonl and any of tensorboard | wandb | mlflow. Set here, not in a stage's overrides:
+    the stages are one W&B group and children of the cascade's MLflow run."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """W&B for the cascade and its stages (its group: empty, the run_dir's name and an id kept in cascade.json)."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow for the cascade (the parent run) and its stages (its children), in one store."""
 
 
 def load_config(name: str, overrides: list[str]) -> DictConfig:
@@ -126,6 +137,8 @@ def load_config(name: str, overrides: list[str]) -> DictConfig:
         raise ConfigError(f"cascade {name}: stages need distinct, non-empty names (got {names})")
     if not cfg.eval.files:
         raise ConfigError(f"cascade {name}: eval.files is empty: name the held-out files of every domain")
+    if wrong := tracker_problems(cfg):
+        raise ConfigError(f"cascade {name}: " + "; ".join(wrong))
     return cfg
 
 
@@ -138,8 +151,10 @@ class Cascade:
         self.record = json.loads(self.record_path.read_text()) if self.record_path.exists() else {
             "model": str(Path(cfg.model).resolve()), "stages": {}}
         self.record["order"] = [s.name for s in cfg.stages]
+        self.record.setdefault("group", f"{self.run_dir.name}-{os.urandom(3).hex()}")  # its stages' W&B group
         self.heldout: list = []  # the held-out rows, loaded (and validated) when the cascade runs
         self.thinking = True  # rendered as the stages render their prompts (data.thinking)
+        self.trackers: Trackers | None = None  # the cascade's own dashboards, open while it runs
 
     def load_heldout(self) -> list:
         """The held-out rows, validated as a launch validates its data (bad rows refuse the cascade)."""
@@ -164,15 +179,26 @@ class Cascade:
         self.heldout = self.load_heldout()
         # every evaluation's per_question is in this order: the report pairs them question by question
         self.record["heldout"] = {"ids": [r.id for r in self.heldout], "domains": [r.domain for r in self.heldout]}
-        with self.judge():  # one judge server for every evaluation of the cascade; idle while the stages train
-            return self.run_stages()
+        identity = RunIdentity.of(self.cfg, job_type="cascade")
+        identity.wandb["group"] = identity.wandb["group"] or self.record["group"]
+        self.trackers = Trackers(list(self.cfg.logger), identity)
+        rc = 1
+        try:
+            with self.judge():  # one judge server for every evaluation of the cascade; idle while the stages train
+                rc = self.run_stages()
+        finally:
+            self.trackers.attach([self.run_dir / name for name in ("report.md", "accuracy.png", "training.png",
+                                                                   "cascade.json")])
+            self.trackers.close(ok=rc == 0)
+        return rc
 
     def run_stages(self) -> int:
         if "initial" not in self.record:
             self.record["initial"] = self.evaluate(self.record["model"], step=0)
             self.save()
+        self.track(0, self.record["initial"])
         model = self.record["model"]
-        for stage in self.cfg.stages:
+        for index, stage in enumerate(self.cfg.stages, 1):
             done = self.record["stages"].get(stage.name, {})
             if done.get("status") == "done" and Path(done["final"]).is_dir():
                 print(f"cascade: {stage.name} done earlier (final {done['final']}); skipping")
@@ -186,7 +212,10 @@ class Cascade:
                 print(f"cascade: stage {stage.name} failed (rc {rc}); rerun the same command to resume it")
                 return rc
             model = self.handoff(self.record["stages"][stage.name]["final"], self.run_dir / stage.name)
-        print(f"cascade: done; record {self.record_path}")
+            if checkpoints := self.record["stages"][stage.name].get("checkpoints"):
+                self.track(index, checkpoints[-1])  # its final checkpoint (one done earlier was logged then)
+        report = f"; report {self.run_dir / 'report.md'}" if self.cfg.report else ""
+        print(f"cascade: done; record {self.record_path}{report}")
         return 0
 
     def run_stage(self, stage: DictConfig, model: str) -> int:
@@ -239,8 +268,20 @@ class Cascade:
         launch.data.eval_files, launch.data.eval_per_domain = list(e.files), e.per_domain
         if stage.teachers is not None:  # every evaluated domain gets one; the stage's data decides which teach
             launch.teacher.checkpoints = self.teachers(stage.teachers, sorted(self.record["initial"]["domains"]))
+        # one W&B group, one MLflow store with the cascade's run as the stages' parent
+        launch.logger = list(self.cfg.logger)
+        launch.wandb = OmegaConf.merge(self.cfg.wandb, {"group": self.cfg.wandb.group or self.record["group"]})
+        launch.mlflow = OmegaConf.merge(self.cfg.mlflow, {
+            "tracking_uri": mlflow_uri(self.cfg.mlflow, self.run_dir),
+            "parent_run_id": self.trackers.run_ids().get("mlflow", "") if self.trackers else ""})
         validate(launch)
         return launch
+
+    def track(self, index: int, evaluated: dict) -> None:
+        """The cascade's dashboards: held-out accuracy per domain after stage ``index`` (0: the starting model)."""
+        if self.trackers:
+            self.trackers.log({"step": index, "heldout_accuracy": evaluated["accuracy"],
+                               **{f"heldout_accuracy/{d}": a for d, a in evaluated["domains"].items()}})
 
     def teachers(self, spec: Any, wanted: list[str]) -> dict[str, str]:
         """Per domain, the checkpoint that teaches it: pinned, or the best recorded one ("best")."""

@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from cascade_rl.environments.base import EnvSettings
+from cascade_rl.orchestrator.trackers import problems as tracker_problems
 from cascade_rl.protocol.devices import GPU_KEYS, uses_gpus
 
 from . import judge
@@ -179,7 +180,7 @@ def validate(cfg: DictConfig) -> None:
         OmegaConf.to_object(cfg.weights_options)  # each transport's options check themselves (schema_weights.py)
     except ValueError as err:
         problems.append(str(err))
-    problems += launch_problems(cfg)
+    problems += launch_problems(cfg) + tracker_problems(cfg)
     if r.algorithm == "mopd" and (t.kl_coef or t.entropy_coef):
         problems.append("trainer.kl_coef / entropy_coef apply to grpo only")
     if problems:

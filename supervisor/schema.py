@@ -21,6 +21,7 @@ from cascade_rl.protocol.devices import Dtype
 from .schema_agents import AgentConfig, GatewayConfig
 from .schema_choices import InflightKV, LrDecay, Progress
 from .schema_data import DataConfig
+from .schema_logging import MlflowConfig, WandbConfig
 from .schema_lora import LoraSettings
 from .schema_ray import LauncherName, RayConfig
 from .schema_services import JudgeConfig, SGLangConfig, TorchKVSettings, VLLMConfig
@@ -184,8 +185,6 @@ class OrchestratorConfig:
     """Drop groups whose rewards are all equal (no signal) and sample replacements (DAPO; paper: IF-RL)."""
     overlong_penalty: bool = False
     """Reward 0 for a response cut off at max_tokens (paper: on, except RLHF)."""
-    tensorboard: bool = False
-    """Also write the step metrics as TensorBoard events under run_dir/tensorboard (pip install -e .[tensorboard])."""
     save_rollouts: bool = False
     """Write every trained row to run_dir/rollouts.jsonl as the trainer gets it (id, step, token ids, loss mask,
     sampler log-probs, reward, versions, segment starts): to inspect what was trained, token by token."""
@@ -452,5 +451,12 @@ class LaunchConfig:
     """The OpenAI-compatible gateway your agents call (started when the data has agent rows)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Your agent program for rows whose env is ``agent``: a function or a command."""
+    logger: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where the step metrics go: jsonl (always: run_dir/metrics.jsonl) and any of tensorboard | wandb | mlflow,
+    with the same names and steps everywhere (orchestrator/trackers.py), e.g. ``logger=[jsonl,wandb]``."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases: project, entity, group, mode (offline: synced later)."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow: tracking URI, experiment, parent run."""
 
 

@@ -16,6 +16,9 @@ from cascade_rl.supervisor.cascade import Cascade, load_config
 from cascade_rl.supervisor.config_errors import ConfigError
 from cascade_rl.supervisor.report import write_report
 
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from console_lines import foreign_lines  # noqa: E402
+
 CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
 
 
@@ -31,6 +34,8 @@ run: tiny
 overrides: [orchestrator.eval_n=0, orchestrator.eval_greedy=false, run.steps=2, trainer.save_every=1,
             supervisor.progress=plain]
 eval: {{files: {json.dumps(heldout)}, per_domain: 4, n: 2, max_tokens: 24}}
+logger: [jsonl, wandb, mlflow]
+wandb: {{mode: offline}}
 stages:
   # a random model scores 0 everywhere: dynamic filtering (the IF-RL preset's) would drop every group
   - {{name: if_rl, stage: if_rl, overrides: ["data.files=[{data['rl']['arithmetic_if']}]", sampling.max_tokens=24,
@@ -48,6 +53,11 @@ def test_cascade_runs_stages_records_every_checkpoint_and_distils_from_the_best(
     r = subprocess.run([*CLI, "cascade", str(config)], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     run_dir = tmp_path / "run"
+    # the console: the supervisor's lines and the report's path, no dependency's; math-verify's warning about the
+    # evaluations' untimed parses (scored off the main thread) is in the cascade's log (supervisor/console.py)
+    assert not foreign_lines(r.stdout + r.stderr), "\n".join(foreign_lines(r.stdout + r.stderr))
+    assert f"report {run_dir / 'report.md'}" in r.stdout
+    assert "math_verify.parser: Timeout is disabled" in (run_dir / "logs" / "cascade.log").read_text()
     record = json.loads((run_dir / "cascade.json").read_text())
     assert record["order"] == ["if_rl", "mopd"]
     domains = {"math", "mcqa", "structured_output", "instruction_following"}
@@ -82,6 +92,40 @@ def test_cascade_runs_stages_records_every_checkpoint_and_distils_from_the_best(
     assert r2.returncode == 0, r2.stdout[-2000:] + r2.stderr[-2000:]
     assert r2.stdout.count("skipping") == 2
     assert json.loads((run_dir / "cascade.json").read_text())["stages"] == record["stages"]
+    dashboards_hold_the_cascade(run_dir, record)
+
+
+def dashboards_hold_the_cascade(run_dir: Path, record: dict) -> None:
+    """logger=[jsonl,wandb,mlflow] on the cascade: one W&B group (the cascade's run and each stage's), one MLflow
+    store with the cascade's run the stages' parent; each stage's metrics.jsonl on both; the report and plots
+    attached to the cascade's runs; the rerun continued the cascade's runs, not made new ones."""
+    from mlflow.tracking import MlflowClient
+
+    sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+    from dashboards import jsonl_by_step, mlflow_metrics, wandb_runs
+
+    cascade_ids = json.loads((run_dir / "trackers.json").read_text())
+    runs = wandb_runs(run_dir)
+    assert [r["id"] for r in runs] == [cascade_ids["wandb"]] * 2  # the first run and the rerun: one W&B run
+    assert runs[0]["job_type"] == "cascade" and runs[0]["group"] == record["group"]
+    assert runs[0]["history"][0]["heldout_accuracy"] == record["initial"]["accuracy"]
+    assert sorted(runs[0]["history"]) == [0, 1, 2]  # the starting model, after each stage
+    assert any(r["artifacts"] for r in runs)
+    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    assert {a.path for a in client.list_artifacts(cascade_ids["mlflow"])} >= {
+        "report.md", "accuracy.png", "training.png", "cascade.json"}
+    for name in record["order"]:
+        stage_dir = run_dir / name
+        ids = json.loads((stage_dir / "trackers.json").read_text())
+        expected = jsonl_by_step(stage_dir / "metrics.jsonl")
+        [stage] = wandb_runs(stage_dir)
+        assert stage["group"] == record["group"] and stage["job_type"] == "stage" and stage["id"] == ids["wandb"]
+        assert stage["history"] == expected
+        assert mlflow_metrics(uri, ids["mlflow"]) == expected
+        run = client.get_run(ids["mlflow"])
+        assert run.data.tags["mlflow.parentRunId"] == cascade_ids["mlflow"] and run.info.status == "FINISHED"
+        assert run.data.params["run.steps"] == "2"
 
 
 def test_teachers_best_picks_each_domains_best_checkpoint_and_pins_explicit_ones(tmp_path):

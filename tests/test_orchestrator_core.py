@@ -17,7 +17,6 @@ from cascade_rl.orchestrator import groups
 from cascade_rl.orchestrator.batch import build_batch
 from cascade_rl.orchestrator.core import Core
 from cascade_rl.orchestrator.ledger import Ledger
-from cascade_rl.orchestrator.report import MetricsLog
 from cascade_rl.orchestrator.rules import Rules
 from cascade_rl.protocol import records
 from cascade_rl.protocol.messages import (
@@ -154,21 +153,6 @@ def test_a_stale_group_is_not_trained(clock, tmp_path):
     assert core.settle([g]) == []
     assert {(r["fate"], r["reason"], r["version"]) for r in ledger_lines(tmp_path)} == {
         ("stale", "2 versions behind step 3", 2), ("stale", "2 versions behind step 3", 1)}
-
-
-def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    log = MetricsLog(tmp_path, tensorboard=True)
-    log.log({"step": 1, "reward_mean": 0.25, "trainer/loss": -0.5, "note": "text is skipped"})
-    log.log({"step": 2, "reward_mean": 0.5, "trainer/loss": -0.25})
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["reward_mean"] for x in lines] == [0.25, 0.5]
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 0.25), (2, 0.5)]
-    assert [e.value for e in events.Scalars("trainer/loss")] == [-0.5, -0.25]
-    assert "note" not in events.Tags()["scalars"]
 
 
 # --------------------------------------------------------------------------- credits and dispatch
