@@ -21,6 +21,12 @@ LINES = [{"step": 0, "heldout_accuracy": 0.25, "heldout_accuracy/math": 0.5},
          {"step": 1, "reward_mean": 0.75, "trainer/loss": -0.25, "odd name (x)": 2}]
 
 
+@pytest.fixture(scope="module")
+def uri(tmp_path_factory) -> str:
+    """One MLflow store for the module (making its tables takes seconds)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
 def identity(run_dir, **mlflow):
     config = {"run": {"steps": 2, "seed": 0}, "data": {"files": ["a.jsonl"]}, "logger": ["jsonl", "wandb", "mlflow"]}
     return RunIdentity(run_dir, run_dir.name, config, {"project": "p", "group": "g", "mode": "offline"},
@@ -49,9 +55,7 @@ def test_tensorboard_gets_the_numbers_of_each_line(tmp_path):
     assert "note" not in events.Tags()["scalars"] and "time" not in events.Tags()["scalars"]
 
 
-def test_wandb_and_mlflow_hold_metrics_jsonl_and_a_resumed_run_dir_continues_their_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_wandb_and_mlflow_hold_metrics_jsonl_and_a_resumed_run_dir_continues_their_runs(tmp_path, uri):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     first = write(run_dir, ["jsonl", "wandb", "mlflow"], LINES, tracking_uri=uri)
@@ -85,10 +89,9 @@ def test_wandb_and_mlflow_hold_metrics_jsonl_and_a_resumed_run_dir_continues_the
     assert [a.path for a in client.list_artifacts(ids["mlflow"])] == ["summary.json"]
 
 
-def test_a_nested_mlflow_run_names_its_parent(tmp_path):
+def test_a_nested_mlflow_run_names_its_parent(tmp_path, uri):
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     parent = tmp_path / "cascade"
     parent.mkdir()
     write(parent, ["mlflow"], [], tracking_uri=uri)
