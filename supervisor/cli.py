@@ -35,6 +35,9 @@ import zmq
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from cascade_rl.learner.tiny_model import make_tiny_model
 
+    from .console import no_progress_bars
+
+    no_progress_bars()
     out = make_tiny_model(args.out, arch=args.arch, size=args.size, task=args.task, seed=args.seed,
                           tie_word_embeddings=not args.untied, vocab_size=args.vocab_size, max_len=args.max_len)
     print(json.loads((out / "cascade_rl.json").read_text()) | {"out": str(out)})
@@ -64,7 +67,9 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from cascade_rl.learner.sft import SFTConfig, run_sft
 
     from .config_errors import ConfigError, explain
+    from .console import no_progress_bars
 
+    no_progress_bars()  # its own "sft step" lines are the progress
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(SFTConfig), OmegaConf.from_dotlist(args.overrides))
     except Exception as e:  # an unknown key or a value of the wrong type: one line, exit 2
@@ -81,8 +86,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(to_yaml(cfg))
         return 0
+    from . import console
     from .launch import Supervisor
 
+    console.quiet(Path(cfg.run_dir) / "logs" / "supervisor.log")  # before the data is prepared: it loads a tokenizer
     return Supervisor(cfg, inline=args.inline).run()
 
 
@@ -101,6 +108,9 @@ def cmd_cascade(args: argparse.Namespace) -> int:
 
         print(OmegaConf.to_yaml(cfg))
         return 0
+    from . import console
+
+    console.quiet(Path(cfg.run_dir) / "logs" / "cascade.log")  # its evaluations' and its stages' supervisors' records
     return Cascade(cfg).run()
 
 
@@ -295,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
     from cascade_rl.data.sources import DataError
 
     from .config_errors import ConfigError
+    from .console import err
     from .export import ExportError
     from .launchers import LaunchError
     from .run_data import BadData, refusal
@@ -302,10 +313,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         return args.fn(args)
     except (ConfigError, DataError, LaunchError, ExportError) as e:
-        print(f"cascade-rl: {e}", file=sys.stderr)
+        print(f"cascade-rl: {e}", file=err())  # err(): the terminal, also once a launch's stderr is its log
         return 2
     except BadData as e:
-        print("\n".join(refusal(e.report)), file=sys.stderr)
+        print("\n".join(refusal(e.report)), file=err())
         return 1
 
 

@@ -89,8 +89,9 @@ class Display:
             elif isinstance(v, (dict, list)) and not v:
                 continue
             table.add_row(f"books.{k}", str(v))
-        table.add_row("summary", str(self.run_dir / "summary.json"))
         self.console.print(table)
+        # below the table, not in it: a cell of a narrow console (a pipe: 80 columns) cuts a long path with "…"
+        self.console.print(f"summary: {self.run_dir / 'summary.json'}", soft_wrap=True)
 
     def notice(self, text: str) -> None:
         """Something the user should read now (a stall), whatever the mode but none."""

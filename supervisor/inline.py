@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import sys
 import threading
 import traceback
 from pathlib import Path
@@ -41,10 +40,11 @@ def problems(cfg) -> list[str]:
 
 
 def configure_logging(run_dir: Path) -> None:
-    """One log for every role, each line named by its thread (the worker id)."""
-    handler = logging.FileHandler(run_dir / "logs" / "inline.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    """One log for every role, each line named by its thread (the worker id); none of it on the console, as the
+    workers' logs of a normal launch (supervisor/console.py)."""
+    from .console import quiet
+
+    quiet(run_dir / "logs" / "inline.log", records=False, fmt="%(asctime)s %(threadName)s %(levelname)s %(message)s")
 
 
 class ThreadProc:
@@ -67,7 +67,9 @@ class ThreadProc:
                 logging.getLogger(self._thread.name).error("exited: %s", e)
         except BaseException:
             logging.getLogger(self._thread.name).error("failed:\n%s", traceback.format_exc())
-            print(f"{self._thread.name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            from .console import err
+
+            print(f"{self._thread.name} failed:\n{traceback.format_exc()}", file=err(), flush=True)
             self.returncode = 1
 
     def poll(self) -> int | None:

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from console_lines import foreign_lines  # noqa: E402
+
 CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
 
 
@@ -105,6 +108,13 @@ def test_launch_tiny_end_to_end(tiny_model, math_data, tmp_path):
     signal = any(m["trainer/zero_adv_groups"] < groups for m in train_steps)
     assert changed == signal
     assert "run summary" in out
+
+    # the console holds the supervisor's own lines (the progress, the summary) and no dependency's; what the
+    # libraries print stays in the processes' logs (supervisor/console.py): transformers' bar in the trainer's
+    assert not foreign_lines(out), "\n".join(foreign_lines(out))
+    assert f"step {steps}/{steps} | " in out and "summary.json" in out
+    assert "Loading weights" in (run_dir / "logs" / "trainer-0.log").read_text()
+    assert (run_dir / "logs" / "supervisor.log").is_file()
 
     # engine/trainer log-prob mismatch: per step in the live line, over the run in the summary and its table
     mismatch = summary["mismatch"]

@@ -138,17 +138,23 @@ def test_verdicts_are_remembered_per_answer_and_reference():
     assert after.hits - before.hits >= 4 and after.misses - before.misses <= 3
 
 
-def test_scoring_off_the_main_thread_keeps_math_verifys_timeout_warning_off_the_console():
+def test_math_verifys_timeout_warning_goes_to_the_log_not_the_console(tmp_path):
     """Off the main thread score_math calls math-verify without its signal timeout, knowingly: the library's
-    warning about it (once a process, so a fresh one) reaches neither stderr nor the logs; the score is right."""
-    probe = """
+    warning about it (once a process, so a fresh one) is kept in the log of a process whose console the supervisor
+    keeps quiet (supervisor/console.py), and never reaches its stderr; the score is right."""
+    log = tmp_path / "logs" / "supervisor.log"
+    probe = f"""
 import threading
+from pathlib import Path
+from cascade_rl.supervisor import console
 from cascade_rl.verifiers.math import score_math
+console.quiet(Path({str(log)!r}))
 scores = []
-t = threading.Thread(target=lambda: scores.append(score_math("so \\\\boxed{42}", "42")))
+t = threading.Thread(target=lambda: scores.append(score_math("so \\\\boxed{{42}}", "42")))
 t.start(); t.join()
 print(scores)
 """
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "[1.0]", r.stdout + r.stderr
-    assert "Timeout is disabled" not in r.stderr, r.stderr
+    assert r.stderr == "", r.stderr
+    assert "math_verify.parser: Timeout is disabled" in log.read_text()

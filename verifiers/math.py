@@ -16,7 +16,6 @@ Run the checks with ``pytest tests/test_math_verifier.py``.
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 
 from math_verify import parse, verify
@@ -27,18 +26,6 @@ from .text import final_answer_text
 _BOXED = "\\boxed{"
 # Seconds math-verify may spend on one parse or one comparison (sympy can blow up).
 _TIMEOUT_S = 5
-
-
-class _UntimedOffMainThread(logging.Filter):
-    """Drops math-verify's once-a-process warning that a call without a timeout could hang: score_math makes that
-    call knowingly, off the main thread (below), and the warning reached the console of every evaluation."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Timeout is disabled")
-
-
-for _name in ("math_verify.grader", "math_verify.parser"):
-    logging.getLogger(_name).addFilter(_UntimedOffMainThread())
 
 
 def extract_boxed(text: str) -> str | None:
@@ -80,7 +67,8 @@ def score_math(response: str, reference: str) -> float:
     if content is None or not content.strip():
         return 0.0
     # math-verify times out with signal.alarm, which only works in the main thread;
-    # elsewhere (e.g. a verifier thread pool) run without its timeout instead of failing.
+    # elsewhere (e.g. a verifier thread pool) run without its timeout instead of failing. math-verify warns about
+    # that once a process: the warning goes to the process's log, never to a launch's console (supervisor/console.py).
     timeout = _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     try:
         return _equivalent(content, reference, timeout)
