@@ -28,7 +28,8 @@ class Display:
         self.progress = Progress(TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                  TextColumn("{task.fields[info]}"), console=self.console)
         self.task = self.progress.add_task("steps", total=steps, info="starting")
-        self.live = Live(console=self.console, refresh_per_second=4) if mode == "rich" else None
+        # stderr stays where it is: the log (supervisor/console.py), not lines above the panel
+        self.live = Live(console=self.console, refresh_per_second=4, redirect_stderr=False) if mode == "rich" else None
         self._last_printed: dict | None = None
 
     def __enter__(self) -> Display:
