@@ -14,8 +14,9 @@ Everything else goes to the log: the process's stderr (file descriptor 2) is the
 writes there, by ``logging`` and its own handlers (transformers', mlflow's), Python ``warnings`` (torch's,
 transformers', triton's FutureWarnings and UserWarnings), a tqdm bar or C++ code, lands in the log and not on the
 terminal; so does math-verify's "Timeout is disabled ..." warning about the evaluations' untimed parses (we run
-them off the main thread knowingly). Every record at INFO and above is in the log too. Library output to stdout is
-not caught (none is printed by the supervisor's process today).
+them off the main thread knowingly). The log holds the project's records from INFO up, the dependencies' from
+WARNING up (``Logged``). Library output to stdout is not caught (none is printed by the supervisor's process
+today).
 
 Workers never print to the console: each process's stdout and stderr are its own log file,
 ``<run_dir>/logs/<worker-id>.log`` (supervisor/launchers/), where every dependency's line stays.
@@ -61,21 +62,32 @@ class UsersBusiness(logging.Filter):
         return record.levelno >= logging.WARNING and not from_dependency(os.path.realpath(record.pathname))
 
 
-def quiet(log: Path, records: bool = True, fmt: str = _FORMAT) -> None:
-    """Make ``log`` this process's stderr and its logging's file (every record at INFO and above, every Python
-    warning); on the console, ``err()`` and, with ``records``, the ``UsersBusiness`` records. Called again (--inline
-    moves to logs/inline.log), it moves them; the console stays the terminal's."""
+class Logged(logging.Filter):
+    """Passes what the log keeps: every record of the project's and the user's code, a dependency's from WARNING
+    up (httpx logs every judge call at INFO: thousands of lines a cascade, none of them news)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not from_dependency(os.path.realpath(record.pathname))
+
+
+def quiet(log: Path, inline: bool = False, fmt: str = _FORMAT) -> None:
+    """Make ``log`` this process's stderr and its logging's file (``Logged``'s records, every Python warning);
+    on the console ``err()`` and the ``UsersBusiness`` records. ``inline`` (--inline: the roles are threads of this
+    process, logging to logs/inline.log): as a worker's log, every record, none on the console. Called again, it
+    moves the log; the console stays the terminal's."""
     global _terminal
     log.parent.mkdir(parents=True, exist_ok=True)
     to_file = logging.FileHandler(log)  # appends: a resumed run keeps its earlier lines
     to_file.setFormatter(logging.Formatter(fmt))
+    if not inline:
+        to_file.addFilter(Logged())
     sys.stdout.flush()
     sys.stderr.flush()
     if _terminal is None:
         _terminal = os.fdopen(os.dup(2), "w", buffering=1, errors="replace")
     os.dup2(to_file.stream.fileno(), 2)  # fd 2 outlives the handler's own descriptor (closed by a later call)
     handlers: list[logging.Handler] = [to_file]
-    if records:
+    if not inline:
         to_console = logging.StreamHandler(_terminal)
         to_console.addFilter(UsersBusiness())
         to_console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))

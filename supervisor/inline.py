@@ -44,7 +44,7 @@ def configure_logging(run_dir: Path) -> None:
     workers' logs of a normal launch (supervisor/console.py)."""
     from .console import quiet
 
-    quiet(run_dir / "logs" / "inline.log", records=False, fmt="%(asctime)s %(threadName)s %(levelname)s %(message)s")
+    quiet(run_dir / "logs" / "inline.log", inline=True, fmt="%(asctime)s %(threadName)s %(levelname)s %(message)s")
 
 
 class ThreadProc:

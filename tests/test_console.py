@@ -25,6 +25,9 @@ def test_records_of_the_project_and_the_users_code_are_the_users_business_a_depe
     assert not business.filter(record(math_verify.__file__))  # site-packages
     assert not business.filter(record(warnings.__file__))  # the standard library: Python's warnings, logged
     assert not business.filter(record(console.__file__, logging.INFO))  # INFO: the log's
+    logged = console.Logged()
+    assert logged.filter(record(console.__file__, logging.INFO)) and logged.filter(record(math_verify.__file__))
+    assert not logged.filter(record(math_verify.__file__, logging.INFO))  # httpx's line per judge call
 
 
 def test_quiet_sends_every_dependency_line_to_the_log_and_the_users_business_to_the_terminal(tmp_path):
