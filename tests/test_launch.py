@@ -166,10 +166,14 @@ def test_stopping_the_supervisor_stops_every_worker(tiny_model, math_data, tmp_p
 @pytest.mark.slow
 def test_two_rank_trainer_then_resume_from_its_checkpoint(tiny_model, math_data, tmp_path):
     """trainer.world_size=2: the supervisor starts the trainer under torchrun (FSDP2, gloo); a second launch
-    with run.resume_from=latest continues at the checkpoint's step with the saved data cursor."""
+    with run.resume_from=latest continues at the checkpoint's step with the saved data cursor. Both log to W&B
+    (offline) and MLflow (a sqlite store) too: the resumed launch continues the same runs, and each holds what
+    metrics.jsonl holds, read back through the library's own files and client."""
     run_dir = tmp_path / "run"
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
-    common = [f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data, "supervisor.progress=plain"]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = [f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data, "supervisor.progress=plain",
+              "logger=[jsonl,wandb,mlflow]", "wandb.mode=offline", f"mlflow.tracking_uri='{uri}'"]
     r = cli("launch", "tiny", *common, "trainer.world_size=2", "run.steps=2", env=env, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = (run_dir / "logs" / "trainer-0.log").read_text()
@@ -187,6 +191,24 @@ def test_two_rank_trainer_then_resume_from_its_checkpoint(tiny_model, math_data,
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics if "version" in m] == [1, 2, 3, 4]
     assert all(m["staleness_mean"] == 0.0 for m in metrics if "version" in m)
+    dashboards_hold_metrics_jsonl(run_dir, uri, runs=2)
+
+
+def dashboards_hold_metrics_jsonl(run_dir: Path, uri: str, runs: int) -> None:
+    """The run's W&B runs (offline files) and its MLflow run hold what metrics.jsonl holds; ``runs`` launches of
+    this run_dir made one W&B run and one MLflow run between them."""
+    sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+    from dashboards import jsonl_by_step, mlflow_metrics, wandb_runs
+
+    ids = json.loads((run_dir / "trackers.json").read_text())
+    expected = jsonl_by_step(run_dir / "metrics.jsonl")
+    found = wandb_runs(run_dir)
+    assert [r["id"] for r in found] == [ids["wandb"]] * runs
+    history = {}
+    for r in found:
+        history.update(r["history"])
+    assert history == expected
+    assert mlflow_metrics(uri, ids["mlflow"]) == expected
 
 
 @pytest.mark.slow
