@@ -296,6 +296,7 @@ class Orchestrator:
             return
         self.next_beat = now + self.cfg.supervisor.heartbeat_s
         counters = {"books": self.core.books(), "malformed": self.core.malformed, **self.status,
+                    "dashboards_failed": self.trackers.failed.copy(),  # the supervisor says each once
                     "waiting_for": self._waiting(), "workers": self.core.pool.holdings(self.core.clock())}
         self._snapshot = {"state": self.status["state"], "version": self.core.version, "counters": counters}
         if force:

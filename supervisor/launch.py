@@ -84,6 +84,7 @@ class Supervisor:
         auth.bind(self.control, cfg.endpoints.control)
         self.procs: dict[str, Proc] = {}
         self.retired: list[dict] = []  # workers a swap replaced, as they last reported
+        self.told: set[str] = set()  # the dashboards whose failure the console has shown
         self.verifier_impls: dict[str, str] = {}  # domain -> verifier name, as swaps set them
         self.started = time.monotonic()
         self.stop_requested = False
@@ -336,6 +337,14 @@ class Supervisor:
 
     # ------------------------------------------------------------------ main loop
 
+    def report_dashboards(self, display: Display) -> None:
+        """A dashboard the orchestrator dropped (no network, bad credentials: orchestrator/trackers.py), said once."""
+        for name, why in self.procs["orchestrator"].counters.get("dashboards_failed", {}).items():
+            if name not in self.told:
+                self.told.add(name)
+                display.notice(f"logger={name} failed ({why[:300]}); the run goes on without it (metrics.jsonl "
+                               f"has every metric)")
+
     def run(self) -> int:
         display = Display(self.cfg.supervisor.progress, self.cfg.run.steps, self.run_dir)
         # SIGTERM (a CI timeout, `kill`) must stop the workers too, like Ctrl-C does
@@ -349,6 +358,7 @@ class Supervisor:
                     outcome = self.watch()
                     display.update(self.procs["orchestrator"].counters, self.table())
                     self.report_stall(display)
+                    self.report_dashboards(display)
         except KeyboardInterrupt:
             outcome = "interrupted"
         except (judge.JudgeStartError, LaunchError) as e:  # the judge never answered, a worker has no place:

@@ -15,7 +15,7 @@ DEPENDENCY = re.compile(r"Warning:|warnings\.warn|Timeout is disabled|FutureWarn
 # what the supervisor prints itself (supervisor/display.py in plain mode, run_data.py, cascade.py): the run dir, the
 # data it prepared, a progress line per step, the summary table (rich's box), its notices, the cascade's lines
 SUPERVISOR = re.compile(r"run_dir: |summary: |data: |step \d+/\d+ \| |cascade: |\s*run summary\s*$|[┌┬┐├┼┤└┴┘│─┏┃┡━╇┗┛┓┳┻╋]"
-                        r"|run failed: |stall|restart")
+                        r"|run failed: |stall|restart|logger=\w+ failed")
 
 
 def foreign_lines(out: str) -> list[str]:
