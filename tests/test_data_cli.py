@@ -70,7 +70,9 @@ def test_launch_refuses_bad_data_before_any_process_starts(bad_file, tiny_model,
     for n, (_, words) in BAD_LINES.items():
         assert f"{bad_file}:{n}: " in r.stderr and words in r.stderr
     assert "8 bad rows" in r.stderr and "data.on_bad_row=skip" in r.stderr and "Traceback" not in r.stderr
-    assert not (run_dir / "supervisor.json").exists() and not list((run_dir / "logs").glob("*.log"))
+    # no process started: no worker's log (the supervisor's own log, supervisor/console.py, is there from the start)
+    assert not (run_dir / "supervisor.json").exists()
+    assert [p.name for p in (run_dir / "logs").glob("*.log")] == ["supervisor.log"]
 
 
 def test_skipped_bad_rows_are_counted_per_reason(bad_file, tiny_model, tmp_path, prepared):
