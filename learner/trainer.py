@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     if ranks.main:
         options = dict(cfg.weights_options.get(cfg.weights_transport) or {})  # typed per transport in the schema
         # the address samplers on other hosts reach us at: this node's in a Ray run (supervisor/launchers/)
-        if cfg.weights_transport == "stream" and not options["host"] and (
+        if cfg.weights_transport in ("stream", "delta") and not options["host"] and (
                 host := os.environ.get("CASCADE_RL_NODE_IP") or cfg.host):
             options["host"] = host
         transport = TRANSPORTS[cfg.weights_transport](run_id=cfg.run_id, **options)
@@ -352,6 +352,9 @@ def main(argv: list[str] | None = None) -> None:
             metrics["train_s"] = time.perf_counter() - t0
             metrics["tokens_per_s"] = int(batch.lengths.sum()) * ranks.dp_size / metrics["train_s"]
             metrics["weights_bytes"] = notice.nbytes if notice is not None else 0  # what each sampler receives
+            if notice is not None and hasattr(transport, "metrics"):  # delta: the version's delta (a resync: the file)
+                metrics["weights_bytes"] = transport.metrics["bytes"]
+                metrics["weights_changed_frac"] = transport.metrics["changed_frac"]
             if not ranks.main:
                 continue
             notices.send(notice)  # samplers apply it at their next safe point

@@ -389,12 +389,17 @@ class WeightsReady:
 
 @message("weights_get")
 class WeightsGet:
-    """sampler → trainer's stream ROUTER (``stream`` transport): send me chunk ``chunk`` of weights ``version``."""
+    """sampler → trainer's stream ROUTER (``stream``, ``delta`` transports): send me chunk ``chunk`` of weights
+    ``version``: its safetensors file (``part`` empty), or another payload the publisher serves with it (``part``
+    ``delta``: the elements that changed since the version before, weights/delta.py)."""
 
     version: int
     chunk: int
+    part: str = ""
 
     def validate(self) -> str:
+        if len(self.part) > 32:
+            return f"part name of {len(self.part)} characters"
         return "" if self.version >= 0 and self.chunk >= 0 else f"version {self.version}, chunk {self.chunk}"
 
 

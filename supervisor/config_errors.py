@@ -48,7 +48,7 @@ RENAMED = {
     **{f"trainer.{key}": f"run.{key}" for key in ("algorithm", "steps", "prompts_per_step", "group_size", "seed",
                                                    "resume_from")},
     **{f"weights_options.{key}": f"weights_options.stream.{key}" for key in ("endpoint", "host", "chunk_mb")},
-    "weights_options.keep": "weights_options.TRANSPORT.keep (TRANSPORT: shm, stream or cuda_ipc)",
+    "weights_options.keep": "weights_options.TRANSPORT.keep (TRANSPORT: shm, stream, cuda_ipc or delta)",
 }
 
 

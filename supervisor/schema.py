@@ -398,7 +398,8 @@ class LaunchConfig:
     (inproc:// sockets, verifiers score in their thread), so a debugger or py-spy sees the whole system."""
     weights_transport: str = "shm"
     """A transport registered in weights/registry.py: shm (a file under /dev/shm: one machine) | stream (the file in chunks over ZeroMQ: no shared file system) |
-    cuda_ipc (samplers read the trainer's GPU buffers in place: trainer and samplers on one GPU, engine torch or vllm)."""
+    cuda_ipc (samplers read the trainer's GPU buffers in place: trainer and samplers on one GPU, engine torch or vllm) |
+    delta (only the elements that changed since the version before, over ZeroMQ; full weights on a sampler's resync)."""
     weights_options: WeightsOptions = field(default_factory=WeightsOptions)
     """The options of each transport, a section per transport (supervisor/schema_weights.py), e.g.
     ``weights_options.stream.chunk_mb=8``: the trainer passes the chosen transport's section to it."""

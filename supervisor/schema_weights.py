@@ -62,6 +62,34 @@ class CudaIpcOptions:
 
 
 @dataclass
+class DeltaOptions:
+    """``delta``: each version as the elements that changed since the one before (weights/delta.py), over a stream
+    ROUTER that also serves every version's full file (a sampler that fell behind or refused a delta loads it)."""
+
+    keep: int = 2
+    """Versions served in memory, full file and delta (>= 2: the delta of v is taken against v-1's file; host
+    memory ~ (keep + 1) x the model's bytes, as the stream's)."""
+    endpoint: str = "tcp://0.0.0.0:0"
+    """Where the trainer's ROUTER binds (port 0: a free one)."""
+    host: str = ""
+    """The name samplers connect to (as ``stream.host``)."""
+    chunk_mb: int = 16
+    """MiB in one reply frame."""
+    zlib_level: int = 0
+    """zlib level for a delta's index bytes, kept only where it saves an eighth of them; 0: never compress (at 50m
+    level 1 saved ~20% of a delta's bytes for ~80 ms of the trainer's publish: worth it below ~200 Mb/s links)."""
+
+    def __post_init__(self) -> None:
+        if self.keep < 2:
+            raise ValueError(f"weights_options.delta.keep must be >= 2 (the delta of v is taken against v-1), "
+                             f"got {self.keep}")
+        if self.chunk_mb < 1:
+            raise ValueError(f"weights_options.delta.chunk_mb must be >= 1, got {self.chunk_mb}")
+        if not 0 <= self.zlib_level <= 9:
+            raise ValueError(f"weights_options.delta.zlib_level must be in 0..9, got {self.zlib_level}")
+
+
+@dataclass
 class WeightsOptions:
     """One section per built-in transport; only the chosen one (``weights_transport``) is used."""
 
@@ -71,3 +99,5 @@ class WeightsOptions:
     """Options of weights_transport=stream."""
     cuda_ipc: CudaIpcOptions = field(default_factory=CudaIpcOptions)
     """Options of weights_transport=cuda_ipc."""
+    delta: DeltaOptions = field(default_factory=DeltaOptions)
+    """Options of weights_transport=delta."""

@@ -308,6 +308,7 @@ def _fix_control(draw, kw: dict) -> None:
 
 def _fix_weights_get(draw, kw: dict) -> None:
     kw["version"], kw["chunk"] = abs(kw["version"]), abs(kw["chunk"])
+    kw["part"] = kw.get("part", "")[:32]
 
 
 def _fix_weights_chunk(draw, kw: dict) -> None:  # chunk < chunks, each chunk >= 1 byte, data within the file

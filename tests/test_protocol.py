@@ -178,6 +178,7 @@ def sample_messages() -> list[Any]:
         StepDone(step=0, version=1),
         WeightsReady(version=18, uri="file:///tmp/weights/v18", format="safetensors", nbytes=1 << 33, checksum="ab12"),
         WeightsGet(version=18, chunk=3),
+        WeightsGet(version=18, chunk=0, part="delta"),
         WeightsChunk(version=18, chunk=2, chunks=3, nbytes=40, checksum="ab12", data=np.arange(8, dtype=np.uint8) * 31),
         WeightsChunk(version=0, chunk=0, chunks=1, nbytes=0, checksum="", data=np.zeros(0, np.uint8)),  # an empty file
         WeightsRefused(version=18, reason="version 18 is not served (evicted or never published); serving [19, 20]"),
@@ -707,6 +708,7 @@ VALIDATION_FAILURES = [
     (Ready(worker_id="w", role="sampler", slots=-1), "ready: slots must be >= 0"),
     (WeightsGet(version=-1, chunk=0), "weights_get: version -1, chunk 0"),
     (WeightsGet(version=3, chunk=-2), "weights_get: version 3, chunk -2"),
+    (WeightsGet(version=3, chunk=0, part="d" * 33), "weights_get: part name of 33 characters"),
     (WeightsChunk(3, 3, 3, 40, "", np.zeros(4, np.uint8)), "weights_chunk: chunk 3 of 3"),
     (WeightsChunk(3, -1, 3, 40, "", np.zeros(4, np.uint8)), "weights_chunk: chunk -1 of 3"),
     (WeightsChunk(3, 0, 0, 0, "", np.zeros(0, np.uint8)), "weights_chunk: chunk 0 of 0"),

@@ -7,7 +7,8 @@
 A notice names no transport: a sampler finds the receiver by the notice's ``format`` and its URI's scheme
 (``receiver``), each pair registered once. ``shm`` and ``stream`` land a verified local safetensors file
 (``resolve``) that the engine loads by path (``load_file``); ``cuda_ipc`` hands the engine views of the trainer's
-GPU buffer. ``bench/weight_transport.py`` times them against a memory copy.
+GPU buffer; ``delta`` applies the elements that changed to the copy the sampler keeps, or loads the full file
+(delta.py). ``bench/weight_transport.py`` times them against a memory copy; ``bench/delta_weights.py`` delta vs stream.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from cascade_rl.protocol.messages import WeightsReady
 from cascade_rl.protocol.registry import Registry
 
-from . import cuda_ipc, shm, stream
+from . import cuda_ipc, delta, shm, stream
 from .common import WeightsError
 
 RESOLVE_TIMEOUT_S = 30.0  # a sampler's longest wait for each reply of the publisher (stream)
@@ -96,3 +97,4 @@ def load_file(engine, notice: WeightsReady, run_id: str) -> None:
 register("shm", shm.ShmTransport, Receiver(shm.FORMAT, shm.SCHEME, load_file, shm.resolve))
 register("stream", stream.StreamTransport, Receiver(stream.FORMAT, stream.SCHEME, load_file, stream.resolve))
 register("cuda_ipc", cuda_ipc.CudaIpcTransport, Receiver(cuda_ipc.FORMAT, cuda_ipc.SCHEME, cuda_ipc.load))
+register("delta", delta.DeltaTransport, Receiver(delta.FORMAT, delta.SCHEME, delta.load))

@@ -19,7 +19,7 @@ Wire protocol (DEALER of the sampler -> ROUTER of the trainer): messages of the 
 (protocol/codec.py, protocol/messages.py; a msgpack header frame, the data in a frame of its own, received
 zero-copy):
 
-    request   WeightsGet(version, chunk)
+    request   WeightsGet(version, chunk, part)       part "": the file; another: a payload served with it (``attach``)
     reply     WeightsChunk(version, chunk, chunks, nbytes, checksum, data)
     refusal   WeightsRefused(version, reason)
 
@@ -32,6 +32,7 @@ with a ``WeightsError``, as does a refusal (its reason in the message).
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import queue
@@ -83,6 +84,7 @@ class StreamTransport:
         self.malformed = 0  # requests that could not be parsed (answered with a refusal when possible)
         self.dropped = 0  # replies to peers that vanished or stopped reading
         self._snapshots: dict[int, Snapshot] = {}
+        self._parts: dict[tuple[int, str], Snapshot] = {}  # (version, part) -> a payload served with that version
         self._retired: Snapshot | None = None  # the last evicted version: its buffer is the next one's
         self._staging = Staging()
         self._lock = threading.Lock()
@@ -110,8 +112,27 @@ class StreamTransport:
             self._snapshots[version] = snap
             for v in sorted(self._snapshots)[: -self.keep]:
                 self._retired = self._snapshots.pop(v)  # fetches of it now get "evicted"
+            self._parts = {key: p for key, p in self._parts.items() if key[0] in self._snapshots}
         return WeightsReady(version=version, uri=f"stream+tcp://{self.host}:{self.port}/{version}",
                             nbytes=len(snap.data), checksum=snap.checksum)
+
+    def served(self, version: int) -> Snapshot | None:
+        """The snapshot of ``version`` while it is served (weights/delta.py diffs the newest two). Its buffer is
+        reused ``keep`` versions later: read it before publishing again."""
+        with self._lock:
+            return self._snapshots.get(version)
+
+    def attach(self, version: int, part: str, data: np.ndarray) -> str:
+        """Serve ``data`` (uint8, never changed afterwards) as ``part`` of the published ``version``, until that
+        version is evicted (``WeightsGet.part``; weights/delta.py: the version's delta). Returns its checksum."""
+        checksum = Checksum()
+        checksum.update(data)
+        snap = Snapshot(data, checksum.hexdigest())
+        with self._lock:
+            if version not in self._snapshots:
+                raise WeightsError(f"stream: cannot attach {part!r} to version {version}: not served")
+            self._parts[(version, part)] = snap
+        return snap.checksum
 
     def close(self) -> None:
         self._stop.set()
@@ -147,12 +168,13 @@ class StreamTransport:
             request = decode(frames[1:], (WeightsGet,))
             version = request.version
             with self._lock:  # the snapshot cannot be retired and reused between lookup and tracking
-                snap = self._snapshots.get(version)
+                snap = self._parts.get((version, request.part)) if request.part else self._snapshots.get(version)
                 if snap is not None:
                     self._send_chunk(sock, identity, version, request.chunk, snap)
                     return
                 served = sorted(self._snapshots)
-            reason = f"version {version} is not served (evicted or never published); serving {served}"
+            what = f"{request.part} of version {version}" if request.part else f"version {version}"
+            reason = f"{what} is not served (evicted or never published); serving {served}"
         except ProtocolError as e:
             self.malformed += 1
             reason = f"malformed request: {str(e):.300}"  # a reason, not an echo of what the peer sent
@@ -250,13 +272,31 @@ def resolve(notice: WeightsReady, run_id: str, timeout_s: float, window: int = 4
     return str(path)
 
 
-def _receive(sock: zmq.Socket, notice: WeightsReady, f, timeout_s: float, window: int) -> tuple[int, str, str]:
-    """Fetch every chunk of ``notice.version`` in order into ``f``; (bytes received, their checksum,
-    the checksum the publisher's last reply announced)."""
+def fetch_part(addr: str, version: int, part: str, timeout_s: float, window: int = 4) -> np.ndarray:
+    """``part`` of ``version`` (``StreamTransport.attach``) from the publisher at ``addr`` (HOST:PORT), in memory,
+    checked against the checksum its replies announce."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    auth.connect(sock, f"tcp://{addr}")
+    buf = io.BytesIO()
+    try:
+        nbytes, checksum, announced = _receive(sock, WeightsReady(version=version, uri=f"tcp://{addr}"), buf,
+                                               timeout_s, window, part)
+    finally:
+        sock.close(linger=0)
+    if checksum != announced:
+        raise WeightsError(f"{part} of weights v{version} from {addr} fails its checksum")
+    return np.frombuffer(buf.getbuffer(), np.uint8)[:nbytes]
+
+
+def _receive(sock: zmq.Socket, notice: WeightsReady, f, timeout_s: float, window: int,
+             part: str = "") -> tuple[int, str, str]:
+    """Fetch every chunk of ``notice.version`` (or of its ``part``) in order into ``f``; (bytes received, their
+    checksum, the checksum the publisher's last reply announced)."""
     version, addr = notice.version, notice.uri
     checksum = Checksum()  # holds each chunk's frame (through the array viewing it) until hashed
     try:
-        sock.send_multipart(encode(WeightsGet(version=version, chunk=0)))
+        sock.send_multipart(encode(WeightsGet(version=version, chunk=0, part=part)))
         sent, got, chunks, nbytes = 1, 0, 1, 0
         while got < chunks:
             if not sock.poll(int(timeout_s * 1000)):
@@ -266,7 +306,7 @@ def _receive(sock: zmq.Socket, notice: WeightsReady, f, timeout_s: float, window
             if got == 0:
                 chunks = reply.chunks
                 while sent < min(chunks, window):
-                    sock.send_multipart(encode(WeightsGet(version=version, chunk=sent)))
+                    sock.send_multipart(encode(WeightsGet(version=version, chunk=sent, part=part)))
                     sent += 1
             data = reply.data  # a read-only view of the received frame: no copy
             f.write(data)
@@ -274,7 +314,7 @@ def _receive(sock: zmq.Socket, notice: WeightsReady, f, timeout_s: float, window
             nbytes += len(data)
             got += 1
             if sent < chunks:
-                sock.send_multipart(encode(WeightsGet(version=version, chunk=sent)))
+                sock.send_multipart(encode(WeightsGet(version=version, chunk=sent, part=part)))
                 sent += 1
         if nbytes != reply.nbytes:
             raise WeightsError(f"streamed weights v{version}: {nbytes} bytes, publisher says {reply.nbytes}")
