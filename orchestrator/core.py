@@ -151,6 +151,8 @@ class Core:
     def dispatch(self) -> None:
         self._dispatch_prompts()
         for ident, msg in [*self.agents.dispatch(self.groups), *self.trajectories.dispatch(self.groups)]:
+            if isinstance(msg, PromptRequest):  # a turn of a multi-turn row or an agent's call
+                self._weights_first(ident, msg.min_version)
             self._send(ident, msg)
         self._dispatch_scores()
         self._dispatch_teachers()
@@ -368,6 +370,14 @@ class Core:
     def _send(self, ident: bytes, msg) -> None:
         self.outbox.append((ident, msg))
 
+    def _weights_first(self, ident: bytes, min_version: int) -> None:
+        """A sampler behind ``min_version`` gets the newest notice before the request that needs it: it joined late,
+        or its SUB missed the trainer's notice (a PUB drops what a subscriber not yet connected would read)."""
+        w = self.pool.get(ident)
+        if w is not None and w.version < min_version and self.weights is not None and self.weights.version >= min_version:
+            self._send(ident, self.weights)
+            w.version = self.weights.version
+
     def _dispatch_prompts(self) -> None:
         inflight = self.pool.items("sampler")
         while self.prompt_queue and inflight < self.rules.max_inflight_groups:
@@ -380,9 +390,7 @@ class Core:
                 return
             ident, w = picked
             self.prompt_queue.popleft()
-            if w.version < g.min_version and self.weights is not None and self.weights.version >= g.min_version:
-                self._send(ident, self.weights)  # a late joiner: the newest weights first
-                w.version = self.weights.version
+            self._weights_first(ident, g.min_version)
             g.worker = ident
             self.pool.assign(ident, g.group_id, g.n, self.clock(), self.rules.sampler_timeout_s)
             sampling = g.sampling

@@ -19,7 +19,17 @@ from cascade_rl.protocol.agents import (
     GatewayRefused,
     session_of,
 )
-from cascade_rl.protocol.messages import PromptRequest, Ready, Rollout, SamplingParams, Score, ScoreRequest, WorkKey
+from cascade_rl.protocol.messages import (
+    PromptRequest,
+    Ready,
+    Rollout,
+    SamplingParams,
+    Score,
+    ScoreRequest,
+    StepDone,
+    WeightsReady,
+    WorkKey,
+)
 
 A0, GW = b"environment-0", b"gateway-0"
 SECRET = b"k" * 32
@@ -154,3 +164,25 @@ def test_an_agent_past_its_deadline_is_lost_and_one_ending_without_a_call_fails(
     clock.now = 20.0 + 31.0
     core.expire()
     assert g.error.startswith("agent_error")  # the first reason stands
+
+
+def test_a_sampler_that_missed_the_weights_notice_gets_it_before_an_agents_call(turns, tmp_path):
+    """The trainer's PUB drops a notice that a sampler's SUB was not connected for yet (a run under load: the sampler
+    joined, the trainer stepped at once): the core hands the newest notice to a sampler behind a call's min_version,
+    as it does before a group's first turn, or the call waits at that sampler for a notice that never comes."""
+    core = make(Clock(), turns, tmp_path, max_turns=4, gateway_url="http://127.0.0.1:1/v1", gateway_secret=SECRET,
+                agent_timeout_s=20.0)
+    join(core, S0, "sampler", ())
+    join(core, A0, "environment", ("agent",))
+    core.receive(GW, Ready("gateway-0", "gateway", 0))
+    core.receive(b"trainer-0", WeightsReady(1, "file:///w1"))
+    core.receive(b"trainer-0", StepDone(step=0, version=1))
+    g = core.add_group(Row("r0", USER, "math", "5", {}), np.array([1, 2, 3], np.int32), 2,
+                       SamplingParams(max_tokens=32), train=True, step=1, env="agent")
+    req = sent(core, AgentRequest)[0][1]
+    call(core, req.key, 0, turns.render.ids(list(USER)))
+    core.dispatch()
+    to_sampler = [m for i, m in [*core.__dict__.get("unread", []), *core.take_outbox()] if i == S0]
+    assert [type(m).__name__ for m in to_sampler] == ["WeightsReady", "PromptRequest"]
+    assert to_sampler[1].min_version == 1 == to_sampler[0].version and core.pool.get(S0).version == 1
+    assert g.min_version == 1
