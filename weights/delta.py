@@ -71,6 +71,18 @@ UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # element size -
 # --------------------------------------------------------------------------- the file's tensors
 
 
+def header_size(blob: np.ndarray, bad) -> int:
+    """The size of the JSON header after ``blob``'s u64 length prefix (a safetensors file, a delta); ``bad(why)``
+    makes the error raised when there is none or it overruns the blob."""
+    if len(blob) < 8:
+        raise bad(f"{len(blob)} bytes: no header")
+    (n,) = struct.unpack("<Q", blob[:8].tobytes())
+    if 8 + n > len(blob):
+        raise bad(f"a header of {n} bytes in {len(blob)}")
+    return n
+
+
+
 @dataclass
 class Tensors:
     """The tensors of a safetensors file held in one uint8 buffer: name -> (dtype name, shape, start, end)."""
@@ -81,11 +93,7 @@ class Tensors:
 
     @classmethod
     def parse(cls, data: np.ndarray) -> Tensors:
-        if len(data) < 8:
-            raise WeightsError(f"weights file of {len(data)} bytes has no header")
-        (n,) = struct.unpack("<Q", data[:8].tobytes())
-        if 8 + n > len(data):
-            raise WeightsError(f"weights file header of {n} bytes in a {len(data)}-byte file")
+        n = header_size(data, lambda why: WeightsError(f"weights file: {why}"))
         try:
             header = json.loads(data[8 : 8 + n].tobytes())
             entries = {name: (e["dtype"], tuple(e["shape"]), 8 + n + e["data_offsets"][0], 8 + n + e["data_offsets"][1])
@@ -172,11 +180,7 @@ def decode(blob: np.ndarray, kept: Tensors, version: int) -> list[tuple[str, np.
     def bad(why: str) -> WeightsError:
         return WeightsError(f"delta of weights v{version} refused: {why}")
 
-    if len(blob) < 8:
-        raise bad(f"{len(blob)} bytes")
-    (n,) = struct.unpack("<Q", blob[:8].tobytes())
-    if 8 + n > len(blob):
-        raise bad(f"header of {n} bytes in {len(blob)}")
+    n = header_size(blob, bad)
     try:
         header = json.loads(blob[8 : 8 + n].tobytes())
         tensors = header["tensors"]
