@@ -100,6 +100,7 @@ class Orchestrator:
         self.mismatch: list[dict[str, float]] = []  # per step: engine vs trainer log-probs
         self.trainer_window, self.trainer_busy_s = [0.0, 0.0], 0.0  # first batch sent, last StepDone
         self.multi_turn = trajectory.Totals()  # multi-turn: the trained trajectories' counts (summary.json multi_turn)
+        self.sampled: dict[int, int] = {}  # per step in flight: the rollouts sampled for it, kept or not
 
     # ------------------------------------------------------------------ the stage, top to bottom
 
@@ -170,6 +171,7 @@ class Orchestrator:
             for _ in range(wanted - len(kept)):
                 row = self.prompts.next()  # rendered when drawn, never kept: a file may hold millions
                 ids = np.array(self.render.ids(row.messages), np.int32)
+                self.sampled[step] = self.sampled.get(step, 0) + r.group_size  # trained or filtered: the cost
                 batch.append(self.core.add_group(row, ids, r.group_size, sampling, train=True, step=step,
                                                  env=self.env_of(row)))
             self.pump(lambda batch=batch: all(g.complete for g in batch),
@@ -231,6 +233,8 @@ class Orchestrator:
                               if k.startswith("mismatch/")})
         metrics = step_metrics(step, self.core.version, groups, self.cfg.orchestrator.overlong_penalty, t_sample,
                                time.perf_counter() - t0, done)
+        # what filtering costs: rollouts sampled per rollout trained (1.0: none filtered, stale or failed)
+        metrics["sampled_per_trained"] = self.sampled.pop(step, 0) / max(1, sum(g.n for g in groups))
         every, steps = self.cfg.orchestrator.eval_every, self.cfg.run.steps
         if every and (step + 1) % every == 0 and step + 1 < steps:
             metrics.update(self.evaluate())

@@ -37,8 +37,11 @@ def live_metrics(metrics: dict) -> dict:
 
 def write_summary(run_dir: Path, before: dict, after: dict, **rest) -> dict:
     """``summary.json``: every metric before and after the stage, its per-domain accuracy, and ``rest``."""
+    books = rest.get("books") or {}
     summary = {
         **{f"{k}_before": v for k, v in before.items()},
+        # what filtering cost over the stage: rollouts sampled per rollout trained
+        "sampled_per_trained": books.get("dispatched", 0) / max(1, books.get("trained", 0)),
         **{f"{k}_after": v for k, v in after.items()},
         "heldout_domains": {k.split("/", 1)[1]: {"before": v, "after": after.get(k)}
                             for k, v in before.items() if k.startswith("heldout_accuracy/")},

@@ -193,8 +193,11 @@ def write_report(run_dir: Path, record: dict) -> Path:
                 lines.append(f"| {d} | {where(record, path)} | {acc:.3f} |" if acc is not None
                              else f"| {d} | `{path}` | — |")
     lines += ["", "## Stages and rollout books", "",
-              "| stage | algorithm | data | steps | status | wall s | dispatched | trained | filtered | stale | lost |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "Sampled per trained: rollouts dispatched per rollout trained (what dynamic filtering and stale or lost "
+              "rollouts cost the samplers; 1.00: nothing thrown away).", "",
+              "| stage | algorithm | data | steps | status | wall s | dispatched | trained | filtered | stale | lost "
+              "| sampled per trained |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in record.get("order", []):
         s = record["stages"].get(name)
         if s is None:
@@ -202,9 +205,11 @@ def write_report(run_dir: Path, record: dict) -> Path:
         summary_path = Path(s["run_dir"]) / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
         b = summary.get("books", {})
+        per_trained = f"{b['dispatched'] / b['trained']:.2f}" if b.get("trained") else "—"
         lines.append(f"| {name} | {s.get('algorithm', '')} | {', '.join(Path(f).name for f in s.get('files', []))} | {s.get('steps', '')} | "
                      f"{s.get('status', '')} | {summary.get('wall_s', float('nan')):.0f} | {b.get('dispatched', '')} | "
-                     f"{b.get('trained', '')} | {b.get('filtered', '')} | {b.get('stale', '')} | {b.get('lost', '')} |")
+                     f"{b.get('trained', '')} | {b.get('filtered', '')} | {b.get('stale', '')} | {b.get('lost', '')} | "
+                     f"{per_trained} |")
     out = run_dir / "report.md"
     out.write_text("\n".join(lines) + "\n")
     return out

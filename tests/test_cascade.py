@@ -85,6 +85,7 @@ def test_cascade_runs_stages_records_every_checkpoint_and_distils_from_the_best(
     report = (run_dir / "report.md").read_text()
     assert "## Accuracy after each stage" in report and "## Teachers of mopd" in report
     assert "| if_rl |" in report and "| mopd |" in report
+    assert "sampled per trained |" in report  # each stage's filtering cost
     for png in ("accuracy.png", "training.png"):
         assert matplotlib.image.imread(run_dir / png).shape[0] > 100
 

@@ -94,6 +94,10 @@ def test_launch_tiny_end_to_end(tiny_model, math_data, tmp_path):
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_steps = [m for m in metrics if "version" in m]
+    # what filtering cost: the orchestrator's count of rollouts sampled per step against the ledger's books
+    assert sum(m["sampled_per_trained"] * groups * g for m in train_steps) == pytest.approx(books["dispatched"])
+    assert summary["sampled_per_trained"] == pytest.approx(books["dispatched"] / books["trained"])
+    assert all(m["sampled_per_trained"] >= 1.0 for m in train_steps)
     assert [m["version"] for m in train_steps] == [1, 2, 3]
     for m in train_steps:
         assert m["staleness_mean"] == 0.0  # strictly on-policy
