@@ -47,6 +47,7 @@ from cascade_rl.protocol.messages import (
     WeightsRefused,
     WorkKey,
 )
+from cascade_rl.protocol.weights_group import WeightsGroup, WeightsJoin
 
 K = WorkKey.score("k", 0, 0)  # a key for messages whose key does not matter
 
@@ -70,6 +71,7 @@ def _train_batch(n: int = 4, length: int = 6, group_size: int = 2, teacher: bool
         teacher_logprobs=(-rng.random((n, length), dtype=np.float32)) if teacher else None,
         loss_masked=(np.arange(n) % 3 == 0) if teacher else None,
         routes=rng.integers(-1, 128, size=(n, length, 3, 8), dtype=np.int16) if teacher else None,  # R3
+        part=1 if teacher else 0, last=not teacher, step_groups=8 if teacher else 0,  # a step's second part of several
     )
 
 
@@ -183,6 +185,10 @@ def sample_messages() -> list[Any]:
         WeightsChunk(version=0, chunk=0, chunks=1, nbytes=0, checksum="", data=np.zeros(0, np.uint8)),  # an empty file
         WeightsRefused(version=18, reason="version 18 is not served (evicted or never published); serving [19, 20]"),
         WeightsRefused(version=-1, reason="malformed request: header is not msgpack"),
+        WeightsJoin(version=18, member="4242-0a1b2c3d4e5f"),
+        WeightsJoin(version=18, member="4242-0a1b2c3d4e5f", group="run-1a2b3c4d-7"),
+        WeightsGroup(version=19, store="10.0.0.1:29500", group="run-1a2b3c4d-7", rank=2, size=3, backend="nccl",
+                     nbytes=1 << 33, chunk=64 << 20, checksum="", header=np.arange(16, dtype=np.uint8)),
         Heartbeat(
             role="trainer",
             worker_id="trainer-0",
@@ -717,6 +723,15 @@ VALIDATION_FAILURES = [
     (WeightsChunk(3, 0, 5, 4, "", np.zeros(1, np.uint8)), "weights_chunk: 5 chunks of a 4-byte file"),
     (WeightsChunk(3, 0, 1, 4, "", np.zeros(5, np.uint8)), "weights_chunk: 5 bytes in one chunk of a 4-byte file"),
     (WeightsRefused(version=-2, reason="x"), "weights_refused: version -2"),
+    (WeightsJoin(version=-1, member="m"), "weights_join: version -1"),
+    (WeightsJoin(version=1, member="a b"), "weights_join: member id 'a b'"),
+    (WeightsJoin(version=1, member=""), "weights_join: member id ''"),
+    (WeightsJoin(version=1, member="m", group="g" * 65), "weights_join: group name of 65 characters"),
+    (WeightsGroup(1, "h:1", "g", 0, 2, "gloo", 8, 8, "", np.zeros(8, np.uint8)), "weights_group: rank 0 of 2"),
+    (WeightsGroup(1, "h:1", "g", 2, 2, "gloo", 8, 8, "", np.zeros(8, np.uint8)), "weights_group: rank 2 of 2"),
+    (WeightsGroup(1, "h:1", "g", 1, 2, "mpi", 8, 8, "", np.zeros(8, np.uint8)), "weights_group: backend 'mpi'"),
+    (WeightsGroup(1, "h:1", "g", 1, 2, "gloo", 8, 0, "", np.zeros(8, np.uint8)), "weights_group: version 1, nbytes 8, chunk 0"),
+    (WeightsGroup(1, "h:1", "", 1, 2, "gloo", 8, 8, "", np.zeros(8, np.uint8)), "weights_group: group name of 0"),
 ]
 
 
