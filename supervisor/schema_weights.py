@@ -90,6 +90,42 @@ class DeltaOptions:
 
 
 @dataclass
+class NcclOptions:
+    """``nccl``: each version broadcast by the trainer (rank 0) to the samplers that ask for it, over a
+    torch.distributed process group of its own (weights/nccl.py): NCCL for samplers on other GPUs, gloo on CPUs."""
+
+    keep: int = 2
+    """Staging copies of the weights kept for reuse (>= 2: one being broadcast while the trainer publishes the next;
+    memory ~ keep x the model's bytes, on the trainer's GPU with NCCL)."""
+    endpoint: str = "tcp://0.0.0.0:0"
+    """Where the trainer's ROUTER binds, which samplers ask to be served at (port 0: a free one). The group's
+    TCPStore listens on another free port, and the backend opens its own connections (gloo: GLOO_SOCKET_IFNAME,
+    NCCL: NCCL_SOCKET_IFNAME choose the interface)."""
+    host: str = ""
+    """The name samplers connect to (as ``stream.host``)."""
+    gather_ms: int = 200
+    """How long a round waits for askers after the first (unless every member of a group already held has asked):
+    a sampler that asks later is served in a round of its own."""
+    timeout_s: float = 60.0
+    """The longest wait of a sampler for its answer, of a group's rendezvous and of a broadcast; past it the sampler
+    keeps its weights (WeightsError) and the group is dropped."""
+    backend: str = "auto"
+    """auto (NCCL when the trainer's weights are on CUDA, else gloo), nccl or gloo."""
+    chunk_mb: int = 64
+    """MiB per broadcast call (the receivers get the version in this many pieces)."""
+
+    def __post_init__(self) -> None:
+        if self.keep < 2:
+            raise ValueError(f"weights_options.nccl.keep must be >= 2 (one copy broadcast while the next is "
+                             f"written), got {self.keep}")
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"weights_options.nccl.backend must be auto, nccl or gloo, got {self.backend!r}")
+        if self.gather_ms < 0 or self.timeout_s <= 0 or self.chunk_mb < 1:
+            raise ValueError(f"weights_options.nccl: gather_ms >= 0, timeout_s > 0 and chunk_mb >= 1, got "
+                             f"{self.gather_ms}, {self.timeout_s}, {self.chunk_mb}")
+
+
+@dataclass
 class WeightsOptions:
     """One section per built-in transport; only the chosen one (``weights_transport``) is used."""
 
@@ -101,3 +137,5 @@ class WeightsOptions:
     """Options of weights_transport=cuda_ipc."""
     delta: DeltaOptions = field(default_factory=DeltaOptions)
     """Options of weights_transport=delta."""
+    nccl: NcclOptions = field(default_factory=NcclOptions)
+    """Options of weights_transport=nccl."""

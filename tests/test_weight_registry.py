@@ -14,7 +14,7 @@ import zmq
 from cascade_rl.protocol.codec import decode
 from cascade_rl.protocol.messages import WeightsReady
 from cascade_rl.protocol.registry import Registry
-from cascade_rl.weights import cuda_ipc, delta, registry, shm, stream
+from cascade_rl.weights import cuda_ipc, delta, nccl, nccl_receiver, registry, shm, stream
 from cascade_rl.weights.common import WeightsError
 from cascade_rl.weights.notices import NoticePublisher
 from cascade_rl.weights.registry import RECEIVERS, TRANSPORTS, Receiver, receiver, resolve
@@ -22,11 +22,13 @@ from cascade_rl.weights.registry import RECEIVERS, TRANSPORTS, Receiver, receive
 
 def test_every_transport_registers_both_sides():
     assert TRANSPORTS == {"shm": shm.ShmTransport, "stream": stream.StreamTransport,
-                          "cuda_ipc": cuda_ipc.CudaIpcTransport, "delta": delta.DeltaTransport}
+                          "cuda_ipc": cuda_ipc.CudaIpcTransport, "delta": delta.DeltaTransport,
+                          "nccl": nccl.NcclTransport}
     assert sorted(RECEIVERS) == sorted(TRANSPORTS)
     assert RECEIVERS["shm"].resolve is shm.resolve and RECEIVERS["stream"].resolve is stream.resolve
     assert RECEIVERS["cuda_ipc"].load is cuda_ipc.load and RECEIVERS["cuda_ipc"].resolve is None
     assert RECEIVERS["delta"].load is delta.load and RECEIVERS["delta"].resolve is None  # it applies, not resolves
+    assert RECEIVERS["nccl"].load is nccl_receiver.load and RECEIVERS["nccl"].resolve is None  # tensors, not a file
 
 
 @pytest.mark.parametrize("notice, name", [
@@ -34,13 +36,14 @@ def test_every_transport_registers_both_sides():
     (WeightsReady(1, "stream+tcp://host:5555/1"), "stream"),
     (WeightsReady(1, "file:///dev/shm/x/policy-v000001.cuda_ipc.json", format="cuda_ipc"), "cuda_ipc"),
     (WeightsReady(2, "delta+tcp://host:5555/2?base=1", format="delta"), "delta"),
+    (WeightsReady(2, "nccl+tcp://host:5555/2?timeout=60", format="nccl"), "nccl"),
 ])
 def test_a_notice_finds_its_transports_receiver(notice, name):
     assert receiver(notice) is RECEIVERS[name]
 
 
 def test_notices_no_transport_sends_are_refused_with_what_is_known():
-    with pytest.raises(WeightsError, match=r"format 'pickle' not supported; known: \['cuda_ipc', 'delta', 'safetensors'\]"):
+    with pytest.raises(WeightsError, match=r"format 'pickle' not supported; known: \['cuda_ipc', 'delta', 'nccl', 'safetensors'\]"):
         receiver(WeightsReady(1, "file:///x", format="pickle"))
     with pytest.raises(WeightsError, match=r"scheme not resolvable here; known: \['file', 'stream\+tcp'\]"):
         receiver(WeightsReady(1, "http://host/x"))

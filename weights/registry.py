@@ -8,7 +8,8 @@ A notice names no transport: a sampler finds the receiver by the notice's ``form
 (``receiver``), each pair registered once. ``shm`` and ``stream`` land a verified local safetensors file
 (``resolve``) that the engine loads by path (``load_file``); ``cuda_ipc`` hands the engine views of the trainer's
 GPU buffer; ``delta`` applies the elements that changed to the copy the sampler keeps, or loads the full file
-(delta.py). ``bench/weight_transport.py`` times them against a memory copy; ``bench/delta_weights.py`` delta vs stream.
+(delta.py); ``nccl`` broadcasts each version to the samplers that ask for it over a process group of
+its own (nccl.py). ``bench/weight_transport.py`` times them against a memory copy; ``bench/delta_weights.py`` delta vs stream.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from cascade_rl.protocol.messages import WeightsReady
 from cascade_rl.protocol.registry import Registry
 
-from . import cuda_ipc, delta, shm, stream
+from . import cuda_ipc, delta, nccl, nccl_receiver, shm, stream
 from .common import WeightsError
 
 RESOLVE_TIMEOUT_S = 30.0  # a sampler's longest wait for each reply of the publisher (stream)
@@ -98,3 +99,4 @@ register("shm", shm.ShmTransport, Receiver(shm.FORMAT, shm.SCHEME, load_file, sh
 register("stream", stream.StreamTransport, Receiver(stream.FORMAT, stream.SCHEME, load_file, stream.resolve))
 register("cuda_ipc", cuda_ipc.CudaIpcTransport, Receiver(cuda_ipc.FORMAT, cuda_ipc.SCHEME, cuda_ipc.load))
 register("delta", delta.DeltaTransport, Receiver(delta.FORMAT, delta.SCHEME, delta.load))
+register("nccl", nccl.NcclTransport, Receiver(nccl.FORMAT, nccl.SCHEME, nccl_receiver.load))
