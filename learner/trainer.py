@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -44,10 +42,8 @@ from cascade_rl.weights.notices import NoticePublisher
 from cascade_rl.weights.registry import TRANSPORTS
 
 from . import checkpoint, lora, parallel
-from .losses import group_advantages, group_token_mean, mismatch_stats
-from .objectives import OBJECTIVES, Terms
-from .optim import MasterAdamW, clip_grad_norm_
-from .segments import forward_rows
+from .optim import MasterAdamW
+from .step import Step, lr_at, routing_stats  # noqa: F401  (lr_at, routing_stats: the trainer's API as before)
 
 log = logging.getLogger("trainer")
 
@@ -114,83 +110,21 @@ class Batch:
             yield slice(g0 * self.group_size, g1 * self.group_size), (g1 - g0) / n_groups
 
 
-# after the warm-up: the fraction of lr at progress p in [0, 1) of the remaining steps (trainer.lr_decay)
-LR_DECAYS = {
-    "none": lambda p: 1.0,  # constant: the paper's RL stages and MOPD
-    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),  # to 0 at the last step: agentic SWE RL (paper §4.8)
-}
-
-
-def lr_at(step: int, cfg, steps: int) -> float:
-    """Linear warm-up from warmup_start_lr to lr over warmup_steps, then lr times ``LR_DECAYS[cfg.lr_decay]``
-    of the progress through the steps left of ``steps`` (constant by default: the paper's schedule)."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.warmup_start_lr + (cfg.lr - cfg.warmup_start_lr) * step / cfg.warmup_steps
-    left = max(1, steps - cfg.warmup_steps)
-    return cfg.lr * LR_DECAYS[cfg.lr_decay]((step - cfg.warmup_steps) / left)
+def step_share(msg: TrainBatch, ranks: parallel.Ranks) -> int:
+    """This rank's groups in the step ``msg`` is a part of (``step_groups``; 0: ``msg`` is the whole step)."""
+    groups = msg.step_groups or len(msg.rewards) // msg.group_size
+    if groups % ranks.dp_size:
+        raise ValueError(f"a step of {groups} groups does not split among {ranks.dp_size} data-parallel ranks")
+    return groups // ranks.dp_size
 
 
 def train_step(policy: Policy, optimizer, batch: Batch, cfg, step: int,
                reference: Policy | None = None, *, run) -> dict[str, float]:
-    """One optimizer step of ``run.algorithm`` on ``batch`` (this rank's share) with the ``trainer`` section
-    ``cfg`` and the ``run`` section (``algorithm``, ``steps``); returns its metrics (Python floats: the
-    ``.item()`` calls at the end are the step's only device syncs)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, cfg, run.steps)
-    objective = OBJECTIVES[run.algorithm]
-    advantages = group_advantages(batch.rewards.view(-1, batch.group_size)).flatten()
-    policy.train()
-    sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=batch.rewards.device))
-    trainer_lp = torch.zeros_like(batch.inf_logprobs)
-    for rows, weight in batch.groups(cfg.micro_batch_groups):
-        mb = batch.rows(rows)
-        logprobs, entropy = forward_rows(policy, mb.input_ids, mb.lengths, mb.response_mask, mb.segment_starts,
-                                         mb.routes, with_entropy=True)
-        ref = None
-        if reference is not None:
-            with torch.no_grad():
-                ref, _ = forward_rows(reference, mb.input_ids, mb.lengths, mb.response_mask, mb.segment_starts,
-                                      mb.routes)
-        loss, stats = objective(Terms(logprobs, entropy, mb.inf_logprobs, mb.loss_mask, advantages[rows],
-                                      batch.group_size, ref, mb.teacher_logprobs), cfg)
-        (loss * weight).backward()
-        stats["loss"] = loss.detach()
-        stats["entropy"] = group_token_mean(entropy.detach(), mb.loss_mask, batch.group_size)
-        for k, v in stats.items():
-            sums[k] = sums[k] + v.detach().float() * weight
-        trainer_lp[rows] = logprobs.detach()
-    grad_norm = clip_grad_norm_(policy, optimizer, cfg.max_grad_norm)  # MasterAdamW: its fp32 accumulated grads
-    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: the norm over every rank's shards
-        grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    mismatch = mismatch_stats(trainer_lp, batch.inf_logprobs, batch.response_mask)
-    per_group = advantages.view(-1, batch.group_size)
-    routing = routing_stats(policy)
-    return {
-        **{k: v.item() for k, v in sums.items()},
-        "grad_norm": float(grad_norm),
-        "lr": optimizer.param_groups[0]["lr"],
-        "reward_mean": float(batch.rewards.mean()),
-        "advantage_abs_mean": float(advantages.abs().mean()),
-        "response_tokens": int(batch.response_mask.sum()),
-        "zero_adv_groups": int((per_group == 0).all(dim=1).sum()),
-        "masked_rows": int((batch.response_mask.any(1) & ~batch.loss_mask.any(1)).sum()),
-        **{f"mismatch/{k}": v for k, v in mismatch.items()},
-        **routing,
-    }
-
-
-def routing_stats(policy: Policy) -> dict[str, float]:
-    """MoE routes the step compared with the engine's: ``routing/disagree_frac``, the fraction of (token, layer)
-    routes whose expert set the trainer's own router picks otherwise (replayed or not), and how many were
-    compared; nothing when the batch carried no routes."""
-    replay = getattr(policy, "replay", None)
-    stats = replay.take_stats() if replay is not None else {"routes": 0}
-    if not int(stats["routes"]):
-        return {}
-    return {"routing/disagree_frac": float(stats["disagree"]) / int(stats["routes"]),
-            "routing/routes": int(stats["routes"])}
+    """One optimizer step of ``run.algorithm`` on ``batch`` (this rank's share of the step, in one part) with the
+    ``trainer`` section ``cfg`` and the ``run`` section (``algorithm``, ``steps``); returns its metrics."""
+    one = Step(policy, optimizer, cfg, step, reference, run=run, groups=len(batch.rewards) // batch.group_size)
+    one.add(batch)
+    return one.finish()
 
 
 def build(cfg, ranks: parallel.Ranks, device: torch.device | str = "cpu"):
@@ -331,26 +265,41 @@ def main(argv: list[str] | None = None) -> None:
             notices.send(notice)
             link.send(notice)
 
-    # --- loop: one TrainBatch = one optimizer step = one policy version
+    # --- loop: a step's TrainBatch parts (one, unless orchestrator.stream_tokens) = one optimizer step = one version
+    step, step_id, ids, received, t_first = None, -1, [], [], 0.0  # the step assembled: its parts' ids and arrivals
     try:
         while version < cfg.run.steps:
             msg: TrainBatch = parallel.broadcast_message(link.inbox.get() if ranks.main else None, ranks)
             status["state"] = "training"
-            t0 = time.perf_counter()
+            received.append([round(time.time(), 3), len(msg.ids)])  # when each part came (the streaming test's clock)
+            if step is None:
+                t_first = time.perf_counter()
+                step, step_id = Step(policy, optimizer, tcfg, version, reference, run=cfg.run,
+                                     groups=step_share(msg, ranks)), msg.step
+            elif msg.step != step_id:
+                raise RuntimeError(f"a part of step {msg.step} arrived while step {step_id} had {step.seen} of its "
+                                   f"{step.groups} groups: the orchestrator sends a step's parts together")
             batch = Batch.from_message(msg).to(device)
-            batch = batch.rows(parallel.shard_rows(len(batch.rewards) // batch.group_size, batch.group_size, ranks))
-            metrics = parallel.reduce_metrics(train_step(policy, optimizer, batch, tcfg, version, reference,
-                                                         run=cfg.run), ranks)
+            step.add(batch.rows(parallel.shard_rows(len(batch.rewards) // batch.group_size, batch.group_size, ranks)))
+            ids += msg.ids
+            if not msg.last:
+                continue
+            t0 = time.perf_counter()
+            metrics = parallel.reduce_metrics(step.finish(), ranks)
             version += 1
             notice = publish(transport, policy, ranks, version)  # rank 0's notice; a collective under FSDP2
             if ranks.main:  # before the checkpoint: a resume from it keeps this step's line (records.keep_steps_before)
-                trained_ids.write({"step": msg.step, "ids": list(msg.ids)})
+                trained_ids.write({"step": msg.step, "ids": ids, "parts": received})
             checkpoint_dir = ""
             if version == cfg.run.steps or (tcfg.save_every and version % tcfg.save_every == 0):
                 checkpoint_dir = save_state(policy, optimizer, tokenizer, run_dir, version,
                                             {"policy_version": version, "orchestrator": dict(msg.cursor)}, ranks)
-            metrics["train_s"] = time.perf_counter() - t0
-            metrics["tokens_per_s"] = int(batch.lengths.sum()) * ranks.dp_size / metrics["train_s"]
+            # busy: the parts' forward and backward, the update, publishing and the checkpoint; not the waits between
+            metrics["train_s"] = step.compute_s + time.perf_counter() - t0
+            metrics["step_span_s"] = time.perf_counter() - t_first  # the first part in to the step done
+            metrics["parts"] = len(received)
+            metrics["tokens_per_s"] = step.tokens * ranks.dp_size / metrics["train_s"]
+            step, ids, received = None, [], []
             metrics["weights_bytes"] = notice.nbytes if notice is not None else 0  # what each sampler receives
             if notice is not None and hasattr(transport, "metrics"):  # delta: the version's delta (a resync: the file)
                 metrics["weights_bytes"] = transport.metrics["bytes"]

@@ -3,13 +3,16 @@
 Each rollout of a training group gets its id at dispatch (``{group}/{index}``, orchestrator/groups.py) and
 ends in exactly one fate, written as one line of ``<run_dir>/ledger.jsonl``:
 
-    {"id": "s3g5/2", "group": "s3g5", "attempt": 1, "fate": "trained", "reason": "", "step": 3, "version": 3}
+    {"id": "s3g5/2", "group": "s3g5", "attempt": 1, "fate": "trained", "reason": "", "step": 3, "version": 3,
+     "t": 1764850000.123}
 
 * ``trained``: sent to the trainer in step ``step``'s batch (reason "masked" when its loss was masked);
 * ``filtered``: dropped with the reason (a sampler or teacher error, uniform rewards under dynamic filtering);
 * ``stale``: older than ``orchestrator.max_staleness`` allows.
 
-``version`` is the policy version that sampled it (null if it never arrived); a rollout whose tokens span
+``t`` is when the fate was written (Unix time: a group is settled as soon as it is scored, a trained one as its part
+goes to the trainer, which writes when each part came in ``trained_ids.jsonl``'s ``parts``). ``version`` is the
+policy version that sampled it (null if it never arrived); a rollout whose tokens span
 versions (in-flight weight updates: the sampler took new weights mid-generation) has ``version`` its oldest
 token's and ``version_max`` its newest's, and ``version_span`` sums them up for ``summary.json``. A reply that arrives for a rollout
 whose attempt was superseded (a re-dispatch) or that already has it is dropped and written as a line with fate
@@ -23,6 +26,7 @@ ledger's ``trained`` lines, step by step.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -121,7 +125,7 @@ class Ledger:
                version_max: int | None = None) -> None:
         if self._out is not None:
             line = {"id": rid, "group": entry.group, "attempt": attempt, "fate": fate, "reason": reason,
-                    "step": entry.step, "version": version}
+                    "step": entry.step, "version": version, "t": round(time.time(), 3)}
             if version_max is not None and version_max != version:
                 line["version_max"] = version_max
             self._out.write(line)

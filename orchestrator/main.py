@@ -48,6 +48,7 @@ from cascade_rl.protocol.worker_main import worker_start
 
 from . import evaluate as evaluation
 from . import rollout_log, trajectory
+from .assembly import Assembly, Part
 from .batch import build_batch, mismatch_summary, step_metrics
 from .core import Core
 from .groups import UNAVAILABLE, Group
@@ -125,9 +126,8 @@ class Orchestrator:
                 self.finish_step(*in_training.popleft())
             self.status.update(state="sampling", step=step)
             t0 = time.perf_counter()
-            groups = self.sample_batch(step)
+            groups = self.sample_batch(step)  # sent to the trainer as they are kept
             t_sample = time.perf_counter() - t0
-            self.to_trainer(step, groups)
             in_training.append((step, groups, t0, t_sample))
         while in_training:
             self.finish_step(*in_training.popleft())
@@ -160,12 +160,16 @@ class Orchestrator:
         return summary
 
     def sample_batch(self, step: int) -> list[Group]:
-        """``prompts_per_step`` complete groups sampled for ``step``. Filtered and stale groups are replaced by new
-        ones, for at most ``max_refill_rounds`` rounds; a round that lost groups to an unavailable verifier (a judge
-        server restarting) does not count: the next waits for it to come back (``wait_for_verifiers``)."""
-        r, o, s = self.cfg.run, self.cfg.orchestrator, self.cfg.sampling
+        """``prompts_per_step`` complete groups sampled for ``step``, each settled as soon as it is scored and sent
+        to the trainer in parts as they are kept (``orchestrator.stream_tokens``; one part, the whole step, by
+        default: orchestrator/assembly.py). Filtered and stale groups are replaced by new ones, for at most
+        ``max_refill_rounds`` rounds; a round that lost groups to an unavailable verifier (a judge server
+        restarting) does not count: the next waits for it to come back (``wait_for_verifiers``)."""
+        r, o, s, t = self.cfg.run, self.cfg.orchestrator, self.cfg.sampling, self.cfg.trainer
         sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
-        wanted, kept, rounds, outage = r.prompts_per_step, [], 0, Outage()
+        wanted, kept, rounds, outage, order = r.prompts_per_step, [], 0, Outage(), {}
+        parts = Assembly(wanted, t.world_size // t.context_parallel, o.stream_tokens,
+                         order=lambda g: order[g.group_id])
         while True:
             batch = []
             for _ in range(wanted - len(kept)):
@@ -174,10 +178,18 @@ class Orchestrator:
                 self.sampled[step] = self.sampled.get(step, 0) + r.group_size  # trained or filtered: the cost
                 batch.append(self.core.add_group(row, ids, r.group_size, sampling, train=True, step=step,
                                                  env=self.env_of(row)))
-            self.pump(lambda batch=batch: all(g.complete for g in batch),
-                      lambda batch=batch: f"step {step}: {sum(g.complete for g in batch)} of {len(batch)} groups "
-                                          f"sampled and scored")
-            kept += self.core.settle(batch)
+                order[batch[-1].group_id] = len(order)
+            waiting = list(batch)
+            while waiting:  # each group settled (kept, filtered, stale) as it completes; kept ones go on in parts
+                self.pump(lambda waiting=waiting: any(g.complete for g in waiting),
+                          lambda batch=batch: f"step {step}: {sum(g.complete for g in batch)} of {len(batch)} groups "
+                                              f"sampled and scored")
+                done = [g for g in waiting if g.complete]
+                waiting = [g for g in waiting if not g.complete]
+                settled = self.core.settle(done)
+                kept += settled
+                for part in parts.add(settled):
+                    self.to_trainer(step, part)
             if len(kept) == wanted:
                 return kept
             if unavailable := [g.error for g in batch if g.error.startswith(UNAVAILABLE)]:
@@ -210,11 +222,13 @@ class Orchestrator:
         self.pump(lambda: time.monotonic() >= until,
                   f"step {step}: {wait:g} s before new groups, a verifier being unavailable ({reason[:200]})")
 
-    def to_trainer(self, step: int, groups: list[Group]) -> None:
+    def to_trainer(self, step: int, part: Part) -> None:
+        """``part`` of ``step``'s groups to the trainer as a ``TrainBatch`` (the ledger settles them as trained)."""
         self.pump(lambda: self.core.pool.have("trainer"), "the trainer")
-        o = self.cfg.orchestrator
+        o, groups = self.cfg.orchestrator, part.groups
         batch = build_batch(step, groups, self.cfg.run.group_size, self.tokenizer.pad_token_id or 0,
                             self.core.rules.mopd, o.overlong_penalty, {"examples_drawn": self.prompts.drawn})
+        batch = dataclasses.replace(batch, part=part.index, last=part.last, step_groups=self.cfg.run.prompts_per_step)
         self.core.to_trainer(batch, groups)
         if o.get("save_rollouts", False):
             rollout_log.append(self.run_dir / "rollouts.jsonl", batch, groups)

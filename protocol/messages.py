@@ -337,9 +337,16 @@ class TrainBatch:
     ids: list[str] = field(default_factory=list)  # [N] each row's rollout id (the ledger's; trained_ids.jsonl)
     segment_starts: np.ndarray | None = array("int32", 2, default=None)  # [N, S] where each row's later segments
     # begin (-1: none); each segment is its own sequence, with its row's reward (agents' rewritten histories, §14)
+    part: int = 0  # this batch's place among its step's parts (orchestrator.stream_tokens: groups as they are scored)
+    last: bool = True  # the step's last part: the trainer updates the weights after it
+    step_groups: int = 0  # groups in the whole step, every part together (0: this batch is the whole step)
 
     def validate(self) -> str:
         n, length = self.input_ids.shape
+        if self.part < 0 or self.step_groups < 0:
+            return f"part {self.part}, step_groups {self.step_groups}: neither may be negative"
+        if self.step_groups and self.step_groups < n // max(1, self.group_size):
+            return f"a part of {n // self.group_size} groups in a step of {self.step_groups}"
         if self.ids and len(self.ids) != n:
             return f"{len(self.ids)} rollout ids for {n} rows"
         if self.group_size <= 0 or n % self.group_size:

@@ -107,8 +107,9 @@ def validate(cfg: DictConfig) -> None:
         problems.append("run.group_size must be >= 2 for GRPO (advantages are group-normalised)")
     if t.micro_batch_groups and r.prompts_per_step % t.micro_batch_groups:
         problems.append("run.prompts_per_step must be a multiple of trainer.micro_batch_groups")
-    if o.max_inflight_groups < 1:
-        problems.append("orchestrator.max_inflight_groups must be >= 1")
+    if o.max_inflight_groups < 1 or o.stream_tokens < 0:
+        problems.append("orchestrator.max_inflight_groups must be >= 1 and orchestrator.stream_tokens >= 0 (0: the "
+                        "whole step in one part)")
     if s.count < 1 or v.count < 1:
         problems.append("sampler.count and verifier.count must be >= 1")
     if s.slots < 1 or v.procs < 1 or v.depth < 1 or v.slots < 0 or cfg.teacher.slots < 1:

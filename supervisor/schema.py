@@ -188,6 +188,12 @@ class OrchestratorConfig:
     save_rollouts: bool = False
     """Write every trained row to run_dir/rollouts.jsonl as the trainer gets it (id, step, token ids, loss mask,
     sampler log-probs, reward, versions, segment starts): to inspect what was trained, token by token."""
+    stream_tokens: int = 0
+    """Stream each step to the trainer in parts: as soon as scored, kept groups hold this many tokens (prompt and
+    response; whole groups, an equal share per data-parallel rank) they go as one part; the trainer runs its
+    forward and backward while the rest are sampled and scored, and updates the weights after the last part
+    (learner/step.py: the same update as the whole batch at once). 0: one part, the whole step (a barrier).
+    Strictly on-policy stays so: every part of step s is sampled by version s."""
     max_refill_rounds: int = 16
     """Rounds of replacement groups per step before the step fails with the filter counts (as verl's
     max_num_gen_batches): a stage whose prompts all give uniform rewards stops instead of spinning."""

@@ -278,6 +278,8 @@ def _fix_train_batch(draw, kw: dict) -> None:
     kw["group_size"] = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0] or [1, 2, 3]))
     if kw.get("ids"):  # rollout ids: none, or one per row
         kw["ids"] = draw(st.lists(st.text(max_size=6), min_size=n, max_size=n))
+    kw["part"] = abs(kw.get("part", 0))  # a part of a step of at least its own groups (0: the whole step)
+    kw["step_groups"] = draw(st.sampled_from([0, n // kw["group_size"] + abs(kw.get("step_groups", 0)) % 4]))
 
 
 def _fix_agent_request(draw, kw: dict) -> None:

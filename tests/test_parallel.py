@@ -18,9 +18,9 @@ TOL = 2e-5
 
 
 def run(world: int, model: str, out: Path, dtype: str = "float32", checkpointing: bool = False,
-        context_parallel: int = 1) -> tuple[dict, list]:
+        context_parallel: int = 1, parts: int = 1) -> tuple[dict, list]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1", DIST_STEPS_CHECKPOINTING=str(int(checkpointing)),
-               DIST_STEPS_CP=str(context_parallel))
+               DIST_STEPS_CP=str(context_parallel), DIST_STEPS_PARTS=str(parts))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] \
         if world > 1 else [sys.executable]
     r = subprocess.run([*launcher, str(HELPER), model, str(out), dtype], capture_output=True, text=True, env=env,
@@ -34,13 +34,16 @@ def run(world: int, model: str, out: Path, dtype: str = "float32", checkpointing
     return load_file(out), report
 
 
-@pytest.mark.parametrize("model_fixture, checkpointing", [("tiny_model", False), ("tiny_dense_model", True)])
-def test_two_ranks_equal_one_rank(model_fixture, checkpointing, request, tmp_path):
+@pytest.mark.parametrize("model_fixture, checkpointing, parts",
+                         [("tiny_model", False, 1), ("tiny_dense_model", True, 1), ("tiny_model", False, 2)])
+def test_two_ranks_equal_one_rank(model_fixture, checkpointing, parts, request, tmp_path):
     """The dense model's two ranks also recompute each layer in the backward (trainer.activation_checkpointing
-    under FSDP2: each layer's weights gathered again for its recompute), against one rank that keeps them."""
+    under FSDP2: each layer's weights gathered again for its recompute), against one rank that keeps them. With
+    ``parts`` = 2 the two ranks get each step in two parts, each split between them (a streamed step), against one
+    rank that gets the whole batch."""
     model = request.getfixturevalue(model_fixture)
     one, m1 = run(1, model, tmp_path / "one.safetensors")
-    two, m2 = run(2, model, tmp_path / "two.safetensors", checkpointing=checkpointing)
+    two, m2 = run(2, model, tmp_path / "two.safetensors", checkpointing=checkpointing, parts=parts)
     assert one.keys() == two.keys()
     start = load_file(Path(model) / "model.safetensors")
     moved = 0.0

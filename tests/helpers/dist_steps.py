@@ -4,6 +4,7 @@
     python tests/helpers/dist_steps.py MODEL_DIR OUT.safetensors [bfloat16]          # one rank
     DIST_STEPS_CHECKPOINTING=1 torchrun ...       # the policy with activation checkpointing (the resume too)
     DIST_STEPS_CP=2 torchrun ...                  # context parallelism: the ranks split each sequence, not the batch
+    DIST_STEPS_PARTS=2 torchrun ...               # each step's groups in 2 parts (orchestrator.stream_tokens)
 
 Writes the final weights (rank 0) and a report next to them (OUT.json: the per-step metrics; the checksums
 of the weights published as the trainer does and as one rank would; the largest difference between the
@@ -26,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from cascade_rl.learner import parallel
 from cascade_rl.learner.optim import MasterAdamW
+from cascade_rl.learner.step import Step
 from cascade_rl.learner.trainer import Batch, load_state, publish, save_state, strip_prefix, train_step
 from cascade_rl.modeling.policy import Policy
 from cascade_rl.protocol.messages import TrainBatch
@@ -66,8 +68,7 @@ def main() -> None:
     for step in range(2):
         if step == 1:  # a checkpoint before the last step: resumed below, it must take the same step
             ckpt = save_state(policy, optimizer, None, Path(out + ".run"), step, {}, ranks)
-        metrics.append(parallel.reduce_metrics(train_step(policy, optimizer, my_rows(step, ranks), cfg, step, run=cfg),
-                                               ranks))
+        metrics.append(parallel.reduce_metrics(train(policy, optimizer, step, ranks, cfg), ranks))
     state = parallel.full_state_dict(policy, ranks)
     held = parallel.full_state_dict(policy, ranks, master=True)
     report = {"metrics": metrics, "published": published(policy, ranks, model_dir, dtype)}
@@ -78,7 +79,7 @@ def main() -> None:
                                    ranks)
     opt2 = MasterAdamW(resumed.parameters(), lr=cfg.lr, weight_decay=0.0)
     load_state(Path(ckpt), resumed, opt2, ranks)
-    train_step(resumed, opt2, my_rows(1, ranks), cfg, 1, run=cfg)
+    train(resumed, opt2, 1, ranks, cfg)
     again = parallel.full_state_dict(resumed, ranks, master=True)
     if ranks.main:
         report["resume_max_diff"] = max((held[k].float() - again[k].float()).abs().max().item() for k in held)
@@ -87,6 +88,22 @@ def main() -> None:
         with open(out + ".json", "w") as f:
             json.dump(report, f)
     parallel.close(ranks)
+
+
+def train(policy, optimizer, step: int, ranks, cfg) -> dict:
+    """Step ``step`` on this rank's rows: the whole batch (``train_step``), or with DIST_STEPS_PARTS=k its groups in
+    k parts, each split among the ranks as the trainer splits a part (``Step``)."""
+    parts = int(os.environ.get("DIST_STEPS_PARTS", "1"))
+    if parts == 1:
+        return train_step(policy, optimizer, my_rows(step, ranks), cfg, step, run=cfg)
+    b = batch(step)
+    n, g = len(b.rewards) // b.group_size, b.group_size
+    one = Step(policy, optimizer, cfg, step, run=cfg, groups=n // ranks.dp_size)
+    per = n // parts
+    for p in range(parts):
+        part = b.rows(slice(p * per * g, (p + 1) * per * g))
+        one.add(part.rows(parallel.shard_rows(per, g, ranks)))
+    return one.finish()
 
 
 def my_rows(step: int, ranks) -> Batch:
