@@ -107,8 +107,8 @@ class NcclOptions:
     """How long a round waits for askers after the first (unless every member of a group already held has asked):
     a sampler that asks later is served in a round of its own."""
     timeout_s: float = 60.0
-    """The longest wait of a sampler for its answer, of a group's rendezvous and of a broadcast; past it the sampler
-    keeps its weights (WeightsError) and the group is dropped."""
+    """The longest wait of a group's rendezvous and of a broadcast (a sampler waits twice this for its answer: a round
+    in progress first); past it the sampler keeps its weights (WeightsError) and the group is dropped."""
     backend: str = "auto"
     """auto (NCCL when the trainer's weights are on CUDA, else gloo), nccl or gloo."""
     chunk_mb: int = 64

@@ -176,9 +176,9 @@ def test_an_ask_nobody_answers_times_out_with_a_weights_error():
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     try:
         t0 = time.monotonic()
-        with pytest.raises(WeightsError, match=r"not served by 127.0.0.1:\d+ within 0.5s"):
+        with pytest.raises(WeightsError, match=r"not served by 127.0.0.1:\d+ within 1s"):  # twice the URI's
             load(NoEngine(), WeightsReady(1, f"nccl+tcp://127.0.0.1:{port}/1?timeout=0.5", format="nccl"), RUN)
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 4
     finally:
         silent.close(linger=0)
 
@@ -260,9 +260,11 @@ def test_malformed_requests_are_refused_and_the_thread_keeps_serving(publisher, 
         dealer.close(linger=0)
 
 
-def test_an_asker_that_never_joins_fails_its_round_and_not_the_next(seats, model):
-    """A member that asks, then dies before the rendezvous: the round fails after timeout_s (the others get a
-    WeightsError and keep their weights), the next round goes without it."""
+@pytest.mark.parametrize("ghost", ["silent", "gone"])
+def test_an_asker_that_never_joins_fails_its_round_and_not_the_next(seats, model, ghost):
+    """A member that asks, then never joins: told its rank and silent (the rendezvous times out), or gone before the
+    round (its socket closed: the publisher does not even try). The others in that round get a WeightsError and
+    keep their weights; the next round goes without it."""
     short = TRANSPORTS["nccl"](run_id=RUN, endpoint="tcp://127.0.0.1:0", host="127.0.0.1", gather_ms=1000,
                                timeout_s=2.0, backend="gloo")  # both asks in one round, however slow the machine
     a = seats[0]
@@ -273,13 +275,18 @@ def test_an_asker_that_never_joins_fails_its_round_and_not_the_next(seats, model
         notice = short.publish(model, 1)
         dealer.send_multipart(encode(WeightsJoin(1, "ghost")))
         a.send("load", notice)
-        assert dealer.poll(5000)
-        told = decode(dealer.recv_multipart(copy=False), (WeightsGroup,))
-        assert told.size == 3 and told.rank in (1, 2)  # in a's round; never joins
+        if ghost == "gone":
+            time.sleep(0.2)
+            dealer.close(linger=0)
+        else:
+            assert dealer.poll(5000)
+            told = decode(dealer.recv_multipart(copy=False), (WeightsGroup,))
+            assert told.size == 3 and told.rank in (1, 2)  # in a's round; never joins
         failed = a.reply()
         assert isinstance(failed, str) and failed.startswith("WeightsError") and "broadcast failed" in failed
         served(load_all([a], notice)[0], 1, digests(named_tensors(model)[0]))
         assert settled(short, 2).counts["failed"] == 1 and len(short.last_round["members"]) == 1
+        assert short.counts["groups"] == 1  # the failed round built none (gone) or failed building it (silent)
     finally:
         dealer.close(linger=0)
         short.close()

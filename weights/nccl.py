@@ -147,6 +147,8 @@ class NcclTransport:
         self._served: dict[int, set[str]] = {}  # the members served each version, the last two versions
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))  # every group's rendezvous
         self._ctx = zmq.Context(io_threads=1)
         bound: queue.Queue = queue.Queue(1)
         self._thread = threading.Thread(target=self._serve, args=(endpoint, bound), name="weights-nccl", daemon=True)
@@ -158,8 +160,6 @@ class NcclTransport:
             raise self.endpoint
         address, port = self.endpoint.split("://", 1)[1].rsplit(":", 1)
         self.host, self.port = host or advertised_host(address), int(port)
-        self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=timeout_s))
 
     def publish(self, weights: Weights, version: int) -> WeightsReady:
         """Copy ``weights`` (a module, a state dict or a ``TensorSource``) into a staging buffer; samplers are
@@ -284,12 +284,12 @@ class NcclTransport:
             if self.backend == "gloo" and not staged.checksum:
                 staged.checksum = xxhash.xxh3_128(staged.buf.numpy()).hexdigest()
             header = np.frombuffer(staged.header, np.uint8)
-            for rank, member in enumerate(members, start=1):
-                reply = WeightsGroup(version=staged.version, store=f"{self.host}:{self.store.port}",
-                                     group=group.prefix, rank=rank, size=len(members) + 1, backend=self.backend,
-                                     nbytes=staged.buf.numel(), chunk=self.chunk, checksum=staged.checksum,
-                                     header=header)
-                self._send(sock, asks[member].identity, reply)
+            told = [self._send(sock, asks[member].identity, WeightsGroup(
+                version=staged.version, store=f"{self.host}:{self.store.port}", group=group.prefix, rank=rank,
+                size=len(members) + 1, backend=self.backend, nbytes=staged.buf.numel(), chunk=self.chunk,
+                checksum=staged.checksum, header=header)) for rank, member in enumerate(members, start=1)]
+            if not all(told):  # an asker that gave up (its socket closed) would never join: no rendezvous
+                raise WeightsError(f"{told.count(False)} asker(s) gone before the round")
             if group.pg is None:
                 group.pg = make_group(self.backend, self.store, group.prefix, 0, len(members) + 1, self.timeout_s)
                 self.counts["groups"] += 1
@@ -312,8 +312,10 @@ class NcclTransport:
         self.last_round = {"version": staged.version, "members": members, "new_group": new,
                            "seconds": time.monotonic() - t0}
 
-    def _send(self, sock: zmq.Socket, identity: bytes, msg) -> None:
+    def _send(self, sock: zmq.Socket, identity: bytes, msg) -> bool:
         try:
             sock.send_multipart([identity, *encode(msg)], flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError:  # the asker is gone: it will not join; the rendezvous times out without it
+            return True
+        except zmq.ZMQError:  # the asker is gone (ROUTER_MANDATORY) or not reading
             log.warning("weights nccl: could not answer an asker (gone)")
+            return False

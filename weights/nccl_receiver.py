@@ -55,7 +55,8 @@ def load(engine, notice: WeightsReady, run_id: str) -> None:
         raise WeightsError("the nccl weight transport ships full weights, not LoRA adapters")
     addr, timeout_s = m["addr"], _seconds(m["timeout"], notice.uri)
     held = HELD.setdefault(engine, {}).setdefault(addr, Held())
-    reply = ask(addr, WeightsJoin(notice.version, held.member, held.prefix), timeout_s)
+    reply = ask(addr, WeightsJoin(notice.version, held.member, held.prefix), 2 * timeout_s)  # a round in
+    # progress first (a rendezvous, a broadcast: each up to timeout_s), then ours
     entries = parse_header(reply)
     try:
         buf = receive(held, reply, addr, timeout_s, getattr(engine, "device", None))
