@@ -10,6 +10,9 @@ the trainer's GPU weights staged on the host for gloo; NCCL itself from cuda:0 t
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -290,6 +293,19 @@ def test_an_asker_that_never_joins_fails_its_round_and_not_the_next(seats, model
     finally:
         dealer.close(linger=0)
         short.close()
+
+
+@pytest.mark.slow
+def test_a_launch_with_the_nccl_transport(tiny_model, math_data, tmp_path):
+    """The tiny run through every real process: the CPU trainer's versions broadcast over gloo to the sampler."""
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "cascade_rl.supervisor.cli", "launch", "tiny", f"run_dir={run_dir}",
+                        f"model.path={tiny_model}", *math_data, "weights_transport=nccl",
+                        "weights_options.nccl.host=127.0.0.1", "supervisor.progress=none"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, XDG_STATE_HOME=str(tmp_path)))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    log = (run_dir / "logs" / "sampler-0.log").read_text()
+    assert "v1: received by gloo broadcast" in log and "cannot load weights" not in log
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import uuid
 import weakref
@@ -29,6 +30,8 @@ from .common import WeightsError, receive_dir
 from .layout import SAFETENSORS_DTYPES
 from .nccl import NCCL_URI, broadcast, make_group
 from .stream import _keep_newest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,6 +72,8 @@ def load(engine, notice: WeightsReady, run_id: str) -> None:
     if reply.checksum and buf.is_cpu and xxhash.xxh3_128(buf.numpy()).hexdigest() != reply.checksum:
         raise WeightsError(f"nccl weights v{reply.version} from {addr} fail their checksum")
     hand(engine, buf, entries, header, reply.version, run_id)
+    log.info("weights v%d: received by %s broadcast (%d bytes, rank %d of %d)", reply.version, reply.backend,
+             reply.nbytes, reply.rank, reply.size)
 
 
 def _seconds(text: str, uri: str) -> float:

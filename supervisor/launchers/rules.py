@@ -14,9 +14,9 @@ def launch_problems(cfg) -> list[str]:
     if cfg.launcher != "ray":
         return []
     problems = []
-    if cfg.weights_transport not in ("stream", "delta"):  # the transports over ZeroMQ
+    if cfg.weights_transport not in ("stream", "delta", "nccl"):  # the transports over the network
         problems.append(f"launcher=ray: weights_transport={cfg.weights_transport} reaches processes of one machine "
-                        f"only, and Ray may place samplers on any node: set weights_transport=stream (or delta)")
+                        f"only, and Ray may place samplers on any node: set weights_transport=stream (or delta, nccl)")
     if named := [f"gpus.{key}" for key in GPU_KEYS.values() if cfg.gpus[key]]:
         problems.append(f"launcher=ray: {', '.join(named)} name one machine's GPUs; Ray gives each process its own: "
                         f"empty them and ask per process with ray.<role>.gpus (e.g. ray.trainer.gpus=1)")
