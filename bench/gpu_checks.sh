@@ -13,8 +13,10 @@
 #   launch_tiny     150/35  bench/gpu_launch.py: a full MOPD launch, trainer + sampler + teacher sharing GPU 0 (tiny
 #                           model), bf16, Triton experts replaying the engine's routes (trainer.routing_replay)
 #   tests           150/15  the torch engine's CUDA-graph decode tests, pinned publishing, the two cross-process CUDA
-#                           IPC tests, tests/test_gpu.py's in-process tests (the bf16 kernel path, LoRA's round trip),
-#                           tests/test_experts.py and the kernel tests,
+#                           IPC tests, the nccl transport's two (GPU weights staged on the host for gloo; a real NCCL
+#                           broadcast cuda:0 -> a sampler on cuda:1, skipped with one GPU), tests/test_gpu.py's
+#                           in-process tests (the bf16 kernel path, LoRA's round trip), tests/test_experts.py and the
+#                           kernel tests,
 #                           on real CUDA (TRITON_INTERPRET unset); 60 s per test
 #   weight_transport 60/10  bench/weight_transport.py --quick: shm vs cuda_ipc publish + load in another process
 #   moe_kernels      75/10  bench/moe_kernels.py --rounds 5: Triton vs torch._grouped_mm vs the per-expert loop
@@ -191,7 +193,8 @@ gpu_part launch_tiny 150 35 "$PY" bench/gpu_launch.py --size tiny -- trainer.rou
 
 # --- the kernel tests and the in-process GPU tests ----------------------------------------------------------------
 # shellcheck disable=SC2206  # the selection is a list of words
-# the newest CUDA code first (seconds each: the engine's CUDA graphs, pinned publishing, CUDA IPC across processes),
+# the newest CUDA code first (seconds each: the engine's CUDA graphs, pinned publishing, CUDA IPC across processes,
+# the nccl transport),
 # then the kernels, whose many Triton compiles are what a cap cuts short (each finished test is kept regardless)
 TESTS=(${GPU_CHECKS_TESTS:-tests/test_torch_engine.py::test_cuda_graph_decode_has_no_sync
   tests/test_torch_engine.py::test_cuda_graph_decode_equals_eager
@@ -200,6 +203,8 @@ TESTS=(${GPU_CHECKS_TESTS:-tests/test_torch_engine.py::test_cuda_graph_decode_ha
   tests/test_weight_transport.py::test_a_gpu_model_publishes_the_cpu_models_bytes_through_pinned_buffers
   tests/test_weight_transport.py::test_cuda_ipc_loads_bitwise_in_another_process
   tests/test_weight_transport.py::test_cuda_ipc_torn_read_across_processes
+  tests/test_nccl_weights.py::test_gpu_weights_staged_on_the_host_for_gloo
+  tests/test_nccl_weights.py::test_nccl_broadcast_from_cuda0_to_a_sampler_on_cuda1
   tests/test_gpu.py tests/test_experts.py tests/test_moe_kernels.py tests/test_logprob_kernel.py})
 PER_TEST=()  # pytest-timeout (on the GPU machine; in the dev extra): one stuck test fails alone, the rest run
 "$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(-o "timeout=${GPU_CHECKS_TEST_TIMEOUT_S:-60}")
