@@ -1,32 +1,39 @@
 """The ``nccl`` weight transport: the trainer (rank 0) broadcasts each version to the samplers that ask for it, over
 a torch.distributed process group of its own -- NCCL when the trainer's weights are on CUDA (samplers on other
-GPUs, other hosts), gloo otherwise (and in the CPU tests).
+GPUs, other hosts; a sampler on the trainer's own GPU cannot be in its NCCL group: use cuda_ipc there), gloo
+otherwise (and in the CPU tests).
+
+    cascade-rl launch tiny weights_transport=nccl weights_options.nccl.host=10.0.0.1
 
 Samplers apply a notice at their own safe point and join or leave at any time, but a collective needs every member
 present. So there is no fixed group: a sampler *asks* the trainer's ROUTER for the notice's version
-(``WeightsJoin``, protocol/weights_group.py) and the publisher's thread gathers the askers -- until every member of
-the group the first asker holds has asked, or ``gather_ms`` after the first ask -- then tells each its rank
-(``WeightsGroup``) and broadcasts the newest version to them. A sampler that never asks delays the others by
-``gather_ms`` at most; the group then goes without it.
+(``WeightsJoin``, protocol/weights_group.py); the publisher's thread gathers the askers for ``gather_ms`` after the
+first ask -- or less, once the askers are exactly a group it holds, each holding it too, and include everyone served
+in the last two versions (so groups that parted merge again) -- then tells each its rank (``WeightsGroup``) and
+broadcasts the newest version to them. A sampler that does not ask delays the others by ``gather_ms`` at most: the
+round goes without it, and it is served in a round of its own when it asks.
 
 Publisher (``NcclTransport``): ``publish`` copies the weights into a staging buffer (one flat copy of the data
 section of the safetensors file layout.py lays out: file order, every tensor aligned) on the backend's device --
-the trainer's GPU for NCCL (a device-to-device copy: memory ~ ``keep`` x the model's bytes of GPU memory), host
-memory for gloo -- and returns at once; the broadcast reads only the staging copy, so the trainer's next step never
-waits and never changes what is sent. A buffer being broadcast is never reused. Groups are built without the
-default process group (the trainer's FSDP group is not touched): a ``PrefixStore`` per group over a ``TCPStore``
-the publisher hosts, and ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` constructed directly, rank 0 the publisher.
-A group is cached by its members: the same receivers asking again, each still holding it, reuse it; any other set
-(a new or restarted sampler, one that missed a round) gets a new group under a new prefix, and the cached groups of
-its members are dropped (a receiver holds one group per publisher).
+the trainer's GPU for NCCL (a device-to-device copy: ~ ``keep`` x the model's bytes of GPU memory), host memory for
+gloo -- and returns once copied; the broadcast reads only the staging copy, so the trainer's next step never waits
+for a sampler and never changes what is sent. A buffer being broadcast is never reused. Groups are built without the
+default process group (the trainer's FSDP group is not touched): a ``PrefixStore`` per group over a ``TCPStore`` the
+publisher hosts, and ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` constructed directly, rank 0 the publisher. A
+group is cached by its members: the same receivers asking again, each still holding it, reuse it; any other set (a
+new or restarted sampler, one that missed a round) gets a new group under a new prefix -- a new communicator: about
+a second for NCCL -- and the cached groups of its members are dropped (a receiver holds one group per publisher).
+An asker that is gone by the round (its socket closed) fails the round before any rendezvous; one that is told its
+rank and never joins fails it after ``timeout_s`` (the others keep their weights and ask again).
 
-Receiver (nccl_receiver.py ``load``): the notice's URI is ``nccl+tcp://HOST:PORT/VERSION?timeout=S`` (the publisher's ROUTER, and
-its ``timeout_s``). It asks, joins (or reuses) the group, receives the bytes in ``chunk``-sized broadcasts into a
-buffer it keeps (the engine's GPU for NCCL), checks them -- the header's XXH3-128 against the notice's ``checksum``,
-every tensor's dtype, shape and offsets against ``nbytes``, and on gloo the data's XXH3-128 -- and hands the engine
-views (``load_tensors``, which copies) or, for an engine that loads files only, the safetensors file. An ask not
-served within the timeout, a refusal, a failed rendezvous or broadcast: ``WeightsError`` (the sampler keeps its
-weights). The engine gets the version broadcast, which may be newer than the notice's. LoRA adapters: refused.
+Receiver (nccl_receiver.py ``load``): the notice's URI is ``nccl+tcp://HOST:PORT/VERSION?timeout=S`` (the
+publisher's ROUTER, and its ``timeout_s``; a sampler waits 2 x S for its answer: a round in progress first). It
+asks, joins (or reuses) the group, receives the bytes in ``chunk``-sized broadcasts into a buffer it keeps (the
+engine's GPU for NCCL), checks them -- the header's XXH3-128 against the notice's ``checksum``, every tensor's
+dtype, shape and offsets against ``nbytes``, and on gloo the data's XXH3-128 -- and hands the engine views
+(``load_tensors``, which copies) or, for an engine that loads files only, the safetensors file. An ask not served in
+time, a refusal, a failed rendezvous or broadcast: ``WeightsError`` (the sampler keeps its weights). The engine gets
+the version broadcast, which may be newer than the notice's. LoRA adapters: refused (full weights only).
 """
 
 from __future__ import annotations
@@ -127,8 +134,9 @@ class NcclTransport:
                  gather_ms: int = 200, timeout_s: float = 60.0, backend: str = "auto", chunk_mb: int = 64) -> None:
         """``endpoint``: where the ROUTER binds (port 0: a free one; the store takes another free port);
         ``host``: the name samplers connect to (stream.py); ``gather_ms``: how long a round waits for askers;
-        ``timeout_s``: the longest wait of a rendezvous, a broadcast, and a sampler for its answer; ``backend``:
-        auto, nccl or gloo; ``keep``: staging buffers kept for reuse (>= 2); ``chunk_mb``: MiB per broadcast."""
+        ``timeout_s``: the longest wait of a rendezvous and of a broadcast (a sampler's for its answer: twice it);
+        ``backend``: auto, nccl or gloo; ``keep``: staging buffers kept for reuse (>= 2); ``chunk_mb``: MiB per
+        broadcast."""
         if keep < 2:
             raise ValueError(f"nccl: keep must be >= 2 (one buffer broadcast while the next is written), got {keep}")
         if backend not in ("auto", "nccl", "gloo"):
