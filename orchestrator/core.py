@@ -187,6 +187,13 @@ class Core:
                 kept.append(g)
         return kept
 
+    def cancel(self, groups: list[Group], reason: str) -> None:
+        """Training groups no longer wanted (over-dispatch's surplus): filtered with ``reason``, their work freed."""
+        for g in groups:
+            del self.groups[g.group_id]
+            self.pool.release_group(g.group_id)
+            self.ledger.settle(g, "filtered", reason)
+
     def to_trainer(self, batch: TrainBatch, groups: list[Group]) -> None:
         """``batch``, built of ``groups``, to the trainer (the first that joined), through the outbox."""
         self._send(self.pool.first("trainer"), batch)

@@ -47,7 +47,7 @@ from cascade_rl.protocol.sockets import RouterLink
 from cascade_rl.protocol.worker_main import worker_start
 
 from . import evaluate as evaluation
-from . import rollout_log, trajectory
+from . import refill, rollout_log, trajectory
 from .assembly import Assembly, Part
 from .batch import build_batch, mismatch_summary, step_metrics
 from .core import Core
@@ -102,6 +102,7 @@ class Orchestrator:
         self.trainer_window, self.trainer_busy_s = [0.0, 0.0], 0.0  # first batch sent, last StepDone
         self.multi_turn = trajectory.Totals()  # multi-turn: the trained trajectories' counts (summary.json multi_turn)
         self.sampled: dict[int, int] = {}  # per step in flight: the rollouts sampled for it, kept or not
+        self.keep_rate = refill.KeepRate()  # the fraction of settled groups kept lately (over-dispatch)
 
     # ------------------------------------------------------------------ the stage, top to bottom
 
@@ -162,48 +163,66 @@ class Orchestrator:
     def sample_batch(self, step: int) -> list[Group]:
         """``prompts_per_step`` complete groups sampled for ``step``, each settled as soon as it is scored and sent
         to the trainer in parts as they are kept (``orchestrator.stream_tokens``; one part, the whole step, by
-        default: orchestrator/assembly.py). Filtered and stale groups are replaced by new ones, for at most
-        ``max_refill_rounds`` rounds; a round that lost groups to an unavailable verifier (a judge server
-        restarting) does not count: the next waits for it to come back (``wait_for_verifiers``)."""
+        default: orchestrator/assembly.py). A filtered or stale group is replaced at once (with
+        ``orchestrator.over_dispatch``, ahead of time: orchestrator/refill.py), up to ``max_refill_rounds`` x
+        ``prompts_per_step`` replacements; one lost to an unavailable verifier (a judge server restarting) does not
+        count, and its replacement waits for the verifier to come back (``wait_for_verifiers``)."""
         r, o, s, t = self.cfg.run, self.cfg.orchestrator, self.cfg.sampling, self.cfg.trainer
         sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
-        wanted, kept, rounds, outage, order = r.prompts_per_step, [], 0, Outage(), {}
+        wanted, kept, waiting, outage, order = r.prompts_per_step, [], [], Outage(), {}
         parts = Assembly(wanted, t.world_size // t.context_parallel, o.stream_tokens,
                          order=lambda g: order[g.group_id])
+        budget = wanted * (1 + o.max_refill_rounds)  # groups the step may dispatch (unavailable verifiers' aside)
+        most = 1.0 if self.core.rules.gateway_secret else o.over_dispatch  # agents are never cut off
         while True:
-            batch = []
-            for _ in range(wanted - len(kept)):
+            n = min(refill.to_dispatch(wanted - len(kept), len(waiting), self.keep_rate.value, most), budget)
+            if not n and not waiting:
+                raise RuntimeError(self._refills_exhausted(step, len(kept), wanted))
+            if (ahead := len(waiting) + n - (wanted - len(kept))) > 0 and n:
+                log.info("step %d: %d groups in flight for %d missing (%d ahead; keep rate %.2f)", step,
+                         len(waiting) + n, wanted - len(kept), ahead, self.keep_rate.value)
+            for _ in range(n):
                 row = self.prompts.next()  # rendered when drawn, never kept: a file may hold millions
                 ids = np.array(self.render.ids(row.messages), np.int32)
                 self.sampled[step] = self.sampled.get(step, 0) + r.group_size  # trained or filtered: the cost
-                batch.append(self.core.add_group(row, ids, r.group_size, sampling, train=True, step=step,
-                                                 env=self.env_of(row)))
-                order[batch[-1].group_id] = len(order)
-            waiting = list(batch)
-            while waiting:  # each group settled (kept, filtered, stale) as it completes; kept ones go on in parts
-                self.pump(lambda waiting=waiting: any(g.complete for g in waiting),
-                          lambda batch=batch: f"step {step}: {sum(g.complete for g in batch)} of {len(batch)} groups "
-                                              f"sampled and scored")
-                done = [g for g in waiting if g.complete]
-                waiting = [g for g in waiting if not g.complete]
-                settled = self.core.settle(done)
-                kept += settled
-                for part in parts.add(settled):
-                    self.to_trainer(step, part)
+                waiting.append(self.core.add_group(row, ids, r.group_size, sampling, train=True, step=step,
+                                                   env=self.env_of(row)))
+                order[waiting[-1].group_id] = len(order)
+            budget -= n
+            self.pump(lambda waiting=waiting: any(g.complete for g in waiting),
+                      lambda kept=kept, waiting=waiting: f"step {step}: {len(kept)} of {wanted} groups kept, "
+                                                         f"{len(waiting)} being sampled and scored")
+            done = sorted((g for g in waiting if g.complete), key=lambda g: order[g.group_id])
+            waiting = [g for g in waiting if not g.complete]
+            settled = []  # each group settled (kept, filtered, stale) as it completes, while the step needs it
+            for i, g in enumerate(done):
+                if len(kept) + len(settled) == wanted:  # over-dispatch: complete, yet surplus
+                    waiting, done = waiting + done[i:], done[:i]
+                    break
+                settled += self.core.settle([g])
+            unavailable = [g.error for g in done if g.error.startswith(UNAVAILABLE)]
+            self.keep_rate.add(len(settled), len(done) - len(unavailable))
+            kept += settled
+            for part in parts.add(settled):  # kept ones go on in parts
+                self.to_trainer(step, part)
             if len(kept) == wanted:
+                if waiting:  # over-dispatch's surplus
+                    self.core.cancel(waiting, f"surplus: step {step} was complete")
                 return kept
-            if unavailable := [g.error for g in batch if g.error.startswith(UNAVAILABLE)]:
+            if unavailable:  # not the prompts' fault: replaced without using the budget, once the verifier is back
+                budget += len(unavailable)
                 self.wait_for_verifiers(step, len(unavailable), unavailable[-1], outage)
-                continue
-            outage = Outage()
-            rounds += 1
-            if rounds > o.max_refill_rounds:
-                reasons = self.core.ledger.reasons
-                why = ("the prompts are all too easy or too hard for this model, or raise orchestrator.max_refill_rounds"
-                       if reasons.get("uniform_rewards", 0) * 2 >= sum(reasons.values()) else
-                       f"most groups failed; the commonest reason: {reasons.most_common(1)[0][0][:500]}")
-                raise RuntimeError(f"step {step}: only {len(kept)} of {wanted} groups survived {o.max_refill_rounds} "
-                                   f"refill rounds (filtered so far: {dict(reasons)}); {why}")
+            elif done:
+                outage = Outage()
+
+    def _refills_exhausted(self, step: int, kept: int, wanted: int) -> str:
+        rounds = self.cfg.orchestrator.max_refill_rounds
+        reasons = self.core.ledger.reasons
+        why = ("the prompts are all too easy or too hard for this model, or raise orchestrator.max_refill_rounds"
+               if reasons.get("uniform_rewards", 0) * 2 >= sum(reasons.values()) else
+               f"most groups failed; the commonest reason: {reasons.most_common(1)[0][0][:500]}")
+        return (f"step {step}: only {kept} of {wanted} groups survived {rounds} refill rounds (filtered so far: "
+                f"{dict(reasons)}); {why}")
 
     def wait_for_verifiers(self, step: int, lost: int, reason: str, outage: Outage) -> None:
         """``lost`` groups of this round failed because a verifier could not score (a judge down or restarting: the

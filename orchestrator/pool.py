@@ -79,6 +79,16 @@ class WorkerPool:
         w = self.workers.get(ident) if ident is not None else None
         return w is not None and w.held.pop(key, None) is not None
 
+    def release_group(self, group_id: str) -> int:
+        """Free everything any worker holds of group ``group_id`` (its sample request, scores, teacher and
+        environment steps); how many items."""
+        n = 0
+        for w in self.workers.values():
+            for key in [k for k in w.held if (k if isinstance(k, str) else k.group) == group_id]:
+                del w.held[key]
+                n += 1
+        return n
+
     def items(self, role: str) -> int:
         """Items held by workers of ``role``."""
         return sum(len(w.held) for w in self.workers.values() if w.role == role)

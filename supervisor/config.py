@@ -107,6 +107,8 @@ def validate(cfg: DictConfig) -> None:
         problems.append("run.group_size must be >= 2 for GRPO (advantages are group-normalised)")
     if t.micro_batch_groups and r.prompts_per_step % t.micro_batch_groups:
         problems.append("run.prompts_per_step must be a multiple of trainer.micro_batch_groups")
+    if o.over_dispatch < 1:
+        problems.append(f"orchestrator.over_dispatch={o.over_dispatch} must be >= 1 (1: dispatch what a step needs)")
     if o.max_inflight_groups < 1 or o.stream_tokens < 0:
         problems.append("orchestrator.max_inflight_groups must be >= 1 and orchestrator.stream_tokens >= 0 (0: the "
                         "whole step in one part)")

@@ -195,8 +195,14 @@ class OrchestratorConfig:
     (learner/step.py: the same update as the whole batch at once). 0: one part, the whole step (a barrier).
     Strictly on-policy stays so: every part of step s is sampled by version s."""
     max_refill_rounds: int = 16
-    """Rounds of replacement groups per step before the step fails with the filter counts (as verl's
-    max_num_gen_batches): a stage whose prompts all give uniform rewards stops instead of spinning."""
+    """Replacement groups a step may sample, in rounds of run.prompts_per_step groups, before it fails with the
+    filter counts (as verl's max_num_gen_batches): a stage whose prompts all give uniform rewards stops instead of
+    spinning. A filtered group is replaced as soon as it is settled."""
+    over_dispatch: float = 1.0
+    """With dynamic filtering: keep in flight what a step still needs divided by the fraction of groups kept lately
+    (orchestrator/refill.py), at most this many times it, so a filtered group's replacement is already sampling.
+    Groups still in flight when the step is complete are cancelled (filtered as ``surplus``): sampled for nothing.
+    1: no more than the step needs. Not with agent rows (their agents would be cut off)."""
     unavailable_timeout_s: float = 1800.0
     """A round that lost groups to an unavailable verifier (a judge server down or restarting: those groups are
     filtered as ``verifier_unavailable``, never trained on a reward of 0) does not count against max_refill_rounds;

@@ -22,6 +22,7 @@ from cascade_rl.modeling.models import load_model
 from cascade_rl.modeling.policy import Policy
 from cascade_rl.orchestrator.assembly import Assembly
 from cascade_rl.orchestrator.groups import Group
+from cascade_rl.orchestrator.refill import KeepRate, to_dispatch
 from cascade_rl.protocol.messages import Rollout, SamplingParams, TrainBatch, WorkKey
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -201,3 +202,76 @@ def test_a_streamed_launch_trains_parts_before_the_last_group_is_scored(tiny_mod
         assert torch.equal(value, expected[name].to(value.dtype)), name
         changed += not torch.equal(value, start[name].to(value.dtype))
     assert changed > len(final) // 2  # the steps moved the weights: the equality is of trained weights
+
+
+# ------------------------------------------------------------------ refills and over-dispatch
+
+
+def test_without_over_dispatch_a_step_keeps_what_it_needs_in_flight():
+    assert to_dispatch(missing=16, in_flight=0, keep_rate=0.3, most=1.0) == 16
+    assert to_dispatch(missing=5, in_flight=3, keep_rate=0.3, most=1.0) == 2  # 3 filtered: replaced at once
+    assert to_dispatch(missing=0, in_flight=3, keep_rate=0.3, most=1.0) == 0
+
+
+def test_over_dispatch_divides_by_the_keep_rate_up_to_its_most():
+    assert to_dispatch(missing=10, in_flight=0, keep_rate=0.5, most=4.0) == 20
+    assert to_dispatch(missing=10, in_flight=15, keep_rate=0.5, most=4.0) == 5
+    assert to_dispatch(missing=10, in_flight=0, keep_rate=0.01, most=4.0) == 40  # capped
+    assert to_dispatch(missing=10, in_flight=0, keep_rate=1.0, most=4.0) == 10  # nothing filtered: no surplus
+    rate = KeepRate()
+    assert rate.value == 1.0
+    rate.add(kept=0, settled=1)
+    assert rate.value == 0.8  # one filtered group among the prior's four kept
+    rate.add(kept=1, settled=4)
+    assert rate.value == pytest.approx(5 / 9)
+    rate.add(kept=0, settled=300)  # the last WINDOW groups only
+    assert rate.value == pytest.approx(4 / 260)
+
+
+def test_cancelled_groups_are_filtered_as_surplus_and_free_their_sampler(tmp_path):
+    from test_orchestrator_core import PROMPT, ROW, S0, V0, Clock, join, ledger_lines, make, rollout, sent
+
+    from cascade_rl.protocol.messages import PromptRequest
+
+    core = make(Clock(), tmp_path)
+    join(core, S0, "sampler", slots=4)
+    join(core, V0, "verifier")
+    g = core.add_group(ROW, PROMPT, 4, SamplingParams(), train=True, step=0)
+    (ident, req), = sent(core, PromptRequest)
+    core.receive(ident, rollout(req, 0))
+    assert core.pool.items("sampler") == 1
+    core.cancel([g], "surplus: step 0 was complete")
+    assert core.pool.items("sampler") == 0 and core.pool.items("verifier") == 0
+    core.receive(ident, rollout(req, 1))  # late: dropped, written as a duplicate of its settled id
+    books = core.books()
+    assert books["filtered"] == 4 and books["lost"] == 0 and books["filtered_reasons"] == {
+        "surplus: step 0 was complete": 4}
+    assert [x["fate"] for x in ledger_lines(tmp_path)].count("filtered") == 4
+
+
+@pytest.mark.slow
+def test_over_dispatch_with_filtering_and_streaming_closes_the_books(tiny_model, tmp_path):
+    """Dynamic filtering drops about half the groups (rows with an even answer always reward 1), the keep rate so
+    learnt makes later steps dispatch ahead (orchestrator.over_dispatch=3), the groups a complete step no longer
+    needs are cancelled as surplus, and every rollout still has one fate, the trainer's ids the ledger's."""
+    run_dir, data = tmp_path / "run", tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "domain": "test_half", "answer": str(i + 1)}) + "\n"
+                            for i in range(40)))
+    plugin = tmp_path / "half.py"
+    plugin.write_text("from cascade_rl.verifiers.registry import register_verifier\n\n\n"
+                      "@register_verifier('test_half')\n"
+                      "def half(response, reference, metadata):\n"
+                      "    return 1.0 if int(reference) % 2 == 0 else float(len(response) % 2)\n")
+    r = subprocess.run([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", f"data.files=[{data}]",
+                        f"verifier.plugins=[{plugin}]", "supervisor.progress=plain", "run.steps=3",
+                        "orchestrator.dynamic_filtering=true", "orchestrator.over_dispatch=3",
+                        "orchestrator.stream_tokens=1", "orchestrator.eval_n=0", "orchestrator.eval_greedy=false"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    books = json.loads((run_dir / "summary.json").read_text())["books"]
+    assert books["lost"] == 0 and books["in_flight"] == 0 and books["trainer_ids"]["match"]
+    assert books["trained"] == 3 * 8 * 4 and books["filtered_reasons"].get("uniform_rewards", 0) > 0
+    assert set(books["filtered_reasons"]) <= {"uniform_rewards", *(f"surplus: step {s} was complete" for s in range(3))}
+    assert books["dispatched"] == books["trained"] + books["filtered"]
+    log = (run_dir / "logs" / "orchestrator.log").read_text()
+    assert "step 1: " in log and "ahead; keep rate" in log, log[-2000:]
