@@ -9,6 +9,7 @@ messages there.
 from __future__ import annotations
 
 import re
+from dataclasses import field
 
 import numpy as np
 
@@ -22,18 +23,21 @@ class WeightsJoin:
     """sampler → trainer's nccl ROUTER: serve me weights ``version`` (or a newer one) in the next broadcast.
     ``member``: this receiver's id, the same for every ask of one engine in one process; ``group``: the prefix of
     the process group it holds with this publisher ("" none), which the publisher reuses when the same members
-    ask again."""
+    ask again; ``backends``: those it can receive over (nccl only where its process has CUDA)."""
 
     version: int
     member: str
     group: str = ""
+    backends: list[str] = field(default_factory=lambda: ["gloo"])
 
     def validate(self) -> str:
         if self.version < 0:
             return f"version {self.version}"
         if not MEMBER.match(self.member):
             return f"member id {self.member[:80]!r}: want 1-64 of [A-Za-z0-9._:-]"
-        return "" if len(self.group) <= 64 else f"group name of {len(self.group)} characters"
+        if len(self.group) > 64:
+            return f"group name of {len(self.group)} characters"
+        return "" if len(self.backends) <= 4 else f"{len(self.backends)} backends"
 
 
 @message("weights_group")

@@ -9,8 +9,10 @@ the trainer's GPU weights staged on the host for gloo; NCCL itself from cuda:0 t
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -18,6 +20,7 @@ import time
 import uuid
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -186,6 +189,41 @@ def test_an_ask_nobody_answers_times_out_with_a_weights_error():
         silent.close(linger=0)
 
 
+def _group(header: bytes, nbytes: int = 16) -> WeightsGroup:
+    return WeightsGroup(1, "h:1", "g", 1, 2, "gloo", nbytes, 8, "", np.frombuffer(header, np.uint8))
+
+
+def _header(entries: dict) -> bytes:
+    text = json.dumps(entries).encode()
+    return struct.pack("<Q", len(text)) + text
+
+
+@pytest.mark.parametrize("header, why", [
+    (b"", "header refused"),
+    (struct.pack("<Q", 10) + b"{", "header refused"),
+    (_header({"w": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}), "F99"),
+    (_header({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}), r"F32 \[3\] at \[0, 8\)"),
+    (_header({"w": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}), "of 16 bytes"),
+    (_header({"w": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]}}), r"at \[2, 6\)"),
+    (_header({"w": {"dtype": "F32", "shape": [1]}}), "data_offsets"),
+])
+def test_a_header_that_does_not_add_up_is_refused(header, why):
+    with pytest.raises(WeightsError, match=why):
+        nccl_receiver.parse_header(_group(header))
+    ok = _header({"__metadata__": {"a": "w"}, "w": {"dtype": "BF16", "shape": [2, 4], "data_offsets": [0, 16]}})
+    assert nccl_receiver.parse_header(_group(ok)) == {"w": (torch.bfloat16, (2, 4), 0, 16)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_backend_nccl_without_cuda_is_refused_at_the_first_publish(model):
+    t = TRANSPORTS["nccl"](run_id=RUN, endpoint="tcp://127.0.0.1:0", backend="nccl")
+    try:
+        with pytest.raises(WeightsError, match="backend=nccl needs CUDA"):
+            t.publish(model, 1)
+    finally:
+        t.close()
+
+
 # --------------------------------------------------------------------------- samplers in other processes
 
 
@@ -257,6 +295,9 @@ def test_malformed_requests_are_refused_and_the_thread_keeps_serving(publisher, 
         notice = publisher.publish(model, 1)
         future = ask(encode(WeightsJoin(9, "m")))
         assert isinstance(future, WeightsRefused) and "version 9 is not published (v1)" in future.reason
+        cannot = ask(encode(WeightsJoin(1, "m", backends=["nccl"])))
+        assert isinstance(cannot, WeightsRefused) and "broadcasts over gloo, which the asker cannot" in cannot.reason
+        assert publisher.counts["refused"] == 3
         for reply in load_all(seats, notice):  # the thread still serves
             served(reply, 1, expected)
     finally:

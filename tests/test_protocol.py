@@ -186,7 +186,7 @@ def sample_messages() -> list[Any]:
         WeightsRefused(version=18, reason="version 18 is not served (evicted or never published); serving [19, 20]"),
         WeightsRefused(version=-1, reason="malformed request: header is not msgpack"),
         WeightsJoin(version=18, member="4242-0a1b2c3d4e5f"),
-        WeightsJoin(version=18, member="4242-0a1b2c3d4e5f", group="run-1a2b3c4d-7"),
+        WeightsJoin(version=18, member="4242-0a1b2c3d4e5f", group="run-1a2b3c4d-7", backends=["gloo", "nccl"]),
         WeightsGroup(version=19, store="10.0.0.1:29500", group="run-1a2b3c4d-7", rank=2, size=3, backend="nccl",
                      nbytes=1 << 33, chunk=64 << 20, checksum="", header=np.arange(16, dtype=np.uint8)),
         Heartbeat(
@@ -727,6 +727,7 @@ VALIDATION_FAILURES = [
     (WeightsJoin(version=1, member="a b"), "weights_join: member id 'a b'"),
     (WeightsJoin(version=1, member=""), "weights_join: member id ''"),
     (WeightsJoin(version=1, member="m", group="g" * 65), "weights_join: group name of 65 characters"),
+    (WeightsJoin(version=1, member="m", backends=["gloo"] * 5), "weights_join: 5 backends"),
     (WeightsGroup(1, "h:1", "g", 0, 2, "gloo", 8, 8, "", np.zeros(8, np.uint8)), "weights_group: rank 0 of 2"),
     (WeightsGroup(1, "h:1", "g", 2, 2, "gloo", 8, 8, "", np.zeros(8, np.uint8)), "weights_group: rank 2 of 2"),
     (WeightsGroup(1, "h:1", "g", 1, 2, "mpi", 8, 8, "", np.zeros(8, np.uint8)), "weights_group: backend 'mpi'"),

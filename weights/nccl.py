@@ -261,6 +261,12 @@ class NcclTransport:
                 served = "nothing yet" if newest is None else f"v{newest.version}"
                 self._send(sock, identity, WeightsRefused(version, f"version {version} is not published ({served})"))
                 return
+            if self.backend not in ask.backends:  # e.g. a sampler process without CUDA: it would fail the round
+                self.counts["refused"] += 1
+                reason = (f"this trainer broadcasts over {self.backend}, which the asker cannot receive (it can: "
+                          f"{'/'.join(ask.backends)}): set weights_options.nccl.backend=gloo")
+                self._send(sock, identity, WeightsRefused(version, reason))
+                return
             if not self._pending:
                 self._first_ask = time.monotonic()
             self._pending[ask.member] = Ask(identity, ask.version, ask.group)

@@ -58,15 +58,17 @@ def load(engine, notice: WeightsReady, run_id: str) -> None:
         raise WeightsError("the nccl weight transport ships full weights, not LoRA adapters")
     addr, timeout_s = m["addr"], _seconds(m["timeout"], notice.uri)
     held = HELD.setdefault(engine, {}).setdefault(addr, Held())
-    reply = ask(addr, WeightsJoin(notice.version, held.member, held.prefix), 2 * timeout_s)  # a round in
-    # progress first (a rendezvous, a broadcast: each up to timeout_s), then ours
-    entries = parse_header(reply)
-    try:
-        buf = receive(held, reply, addr, timeout_s, getattr(engine, "device", None))
+    backends = ["gloo", "nccl"] if torch.cuda.is_available() else ["gloo"]
+    reply = ask(addr, WeightsJoin(notice.version, held.member, held.prefix, backends), 2 * timeout_s)  # a round
+    # in progress first (a rendezvous, a broadcast: each up to timeout_s), then ours
+    try:  # told a rank: take part whatever the checks below say, or the round fails for everyone in it
+        buf = receive(held, reply, timeout_s, getattr(engine, "device", None))
     except Exception as e:  # the group is unusable: the next ask makes a new one
         held.prefix, held.pg = "", None
         raise WeightsError(f"nccl weights v{reply.version} from {addr}: broadcast failed: {e}") from None
-    header = reply.header.tobytes()
+    if reply.version < notice.version:
+        raise WeightsError(f"nccl weights: asked for v{notice.version}, sent v{reply.version}")
+    entries, header = parse_header(reply), reply.header.tobytes()
     if reply.version == notice.version and xxhash.xxh3_128(header).hexdigest() != notice.checksum:
         raise WeightsError(f"nccl weights v{notice.version}: the header served is not the one announced")
     if reply.checksum and buf.is_cpu and xxhash.xxh3_128(buf.numpy()).hexdigest() != reply.checksum:
@@ -101,8 +103,6 @@ def ask(addr: str, join: WeightsJoin, timeout_s: float) -> WeightsGroup:
         sock.close(linger=0)
     if isinstance(reply, WeightsRefused):
         raise WeightsError(f"nccl weights v{join.version}: publisher refused: {reply.reason}")
-    if reply.version < join.version:
-        raise WeightsError(f"nccl weights: asked for v{join.version}, offered v{reply.version}")
     return reply
 
 
@@ -129,7 +129,7 @@ def parse_header(reply: WeightsGroup) -> dict[str, tuple[torch.dtype, tuple[int,
     return out
 
 
-def receive(held: Held, reply: WeightsGroup, addr: str, timeout_s: float, device) -> torch.Tensor:
+def receive(held: Held, reply: WeightsGroup, timeout_s: float, device) -> torch.Tensor:
     """Join (or reuse) the group ``reply`` names and receive the broadcast into ``held``'s buffer."""
     if reply.backend == "nccl":
         device = device if isinstance(device, torch.device) and device.type == "cuda" else \
