@@ -22,8 +22,9 @@ Workloads, each a real ``cascade-rl launch`` on make run's SFT'd tiny model (mod
 
 The settings run alternately, the order rotating per round; per setting the median over rounds. The trainer's
 idle fraction is 1 - summary.json ``trainer_busy_frac`` (its forward, backward, update, publish and checkpoint
-time over the window from the first part sent to the last step done). ``--smoke``: one step of each mode on a
-random tiny model, the slow-verifier workload at 0.01 s, launched ``--inline``: the code path in seconds.
+time over the window from the first part sent to the last step done). ``--smoke``: one step streamed on a random
+tiny model, the slow-verifier workload at 0.01 s, launched ``--inline``, its own baseline: the code path in
+seconds.
 
 Writes bench/results/streaming.json; the last stdout line is the summary (stream vs barrier, steps/hour, on the
 first workload).
@@ -105,7 +106,7 @@ def launch(mode: str, workload: list[str], name: str, steps: int, knobs: dict, w
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = bench_parser(__doc__, quick="4 steps, 1 round", smoke="1 step a mode, a random tiny model, inline: seconds")
+    ap = bench_parser(__doc__, quick="4 steps, 1 round", smoke="1 streamed step, a random tiny model, inline: seconds")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--workloads", default="if_rl,slow_verifier")
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = sft_model(smoke=args.smoke)
     loads = workloads(work, args.verifier_s, args.smoke)
     settings = [(w, m) for w in args.workloads.split(",") for m in MODES if m != "stream_over" or w in FILTERING]
+    if args.smoke:  # one launch, its own baseline
+        settings = [("slow_verifier", "stream")]
     knobs = {"stream": args.stream_tokens, "over": args.over_dispatch}
     runs = []
     for r in range(rounds):
@@ -136,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
                              ("steps_per_hour", "trainer_idle_frac", "parts_mean", "sampled_per_trained",
                               "train_s_mean", "reward_mean")}
     w = settings[0][0]
-    stream, barrier = table[f"{w}_stream"], table[f"{w}_barrier"]
+    stream = table[f"{w}_stream"]
+    barrier = table.get(f"{w}_barrier", stream)
     summary = {"name": "streaming", "metric": f"steps/hour, stream_tokens={args.stream_tokens} vs the barrier ({w})",
                "value": round(stream["steps_per_hour"], 1), "baseline": "orchestrator.stream_tokens=0 (a barrier)",
                "baseline_value": round(barrier["steps_per_hour"], 1),
