@@ -50,7 +50,7 @@ def test_typed_choices_are_refused_with_the_allowed_ones(override, message):
 @pytest.mark.parametrize("key, value, allowed", [
     ("run.algorithm", "ppo", "grpo, mopd"),
     ("trainer.logprob_impl", "cuda", "torch, triton"),
-    ("weights_transport", "nfs", "cuda_ipc, delta, shm, stream"),
+    ("weights_transport", "nfs", "cuda_ipc, delta, nccl, shm, stream"),
     ("sampler.engine", "trt", "sglang, torch, vllm"),
 ])
 def test_implementation_names_are_checked_against_their_registries(key, value, allowed, tiny_model):
@@ -91,6 +91,7 @@ def test_routing_replay_turns_on_the_samplers_routes():
     ("weights_options.stream.chunk_mb=big", "weights_options.stream.chunk_mb: Value 'big'"),
     ("weights_options.delta.keep=1", "weights_options.delta.keep must be >= 2"),
     ("weights_options.delta.zlib_level=10", "weights_options.delta.zlib_level must be in 0..9, got 10"),
+    ("weights_options.nccl.backend=mpi", "weights_options.nccl.backend must be auto, nccl or gloo, got 'mpi'"),
 ])
 def test_transport_options_are_typed_and_checked_where_declared(override, message, tiny_model):
     with pytest.raises(ConfigError, match=message):
