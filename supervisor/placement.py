@@ -20,7 +20,10 @@ Refused before any process starts, each with what to change:
   or where the shares sum to more than 1;
 - ``weights_transport=cuda_ipc`` (the samplers read the trainer's GPU buffers in place)
   with a trainer of more than one rank or without a GPU, a sampler not on the trainer's
-  GPU, or an engine whose model is not in the sampler process (sglang).
+  GPU, or an engine whose model is not in the sampler process (sglang);
+- ``weights_transport=nccl`` over NCCL (a trainer on GPUs, ``backend`` auto or nccl) with a
+  sampler without a GPU or on the GPU of the trainer's rank 0 (NCCL puts no two ranks of a
+  group on one GPU), and ``backend=nccl`` with a trainer without a GPU.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def check(cfg, teachers: int, visible: int) -> list[str]:
     elif missing := [x for x in named if not 0 <= x < visible]:
         problems.append(f"gpus.* names GPUs {missing} but this machine has {visible} (ids 0..{visible - 1}"
                         f"{', as CUDA_VISIBLE_DEVICES numbers them' if os.environ.get('CUDA_VISIBLE_DEVICES') else ''})")
-    problems += _cuda_ipc(cfg)
+    problems += _cuda_ipc(cfg) + _nccl(cfg)
     if problems:
         return problems
     return _sharing(cfg, processes(cfg, teachers))
@@ -120,6 +123,26 @@ def _cuda_ipc(cfg) -> list[str]:
                         f"({' or '.join(IPC_ENGINES)}), got sampler.engine={cfg.sampler.engine}: "
                         f"choose one of those, {fix}")
     return problems
+
+
+def _nccl(cfg) -> list[str]:
+    """``weights_transport=nccl`` broadcasts from the trainer's rank 0 to every sampler over NCCL when the trainer is
+    on a GPU: each sampler needs a GPU of its own, not that one (weights/nccl.py)."""
+    if cfg.get("weights_transport") != "nccl" or cfg.weights_options.nccl.backend == "gloo":
+        return []
+    g, fix = cfg.gpus, "or set weights_options.nccl.backend=gloo"
+    if not g.trainer:
+        return [f"weights_options.nccl.backend=nccl needs the trainer on a GPU (gpus.trainer=[G]), {fix}"] if (
+            cfg.weights_options.nccl.backend == "nccl") else []
+    rank0 = int(g.trainer[0])
+    if not g.samplers:
+        return [f"weights_transport=nccl broadcasts over NCCL from the trainer's GPU {rank0}, and the samplers have "
+                f"no GPU (gpus.samplers=[]): give each a GPU other than {rank0}, {fix}"]
+    on_it = [f"sampler-{i}" for i, x in enumerate(g.samplers) if int(x) == rank0]
+    if on_it:
+        return [f"weights_transport=nccl: {', '.join(on_it)} on the trainer's GPU {rank0}, where NCCL cannot add "
+                f"them to its group: move them to other GPUs, use weights_transport=cuda_ipc (one GPU), {fix}"]
+    return []
 
 
 def _sharing(cfg, procs: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:

@@ -117,6 +117,19 @@ def test_cuda_ipc_layouts_refused_before_launch(overrides, visible, wanted):
     assert any(wanted in p for p in problems), problems
 
 
+def test_nccl_wants_samplers_on_gpus_other_than_the_trainers():
+    assert check(cfg_of("weights_transport=nccl", "gpus.trainer=[0]", "gpus.samplers=[1]"), 0, 2) == []
+    assert check(cfg_of("weights_transport=nccl"), 0, 0) == []  # on the CPU: gloo
+    shared = ("weights_transport=nccl", "gpus.trainer=[0]", "gpus.samplers=[0]", "gpus.memory={trainer: 0.5, "
+              "sampler: 0.4}")
+    assert check(cfg_of(*shared, "weights_options.nccl.backend=gloo"), 0, 1) == []
+    assert "sampler-0 on the trainer's GPU 0, where NCCL cannot" in " ".join(check(cfg_of(*shared), 0, 1))
+    alone = check(cfg_of("weights_transport=nccl", "gpus.trainer=[0]"), 0, 1)
+    assert "the samplers have no GPU (gpus.samplers=[])" in " ".join(alone)
+    cpu = check(cfg_of("weights_transport=nccl", "weights_options.nccl.backend=nccl"), 0, 0)
+    assert "backend=nccl needs the trainer on a GPU" in " ".join(cpu)
+
+
 def test_launch_refuses_gpus_the_machine_lacks(tmp_path, tiny_model, math_data):
     """Through the command line, before any process starts: exit 2 and the layout's problem, no traceback."""
     import torch
