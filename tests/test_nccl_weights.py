@@ -224,6 +224,32 @@ def test_backend_nccl_without_cuda_is_refused_at_the_first_publish(model):
         t.close()
 
 
+def test_staging_buffers_are_reused_but_never_one_being_broadcast():
+    state = {"w": torch.randn(64, 33).to(torch.bfloat16), "b": torch.arange(33, dtype=torch.int64)}
+    t = TRANSPORTS["nccl"](run_id=RUN, endpoint="tcp://127.0.0.1:0", backend="gloo")
+    try:
+        ptrs = []
+        for v in range(1, 5):
+            t.publish(state, v)
+            ptrs.append(t._newest.buf.data_ptr())
+            assert len(t._staged) <= t.keep
+        assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1]  # two buffers, alternating
+        busy = t._newest
+        busy.busy = True  # v4 is being broadcast
+        t.publish(state, 5)
+        assert t._newest.buf.data_ptr() == ptrs[2]  # v3's buffer
+        t.publish(state, 6)  # v4 busy, v5 the newest (the thread may start on it): a third buffer, v5's let go
+        assert [s.version for s in t._staged] == [4, 6] and t._newest.buf.data_ptr() not in ptrs[:2]
+        busy.busy = False
+        t.publish(state, 7)
+        assert t._newest.buf.data_ptr() == ptrs[1] and [s.version for s in t._staged] == [6, 7]  # v4's again
+        data = t._newest.buf  # file order: the 8-byte ints first, then the bf16 weights
+        assert torch.equal(data[: 33 * 8].view(torch.int64), state["b"])
+        assert torch.equal(data[33 * 8 :].view(torch.bfloat16).reshape(64, 33), state["w"])
+    finally:
+        t.close()
+
+
 # --------------------------------------------------------------------------- samplers in other processes
 
 
