@@ -9,8 +9,8 @@ on each decoder layer, then on the root), runs forward/backward on its own
 (reduce-scatter, in fp32: bf16 weights are held as fp32 shards and computed in
 bf16, ``parallelize``); so a step equals the one-rank step on the whole batch as
 long as every rank's loss is the mean over its equal share (whole groups,
-validated at launch). Rank 0 alone talks to the orchestrator; it broadcasts each
-``TrainBatch`` to the other ranks. Publishing gathers one parameter at a time
+validated at launch). Each rank receives its own share of every ``TrainBatch`` part
+from the orchestrator over its own link. Publishing gathers one parameter at a time
 while rank 0's transport writes it (``GatheredWeights``); checkpoints gather the
 full state dict. Backends: gloo on CPU, NCCL on CUDA.
 
@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from cascade_rl.modeling.context_parallel import ContextParallel
-from cascade_rl.protocol.codec import decode, encode
 from cascade_rl.weights.layout import file_order
 
 from .optim import LOW_PRECISION
@@ -209,13 +208,14 @@ def publishable(policy: nn.Module, ranks: Ranks):
     return GatheredWeights(policy) if ranks.distributed else policy.model
 
 
-def broadcast_message(msg, ranks: Ranks):
-    """Rank 0's message to every rank (codec frames over the process group: the same bytes as on the wire)."""
+def gather_ids(ids: list[str], ranks: Ranks) -> list[list[str]]:
+    """Each data-parallel rank's rollout ids on rank 0 (the first rank of each context-parallel group: its peers
+    trained the same rows); ``[ids]`` on one rank, [] on the others."""
     if not ranks.distributed:
-        return msg
-    box = [[bytes(f) for f in encode(msg)] if ranks.main else None]
-    dist.broadcast_object_list(box, src=0)
-    return decode(box[0])
+        return [ids]
+    out = [None] * ranks.world_size if ranks.main else None
+    dist.gather_object(ids, out, dst=0)
+    return [out[r] for r in range(0, ranks.world_size, ranks.cp)] if ranks.main else []
 
 
 def shard_rows(n_groups: int, group_size: int, ranks: Ranks) -> slice:

@@ -15,9 +15,10 @@ can hand them to late samplers), then ``StepDone`` carries the step's metrics.
 Checkpoints (learner/checkpoint.py) are HF directories plus optimizer, RNG and
 the orchestrator's data cursor, written atomically.
 
-With several ranks (learner/parallel.py) rank 0 alone talks to the
-orchestrator and broadcasts each batch; every rank trains on its share of the
-groups under FSDP2.
+With several ranks (learner/parallel.py) every rank has its own link to the
+orchestrator, which sends each its own share of every part (balanced by tokens:
+orchestrator/assembly.py); rank 0 alone publishes weights and reports steps, and
+every rank trains on its share of the groups under FSDP2.
 """
 
 from __future__ import annotations
@@ -245,21 +246,24 @@ def main(argv: list[str] | None = None) -> None:
         records.keep_steps_before(run_dir / records.TRAINED_IDS_FILE, version)  # resumed at step s: steps s.. are redone
         trained_ids = records.Appender(run_dir / records.TRAINED_IDS_FILE)
 
-    # --- rank 0: IO threads (weights PUB bound here, link to the orchestrator)
-    link = notices = transport = None
+    # --- rank 0: the weights' transport and PUB
+    notices = transport = None
     status = {"state": "waiting", "version": version,
               "counters": {"steps": version, "train_s": 0.0, "device": where}}
     if ranks.main:
         options = dict(cfg.weights_options.get(cfg.weights_transport) or {})  # typed per transport in the schema
         # the address samplers on other hosts reach us at: this node's in a Ray run (supervisor/launchers/)
-        if cfg.weights_transport in ("stream", "delta") and not options["host"] and (
+        if cfg.weights_transport in ("stream", "delta", "nccl") and not options["host"] and (
                 host := os.environ.get("CASCADE_RL_NODE_IP") or cfg.host):
             options["host"] = host
         transport = TRANSPORTS[cfg.weights_transport](run_id=cfg.run_id, **options)
         notices = NoticePublisher(cfg.endpoints.weights, args.worker_id).start()  # binds, or raises here
-        link = WorkerLink(args.worker_id, "trainer", cfg.endpoints.orchestrator, cfg.endpoints.get("heartbeat"), None,
-                          expect=(TrainBatch,), status=lambda: status, heartbeat_s=cfg.supervisor.heartbeat_s).start()
-        link.send(Ready(args.worker_id, "trainer", slots=1, version=version))
+    # every rank: its own link, on which the orchestrator sends it its own share of each batch (rank 0 also beats)
+    link_id = args.worker_id if ranks.main else f"{args.worker_id}.rank{ranks.rank}"
+    link = WorkerLink(link_id, "trainer", cfg.endpoints.orchestrator,
+                      cfg.endpoints.get("heartbeat") if ranks.main else None, None,
+                      expect=(TrainBatch,), status=lambda: status, heartbeat_s=cfg.supervisor.heartbeat_s).start()
+    link.send(Ready(link_id, "trainer", slots=1, version=version, rank=ranks.rank))
     if version:  # resumed: samplers start from model.path, so hand them the checkpoint's weights first
         if notice := publish(transport, policy, ranks, version):
             notices.send(notice)
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     step, step_id, ids, received, t_first = None, -1, [], [], 0.0  # the step assembled: its parts' ids and arrivals
     try:
         while version < cfg.run.steps:
-            msg: TrainBatch = parallel.broadcast_message(link.inbox.get() if ranks.main else None, ranks)
+            msg: TrainBatch = link.inbox.get()  # this rank's share of the part
             status["state"] = "training"
             received.append([round(time.time(), 3), len(msg.ids)])  # when each part came (the streaming test's clock)
             if step is None:
@@ -279,8 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             elif msg.step != step_id:
                 raise RuntimeError(f"a part of step {msg.step} arrived while step {step_id} had {step.seen} of its "
                                    f"{step.groups} groups: the orchestrator sends a step's parts together")
-            batch = Batch.from_message(msg).to(device)
-            step.add(batch.rows(parallel.shard_rows(len(batch.rewards) // batch.group_size, batch.group_size, ranks)))
+            step.add(Batch.from_message(msg).to(device))
             ids += msg.ids
             if not msg.last:
                 continue
@@ -288,8 +291,10 @@ def main(argv: list[str] | None = None) -> None:
             metrics = parallel.reduce_metrics(step.finish(), ranks)
             version += 1
             notice = publish(transport, policy, ranks, version)  # rank 0's notice; a collective under FSDP2
+            by_rank = parallel.gather_ids(ids, ranks)  # the step's ids, each rank's (its share of every part)
             if ranks.main:  # before the checkpoint: a resume from it keeps this step's line (records.keep_steps_before)
-                trained_ids.write({"step": msg.step, "ids": ids, "parts": received})
+                trained_ids.write({"step": msg.step, "ids": [i for r in by_rank for i in r], "parts": received,
+                                   **({"ranks": by_rank} if ranks.distributed else {})})
             checkpoint_dir = ""
             if version == cfg.run.steps or (tcfg.save_every and version % tcfg.save_every == 0):
                 checkpoint_dir = save_state(policy, optimizer, tokenizer, run_dir, version,
@@ -318,8 +323,8 @@ def main(argv: list[str] | None = None) -> None:
         while True:
             time.sleep(3600)
     finally:
-        if link is not None:
-            link.close()
+        link.close()
+        if ranks.main:
             notices.close()
             transport.close()
             trained_ids.close()

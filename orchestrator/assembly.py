@@ -8,7 +8,9 @@ The trainer runs each part's forward and backward as it comes and steps the opti
 (learner/step.py), so training overlaps the tail of the step's sampling and scoring, and a straggling group
 holds only the update. A part holds whole groups, at least ``stream_tokens`` tokens of them (prompt and
 response), and a multiple of ``dp`` groups (each data-parallel rank takes an equal share of every part); the
-last part is whatever completes the step. ``stream_tokens = 0``: one part, the whole step (a barrier).
+last part is whatever completes the step. ``stream_tokens = 0``: one part, the whole step (a barrier). Each
+part is split among the data-parallel ranks (``shares``): as many groups each, their tokens balanced, so no rank
+waits for another with the longer rows; each rank is sent its own share (no broadcast from rank 0).
 """
 
 from __future__ import annotations
@@ -86,3 +88,18 @@ class Assembly:
         self.sent += take
         self.parts += 1
         return Part(groups, self.parts - 1, self.done)
+
+
+def shares(groups: list[Group], dp: int) -> list[list[Group]]:
+    """``groups`` (a multiple of ``dp``) as ``dp`` shares of as many groups each, their tokens balanced: the
+    longest group first to the share with the fewest tokens among those not yet full (each share in the groups'
+    order)."""
+    per = len(groups) // dp
+    if per * dp != len(groups):
+        raise ValueError(f"{len(groups)} groups do not split among {dp} data-parallel ranks")
+    load, taken = [0] * dp, [[] for _ in range(dp)]
+    for i in sorted(range(len(groups)), key=lambda i: -tokens(groups[i])):
+        rank = min((r for r in range(dp) if len(taken[r]) < per), key=lambda r: load[r])
+        taken[rank].append(i)
+        load[rank] += tokens(groups[i])
+    return [[groups[i] for i in sorted(t)] for t in taken]

@@ -6,14 +6,14 @@
     core.dispatch()                      # queued work -> workers with free credit
     for ident, msg in core.take_outbox(): ...   # what the IO thread sends
     core.expire()                        # deadlines passed: re-dispatch, re-request
-    core.to_trainer(batch, core.settle(groups))   # complete groups' fates; the TrainBatch leaves by the outbox too
+    core.to_trainer([batch], core.settle(groups))  # complete groups' fates; a TrainBatch a trainer rank, by the outbox
 
 Flow (docs/ARCHITECTURE.md §3, §6): a group waits in the prompt queue until a sampler has credit for its n
 sequences (and ``max_inflight_groups`` allows), each rollout that comes back is queued for a verifier of its
 domain (a group domain, GenRM, once the whole group is in), and under MOPD each complete group for a teacher of
 its domain. Every item a worker holds has a deadline; an item past it, or held by a worker that restarted or
 became unreachable, is sent again (a group with its attempt incremented, so the old attempt's late replies are
-recognised as duplicates). ``settle`` decides the fate of a completed batch round and writes it to the ledger.
+recognised as duplicates). ``settle`` decides the fate of complete groups and writes it to the ledger.
 
 A multi-turn group (its rows name an environment) keeps each row as a trajectory (orchestrator/trajectory.py),
 run by the core's ``Trajectories`` (orchestrator/trajectories.py): after each model turn an environment worker
@@ -24,8 +24,8 @@ turn past its deadline, or held by a worker that is gone, is sent again with the
 trajectory's state, so any worker can serve it (docs/ARCHITECTURE.md §12).
 
 Everything the core sends goes through its outbox (``take_outbox``), the trainer's batches too (``to_trainer``);
-the main loop changes its state only through its methods (``receive``, ``add_group``, ``settle``, ``forget``,
-``take_step``).
+the main loop changes its state only through its methods (``receive``, ``add_group``, ``settle``, ``cancel``,
+``forget``, ``take_step``).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class Core:
                 log.warning("%s missed its deadline at %s; re-requesting", key, ident.decode())
                 self._requeue_item(key)
 
-    # ------------------------------------------------------------------ the fate of a batch round
+    # ------------------------------------------------------------------ the fate of groups
 
     def settle(self, batch: list[Group]) -> list[Group]:
         """Complete groups out of flight: the ones to train on (their loss masking decided); the others filtered
@@ -194,22 +194,19 @@ class Core:
             self.pool.release_group(g.group_id)
             self.ledger.settle(g, "filtered", reason)
 
-    def to_trainer(self, batch: TrainBatch, groups: list[Group]) -> None:
-        """``batch``, built of ``groups``, to the trainer (the first that joined), through the outbox."""
-        self._send(self.pool.first("trainer"), batch)
+    def to_trainer(self, batches: list[TrainBatch], groups: list[Group]) -> None:
+        """``batches[r]`` to trainer rank r (each its own share of ``groups``), through the outbox."""
+        for rank, batch in enumerate(batches):
+            self._send(self.pool.trainer(rank), batch)
         self.trained(groups)
 
-    def trained(self, batch: list[Group]) -> None:
-        """``batch`` went to the trainer."""
+    def trained(self, batch: list[Group]) -> None:  # ``batch`` went to the trainer
         for g in batch:
             self.ledger.settle(g, "trained", "masked" if g.masked else "")
 
     def books(self) -> dict:
         live = {rid for g in self.groups.values() if g.train for rid in g.ids()}
         return {**self.ledger.books(live), "stray_replies": self.stray_replies}
-
-    def in_flight(self) -> int:
-        return sum(g.n for g in self.groups.values() if g.train)
 
     # ------------------------------------------------------------------ handlers
 
@@ -220,7 +217,7 @@ class Core:
                 old.draining = True
             log.info("%s is draining (%d items in hand)", ident.decode(), len(old.held) if old else 0)
             return
-        replaced = self.pool.join(ident, Worker(msg.role, msg.slots, msg.version, tuple(msg.domains)))
+        replaced = self.pool.join(ident, Worker(msg.role, msg.slots, msg.version, tuple(msg.domains), rank=msg.rank))
         if replaced is not None:  # a restarted worker: whatever it held is gone with its predecessor
             self._requeue_worker(ident, replaced, "worker restarted")
         log.info("%s joined as %s (%d slots, version %d)", ident.decode(), msg.role, msg.slots, msg.version)

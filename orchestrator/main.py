@@ -48,7 +48,7 @@ from cascade_rl.protocol.worker_main import worker_start
 
 from . import evaluate as evaluation
 from . import refill, rollout_log, trajectory
-from .assembly import Assembly, Part
+from .assembly import Assembly, Part, shares
 from .batch import build_batch, mismatch_summary, step_metrics
 from .core import Core
 from .groups import UNAVAILABLE, Group
@@ -242,17 +242,21 @@ class Orchestrator:
                   f"step {step}: {wait:g} s before new groups, a verifier being unavailable ({reason[:200]})")
 
     def to_trainer(self, step: int, part: Part) -> None:
-        """``part`` of ``step``'s groups to the trainer as a ``TrainBatch`` (the ledger settles them as trained)."""
-        self.pump(lambda: self.core.pool.have("trainer"), "the trainer")
-        o, groups = self.cfg.orchestrator, part.groups
-        batch = build_batch(step, groups, self.cfg.run.group_size, self.tokenizer.pad_token_id or 0,
-                            self.core.rules.mopd, o.overlong_penalty, {"examples_drawn": self.prompts.drawn})
-        batch = dataclasses.replace(batch, part=part.index, last=part.last, step_groups=self.cfg.run.prompts_per_step)
-        self.core.to_trainer(batch, groups)
-        if o.get("save_rollouts", False):
-            rollout_log.append(self.run_dir / "rollouts.jsonl", batch, groups)
+        """``part`` of ``step``'s groups to the trainer: each data-parallel rank its own share as a ``TrainBatch``
+        (the ranks of one context-parallel group the same one); the ledger settles them as trained."""
+        o, t = self.cfg.orchestrator, self.cfg.trainer
+        self.pump(lambda: all(self.core.pool.trainer(r) for r in range(t.world_size)), "the trainer's ranks")
+        batches = []
+        for share in shares(part.groups, t.world_size // t.context_parallel):
+            batch = build_batch(step, share, self.cfg.run.group_size, self.tokenizer.pad_token_id or 0,
+                                self.core.rules.mopd, o.overlong_penalty, {"examples_drawn": self.prompts.drawn})
+            batches += [dataclasses.replace(batch, part=part.index, last=part.last,
+                                            step_groups=self.cfg.run.prompts_per_step)] * t.context_parallel
+            if o.get("save_rollouts", False):
+                rollout_log.append(self.run_dir / "rollouts.jsonl", batch, share)
+        self.core.to_trainer(batches, part.groups)
         self._flush()
-        self.multi_turn.add(t for g in groups for t in g.trajectories.values())
+        self.multi_turn.add(x for g in part.groups for x in g.trajectories.values())
         self.trainer_window[0] = self.trainer_window[0] or time.perf_counter()
 
     def finish_step(self, step: int, groups: list[Group], t0: float, t_sample: float) -> None:

@@ -28,6 +28,7 @@ class Worker:
     domains: tuple[str, ...] = ()
     held: dict[str | WorkKey, Held] = dataclasses.field(default_factory=dict)  # a group id (sampler) or work key
     draining: bool = False  # retiring (a swap, a scale-down): finishes what it holds, gets nothing new
+    rank: int = 0  # a trainer's rank (each rank of trainer.world_size joins on its own)
 
     @property
     def load(self) -> int:
@@ -56,6 +57,10 @@ class WorkerPool:
 
     def have(self, role: str) -> bool:
         return any(w.role == role for w in self.workers.values())
+
+    def trainer(self, rank: int) -> bytes | None:
+        """The trainer rank ``rank``'s identity (None until it joined)."""
+        return next((i for i, w in self.workers.items() if w.role == "trainer" and w.rank == rank), None)
 
     def first(self, role: str) -> bytes | None:
         return next((i for i, w in self.workers.items() if w.role == role), None)

@@ -121,9 +121,10 @@ class Ready:
     version: int = 0
     domains: list[str] = field(default_factory=list)  # verifiers/teachers: domains served; environments: names
     draining: bool = False  # no more work for me: I finish what I hold, then exit (a swap retiring me)
+    rank: int = 0  # a trainer: its rank among trainer.world_size (each rank is sent its own share of every batch)
 
     def validate(self) -> str:
-        return "slots must be >= 0" if self.slots < 0 else ""
+        return "slots must be >= 0" if self.slots < 0 else "rank must be >= 0" if self.rank < 0 else ""
 
 
 @message("prompt_request")

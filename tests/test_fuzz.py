@@ -210,7 +210,7 @@ def _hint_strategy(hint: Any) -> st.SearchStrategy:
 
 
 def _fix_ready(draw, kw: dict) -> None:
-    kw["slots"] = abs(kw["slots"])
+    kw["slots"], kw["rank"] = abs(kw["slots"]), abs(kw.get("rank", 0))
 
 
 _AGENT_KEYS = st.builds(lambda group, index, attempt: WorkKey(group, "agent", index, 0, attempt), _GROUP, _COUNT,

@@ -182,12 +182,18 @@ def test_two_rank_trainer_then_resume_from_its_checkpoint(tiny_model, math_data,
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     common = [f"run_dir={run_dir}", f"model.path={tiny_model}", *math_data, "supervisor.progress=plain",
               "logger=[jsonl,wandb,mlflow]", "wandb.mode=offline", f"mlflow.tracking_uri='{uri}'"]
-    r = cli("launch", "tiny", *common, "trainer.world_size=2", "run.steps=2", env=env, timeout=240)
+    r = cli("launch", "tiny", *common, "trainer.world_size=2", "run.steps=2", "orchestrator.stream_tokens=1",
+            "sampler.slots=8", "sampler.delay_s=0.2", env=env, timeout=240)  # 2 groups a generate call: parts
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "trainer rank 0 of 2" in log and "trainer rank 1 of 2" in log  # two ranks under torchrun
     first = json.loads((run_dir / "summary.json").read_text())
-    assert first["steps"] == 2 and first["books"]["lost"] == 0
+    assert first["steps"] == 2 and first["books"]["lost"] == 0 and first["books"]["trainer_ids"]["match"]
+    for line in map(json.loads, (run_dir / "trained_ids.jsonl").read_text().splitlines()):
+        # each rank was sent only its own rows: half the step's groups each (streamed: every part split in two)
+        mine, theirs = line["ranks"]
+        assert len(mine) == len(theirs) == 4 * 4 and not set(mine) & set(theirs), line
+        assert sorted(mine + theirs) == sorted(line["ids"]) and len(line["parts"]) > 1
     state = json.loads((run_dir / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["extra"]["orchestrator"]["examples_drawn"] >= 2 * 8
 
@@ -448,7 +454,7 @@ def test_a_hung_verifier_makes_the_run_explain_itself(tiny_model, tmp_path):
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
-    assert "waiting for: step 0: 0 of 8 groups sampled and scored" in report, report
+    assert "waiting for: step 0: 0 of 8 groups kept, 8 being sampled and scored" in report, report
     verifier = next(line for line in report.splitlines() if line.strip().startswith("verifier"))
     assert "verifier-0" in verifier and "holds 32 items" in verifier and "s0g" in verifier, verifier
     sampler = next(line for line in report.splitlines() if line.strip().startswith("sampler"))

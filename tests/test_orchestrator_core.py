@@ -5,7 +5,6 @@ exercised by tests/test_launch.py.)"""
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -462,7 +461,7 @@ def test_the_main_loop_drives_the_core_through_its_methods_and_every_message_lea
     g = sample_and_score(core, [0.0, 1.0], step=5)
     kept = core.settle([g])
     batch = build_batch(5, kept, 2, 0, False, False, {})
-    core.to_trainer(batch, kept)
+    core.to_trainer([batch], kept)
     assert core.take_outbox() == [(b"trainer-0", batch)] and core.books()["trained"] == 2
     core.receive(b"trainer-0", StepDone(5, 6))
     assert core.version == 6 and core.take_step(5).version == 6 and not core.steps_done

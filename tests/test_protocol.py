@@ -112,6 +112,7 @@ def sample_messages() -> list[Any]:
     return [
         Ready(worker_id="sampler-0", role="sampler", slots=8, version=3, domains=[]),
         Ready(worker_id="verifier-2", role="verifier", slots=0, domains=["math", "code", "ifeval"]),
+        Ready(worker_id="trainer-0.rank1", role="trainer", slots=1, version=7, rank=1),  # a trainer's second rank
         PromptRequest(
             key=WorkKey.sample("g-1", 2),
             domain="math",

@@ -20,7 +20,7 @@ from cascade_rl.learner.step import Step
 from cascade_rl.learner.trainer import Batch, train_step
 from cascade_rl.modeling.models import load_model
 from cascade_rl.modeling.policy import Policy
-from cascade_rl.orchestrator.assembly import Assembly
+from cascade_rl.orchestrator.assembly import Assembly, shares, tokens
 from cascade_rl.orchestrator.groups import Group
 from cascade_rl.orchestrator.refill import KeepRate, to_dispatch
 from cascade_rl.protocol.messages import Rollout, SamplingParams, TrainBatch, WorkKey
@@ -61,6 +61,18 @@ def test_parts_hold_enough_tokens_split_evenly_and_the_last_completes_the_step()
     (last,) = parts.add([group(5, 10)])  # the step's sixth group: whatever is pending completes it
     assert ([g.group_id for g in last.groups], last.index, last.last) == (["s0g2", "s0g3", "s0g4", "s0g5"], 1, True)
     assert parts.done
+
+
+def test_each_rank_gets_as_many_groups_with_balanced_tokens():
+    groups = [group(k, t) for k, t in enumerate([400, 40, 300, 60, 200, 100])]
+    first, second = shares(groups, 2)
+    assert len(first) == len(second) == 3
+    assert sorted(g.group_id for g in first + second) == sorted(g.group_id for g in groups)
+    load = [sum(tokens(g) for g in s) for s in (first, second)]
+    assert abs(load[0] - load[1]) <= 60, load  # contiguous halves would be 740 against 360
+    assert [g.group_id for g in first] == sorted(g.group_id for g in first)  # each share in the groups' order
+    with pytest.raises(ValueError, match="5 groups do not split among 2"):
+        shares(groups[:5], 2)
 
 
 def test_a_step_never_takes_more_groups_than_it_trains():
