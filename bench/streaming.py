@@ -5,7 +5,9 @@ and the trainer's idle fraction, strictly on-policy both.
                                         [--stream-tokens 2048]
 
 - ``barrier``: ``orchestrator.stream_tokens=0``, the trainer gets the step's groups in one batch once the last is
-  scored (the default);
+  scored (the default), each phase on both cores (torch's threads); ``barrier_1t`` the same with the sampler and
+  the trainer on one thread each, as the streaming modes run (they overlap: two threads each oversubscribe 2
+  cores);
 - ``stream``: kept groups go to the trainer as soon as they hold ``--stream-tokens`` tokens; the trainer's
   forward and backward run on them while the rest of the step is sampled and scored, the update after the last;
 - ``stream_over``: streaming, and over-dispatch (``orchestrator.over_dispatch=--over-dispatch``) on the workloads
@@ -73,10 +75,13 @@ def workloads(work: Path, verifier_s: float, smoke: bool) -> dict[str, list[str]
     }
 
 
+# overlapping: the sampler and the trainer one thread each (two each oversubscribe 2 cores; as bench/async_vs_sync.py)
+OVERLAP = ["sampler.threads=1", "trainer.threads=1"]
 MODES = {  # name -> launch overrides ({stream} and {over}: the command line's)
-    "barrier": ["orchestrator.stream_tokens=0"],
-    "stream": ["orchestrator.stream_tokens={stream}"],
-    "stream_over": ["orchestrator.stream_tokens={stream}", "orchestrator.over_dispatch={over}"],
+    "barrier": ["orchestrator.stream_tokens=0"],  # one phase at a time: each takes both cores (torch's threads)
+    "barrier_1t": ["orchestrator.stream_tokens=0", *OVERLAP],
+    "stream": ["orchestrator.stream_tokens={stream}", *OVERLAP],
+    "stream_over": ["orchestrator.stream_tokens={stream}", "orchestrator.over_dispatch={over}", *OVERLAP],
 }
 FILTERING = {"if_rl"}  # the workloads whose stage filters groups: over-dispatch is measured there
 
@@ -87,8 +92,7 @@ def launch(mode: str, workload: list[str], name: str, steps: int, knobs: dict, w
     preset, *overrides = workload
     args = ["launch", preset, *(["--inline"] if inline else []), f"run_dir={run_dir}", f"model.path={model}",
             *overrides, f"run.steps={steps}", "orchestrator.eval_n=0", "orchestrator.eval_greedy=false",
-            *(x.format(**knobs) for x in MODES[mode]), "trainer.save_every=0",
-            "sampler.threads=1", "trainer.threads=1", "supervisor.progress=none"]
+            *(x.format(**knobs) for x in MODES[mode]), "trainer.save_every=0", "supervisor.progress=none"]
     r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=3600,
                        env=dict(os.environ, XDG_STATE_HOME=str(work / "state")))
     if r.returncode != 0:
