@@ -150,3 +150,14 @@ def run_child(script: str, args: list[str], timeout: float) -> dict:
     if r.returncode != 0:
         return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"}
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def launch_run(args: list[str], run_dir: Path, work: Path, what: str, timeout: float = 3600) -> tuple[dict, list[dict]]:
+    """``cascade-rl launch`` with ``args`` (its state under ``work``): the run's summary.json and metrics.jsonl lines;
+    a failed launch raises with ``what`` it was and the end of its output."""
+    r = subprocess.run([*CLI, "launch", *args], capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, XDG_STATE_HOME=str(work / "state")))
+    if r.returncode != 0:
+        raise RuntimeError(f"launch failed ({what}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((run_dir / "summary.json").read_text()), metrics

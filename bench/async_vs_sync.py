@@ -34,21 +34,18 @@ at the largest delay).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import bench_parser, math_data, random_model, sft_model, write_result  # noqa: E402
+from _common import bench_parser, launch_run, math_data, random_model, sft_model, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
-CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
 
 
 def model_dir() -> str:
@@ -81,16 +78,11 @@ WORKLOADS = {  # name -> (model, launch overrides)
 def launch(mode: str, workload: str, delay: float, steps: int, work: Path, inline: bool = False) -> dict:
     run_dir = work / f"{workload}-{mode}-d{delay}-{time.monotonic_ns()}"
     model, overrides = WORKLOADS[workload]
-    args = ["launch", "tiny", *(["--inline"] if inline else []), f"run_dir={run_dir}", f"model.path={model()}",
+    args = ["tiny", *(["--inline"] if inline else []), f"run_dir={run_dir}", f"model.path={model()}",
             f"run.steps={steps}", *MODES[mode], "trainer.correction=icepop", *overrides, "trainer.lr=2e-5",
             *math_data(8, smoke=workload == "smoke"),
             f"sampler.delay_s={delay}", "supervisor.progress=none"]
-    r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=1800,
-                       env=dict(os.environ, XDG_STATE_HOME=str(work / "state")))
-    if r.returncode != 0:
-        raise RuntimeError(f"launch failed ({workload}, {mode}, delay={delay}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
-    s = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    s, metrics = launch_run(args, run_dir, work, f"{workload}, {mode}, delay={delay}", timeout=1800)
     rewards = [m["reward_mean"] for m in metrics if "version" in m]
     minutes = s["loop_s"] / 60
     sampler = next((w.get("counters", {}) for w in s.get("workers", []) if w.get("role") == "sampler"), {})

@@ -34,20 +34,17 @@ first workload).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import bench_parser, builtin_data, math_data, sft_model, write_result  # noqa: E402
+from _common import bench_parser, builtin_data, launch_run, math_data, sft_model, write_result  # noqa: E402
 
-CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
 SLOW_VERIFIER = '''"""A math verifier that takes {seconds} s a rollout (bench/streaming.py's slow_verifier workload)."""
 import time
 
@@ -90,15 +87,10 @@ def launch(mode: str, workload: list[str], name: str, steps: int, knobs: dict, w
            inline: bool) -> dict:
     run_dir = work / f"{name}-{mode}-{time.monotonic_ns()}"
     preset, *overrides = workload
-    args = ["launch", preset, *(["--inline"] if inline else []), f"run_dir={run_dir}", f"model.path={model}",
+    args = [preset, *(["--inline"] if inline else []), f"run_dir={run_dir}", f"model.path={model}",
             *overrides, f"run.steps={steps}", "orchestrator.eval_n=0", "orchestrator.eval_greedy=false",
             *(x.format(**knobs) for x in MODES[mode]), "trainer.save_every=0", "supervisor.progress=none"]
-    r = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=3600,
-                       env=dict(os.environ, XDG_STATE_HOME=str(work / "state")))
-    if r.returncode != 0:
-        raise RuntimeError(f"launch failed ({name}, {mode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
-    s = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    s, metrics = launch_run(args, run_dir, work, f"{name}, {mode}")
     steps_m = [m for m in metrics if "version" in m]
     return {"mode": mode, "workload": name, "steps": steps, "loop_s": s["loop_s"],
             "steps_per_hour": steps / s["loop_s"] * 3600, "trainer_idle_frac": 1 - s["trainer_busy_frac"],

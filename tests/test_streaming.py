@@ -139,6 +139,22 @@ def test_a_step_refuses_extra_groups_and_an_early_finish(tiny_dense_model):
 # ------------------------------------------------------------------ a launch
 
 
+def launch_scored_by(tmp_path: Path, model: str, reward: str, *overrides: str) -> Path:
+    """A ``tiny`` launch (no evaluation) on 40 prompts "i + 1 =" of a domain scored by ``reward``, a Python
+    expression of ``response`` and ``reference`` (the answer, i + 1), registered by a verifier plugin: its run_dir."""
+    run_dir, data, plugin = tmp_path / "run", tmp_path / "prompts.jsonl", tmp_path / "reward.py"
+    data.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "domain": "test_reward", "answer": str(i + 1)}) + "\n"
+                            for i in range(40)))
+    plugin.write_text("from cascade_rl.verifiers.registry import register_verifier\n\n\n"
+                      "@register_verifier('test_reward')\n"
+                      f"def reward(response, reference, metadata):\n    return {reward}\n")
+    r = subprocess.run([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={model}", f"data.files=[{data}]",
+                        f"verifier.plugins=[{plugin}]", "supervisor.progress=plain", "orchestrator.eval_n=0",
+                        "orchestrator.eval_greedy=false", *overrides], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return run_dir
+
+
 def replay_barrier(model_path: str, run_dir: Path, c, steps: int) -> dict[str, torch.Tensor]:
     """The launch's saved rollouts (rollouts.jsonl), each step as one batch in the order the trainer trained them,
     trained from the start as the barrier mode would (``train_step``, the trainer's own optimizer)."""
@@ -169,24 +185,14 @@ def replay_barrier(model_path: str, run_dir: Path, c, steps: int) -> dict[str, t
 
 @pytest.mark.slow
 def test_a_streamed_launch_trains_parts_before_the_last_group_is_scored(tiny_model, tmp_path):
-    """One group at a time at the sampler (slots = group size, 0.3 s a generate call), every kept group its own part: the trainer's first
-    part of each step comes before the step's last group is settled in the ledger, the trainer's ids are the
-    ledger's, and the final weights are the ones a barrier replay of the same rollouts gives (rewards that differ
-    within each group: a response of an odd length wins, so every step moves the weights)."""
-    run_dir, data = tmp_path / "run", tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "domain": "test_parity", "answer": str(i + 1)}) + "\n"
-                            for i in range(40)))
-    plugin = tmp_path / "parity.py"
-    plugin.write_text("from cascade_rl.verifiers.registry import register_verifier\n\n\n"
-                      "@register_verifier('test_parity')\n"
-                      "def parity(response, reference, metadata):\n    return float(len(response) % 2)\n")
-    r = subprocess.run([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", f"data.files=[{data}]",
-                        f"verifier.plugins=[{plugin}]",
-                        "supervisor.progress=plain", "run.steps=2", "run.prompts_per_step=4", "sampler.slots=4", "sampler.delay_s=0.3",
-                        "orchestrator.stream_tokens=1", "orchestrator.save_rollouts=true", "trainer.micro_batch_groups=1",
-                        "trainer.threads=1", "orchestrator.eval_n=0", "orchestrator.eval_greedy=false"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    """One group at a time at the sampler (slots = group size, 0.3 s a generate call), every kept group its own
+    part: the trainer's first part of each step comes before the step's last group is settled in the ledger, the
+    trainer's ids are the ledger's, and the final weights are the ones a barrier replay of the same rollouts gives
+    (rewards that differ within each group: a response of an odd length wins, so every step moves the weights)."""
+    run_dir = launch_scored_by(tmp_path, tiny_model, "float(len(response) % 2)", "run.steps=2",
+                               "run.prompts_per_step=4", "sampler.slots=4", "sampler.delay_s=0.3",
+                               "orchestrator.stream_tokens=1", "orchestrator.save_rollouts=true",
+                               "trainer.micro_batch_groups=1", "trainer.threads=1")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["books"]["trainer_ids"]["match"] and summary["books"]["lost"] == 0
     ledger = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
@@ -266,20 +272,9 @@ def test_over_dispatch_with_filtering_and_streaming_closes_the_books(tiny_model,
     """Dynamic filtering drops about half the groups (rows with an even answer always reward 1), the keep rate so
     learnt makes later steps dispatch ahead (orchestrator.over_dispatch=3), the groups a complete step no longer
     needs are cancelled as surplus, and every rollout still has one fate, the trainer's ids the ledger's."""
-    run_dir, data = tmp_path / "run", tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "domain": "test_half", "answer": str(i + 1)}) + "\n"
-                            for i in range(40)))
-    plugin = tmp_path / "half.py"
-    plugin.write_text("from cascade_rl.verifiers.registry import register_verifier\n\n\n"
-                      "@register_verifier('test_half')\n"
-                      "def half(response, reference, metadata):\n"
-                      "    return 1.0 if int(reference) % 2 == 0 else float(len(response) % 2)\n")
-    r = subprocess.run([*CLI, "launch", "tiny", f"run_dir={run_dir}", f"model.path={tiny_model}", f"data.files=[{data}]",
-                        f"verifier.plugins=[{plugin}]", "supervisor.progress=plain", "run.steps=3",
-                        "orchestrator.dynamic_filtering=true", "orchestrator.over_dispatch=3",
-                        "orchestrator.stream_tokens=1", "orchestrator.eval_n=0", "orchestrator.eval_greedy=false"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    run_dir = launch_scored_by(tmp_path, tiny_model, "1.0 if int(reference) % 2 == 0 else float(len(response) % 2)",
+                               "run.steps=3", "orchestrator.dynamic_filtering=true", "orchestrator.over_dispatch=3",
+                               "orchestrator.stream_tokens=1")
     books = json.loads((run_dir / "summary.json").read_text())["books"]
     assert books["lost"] == 0 and books["in_flight"] == 0 and books["trainer_ids"]["match"]
     assert books["trained"] == 3 * 8 * 4 and books["filtered_reasons"].get("uniform_rewards", 0) > 0

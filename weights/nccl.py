@@ -61,7 +61,7 @@ from cascade_rl.protocol.weights_group import WeightsGroup, WeightsJoin
 
 from .common import WeightsError
 from .layout import Weights, layout
-from .stream import advertised_host
+from .stream import bind_router, serve_in_thread
 
 log = logging.getLogger(__name__)
 
@@ -158,16 +158,8 @@ class NcclTransport:
         self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))  # every group's rendezvous
         self._ctx = zmq.Context(io_threads=1)
-        bound: queue.Queue = queue.Queue(1)
-        self._thread = threading.Thread(target=self._serve, args=(endpoint, bound), name="weights-nccl", daemon=True)
-        self._thread.start()
-        self.endpoint = bound.get(timeout=30)
-        if isinstance(self.endpoint, Exception):
-            auth.release(self._ctx)
-            self._ctx.term()
-            raise self.endpoint
-        address, port = self.endpoint.split("://", 1)[1].rsplit(":", 1)
-        self.host, self.port = host or advertised_host(address), int(port)
+        self._thread, self.endpoint, self.host, self.port = serve_in_thread(self._ctx, self._serve, endpoint,
+                                                                            "weights-nccl", host)
 
     def publish(self, weights: Weights, version: int) -> WeightsReady:
         """Copy ``weights`` (a module, a state dict or a ``TensorSource``) into a staging buffer; samplers are
@@ -212,16 +204,8 @@ class NcclTransport:
     # ------------------------------------------------------------------ server thread
 
     def _serve(self, endpoint: str, bound: queue.Queue) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            auth.bind(sock, endpoint)
-        except Exception as e:
-            sock.close()
-            bound.put(WeightsError(f"nccl weights transport cannot bind {endpoint}: {e}"))
+        if (sock := bind_router(self._ctx, endpoint, bound, "nccl")) is None:
             return
-        bound.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         try:
             while not self._stop.is_set():
                 if sock.poll(self._wait_ms()):

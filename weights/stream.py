@@ -90,16 +90,8 @@ class StreamTransport:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ctx = zmq.Context(io_threads=1)  # its own IO thread: transfers never delay the trainer's sockets
-        bound: queue.Queue = queue.Queue(1)
-        self._thread = threading.Thread(target=self._serve, args=(endpoint, bound), name="weights-stream", daemon=True)
-        self._thread.start()
-        self.endpoint = bound.get(timeout=30)
-        if isinstance(self.endpoint, Exception):
-            auth.release(self._ctx)
-            self._ctx.term()
-            raise self.endpoint
-        address, port = self.endpoint.split("://", 1)[1].rsplit(":", 1)
-        self.host, self.port = host or advertised_host(address), int(port)
+        self._thread, self.endpoint, self.host, self.port = serve_in_thread(self._ctx, self._serve, endpoint,
+                                                                            "weights-stream", host)
 
     def publish(self, weights: Weights, version: int) -> WeightsReady:
         """``weights``: the policy, a state dict in HF names, or a ``TensorSource``. Returns once the
@@ -144,16 +136,8 @@ class StreamTransport:
     # ------------------------------------------------------------------ server thread
 
     def _serve(self, endpoint: str, bound: queue.Queue) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises instead of vanishing
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            auth.bind(sock, endpoint)  # CURVE server when the run has keys (protocol/auth.py)
-        except Exception as e:
-            sock.close()
-            bound.put(WeightsError(f"stream weights transport cannot bind {endpoint}: {e}"))
+        if (sock := bind_router(self._ctx, endpoint, bound, "stream")) is None:
             return
-        bound.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         try:
             while not self._stop.is_set():
                 if sock.poll(100):  # the stop flag is checked at least every 100 ms
@@ -207,6 +191,38 @@ class StreamTransport:
         except zmq.ZMQError:  # peer gone (ROUTER_MANDATORY) or its queue full: it times out and retries
             self.dropped += 1
             return None
+
+
+def serve_in_thread(ctx: zmq.Context, serve, endpoint: str, name: str, host: str):
+    """Run ``serve(endpoint, bound)`` on a daemon thread ``name``; it puts in ``bound`` the address its ROUTER
+    bound (or the exception that stopped it). Returns (the thread, that address, the host samplers connect to:
+    ``host``, else the bound one's, and the port); a failure to bind is raised here, with ``ctx`` released."""
+    bound: queue.Queue = queue.Queue(1)
+    thread = threading.Thread(target=serve, args=(endpoint, bound), name=name, daemon=True)
+    thread.start()
+    address = bound.get(timeout=30)
+    if isinstance(address, Exception):
+        auth.release(ctx)
+        ctx.term()
+        raise address
+    bound_host, port = address.split("://", 1)[1].rsplit(":", 1)
+    return thread, address, host or advertised_host(bound_host), int(port)
+
+
+def bind_router(ctx: zmq.Context, endpoint: str, bound: queue.Queue, transport: str) -> zmq.Socket | None:
+    """A transport's ROUTER bound at ``endpoint`` (a CURVE server when the run has keys: protocol/auth.py), its
+    address put in ``bound``; None, with the reason in ``bound``, when it cannot bind."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises instead of vanishing
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        auth.bind(sock, endpoint)
+    except Exception as e:
+        sock.close()
+        bound.put(WeightsError(f"{transport} weights transport cannot bind {endpoint}: {e}"))
+        return None
+    bound.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    return sock
 
 
 def advertised_host(address: str) -> str:
