@@ -47,7 +47,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cascade_rl.protocol import codec, messages  # noqa: F401  (messages registers every wire type)
+from cascade_rl.protocol import agents, codec, messages, weights_group  # noqa: F401  (each registers its wire types)
 from cascade_rl.protocol.codec import ALLOWED_DTYPES, PROTOCOL_VERSION, ProtocolError, decode, encode, registered_types
 from cascade_rl.protocol.messages import Heartbeat, PromptRequest, Ready, Score, WeightsReady, WorkKey
 from cascade_rl.protocol.sockets import WorkerLink, recv_routed, send
@@ -320,6 +320,21 @@ def _fix_weights_chunk(draw, kw: dict) -> None:  # chunk < chunks, each chunk >=
     kw["nbytes"] = draw(st.integers(max(len(kw["data"]), kw["chunks"] if kw["chunks"] > 1 else 0), 2**63 - 1))
 
 
+def _fix_weights_join(draw, kw: dict) -> None:  # a member id the publisher can name a group member by
+    kw["version"] = draw(st.integers(0, 2**63 - 1))
+    kw["member"] = draw(st.from_regex(r"[A-Za-z0-9._:-]{1,64}", fullmatch=True))
+    kw["group"], kw["backends"] = kw.get("group", "")[:64], kw.get("backends", ["gloo"])[:4]
+
+
+def _fix_weights_group(draw, kw: dict) -> None:  # rank 1.. of a group of size, a backend, a named group
+    kw["version"], kw["nbytes"] = draw(st.integers(0, 2**63 - 1)), draw(st.integers(0, 2**63 - 1))
+    kw["chunk"] = draw(st.integers(1, 2**63 - 1))
+    kw["size"] = draw(st.integers(2, 64))
+    kw["rank"] = draw(st.integers(1, kw["size"] - 1))
+    kw["backend"] = draw(st.sampled_from(["gloo", "nccl"]))
+    kw["group"] = draw(st.from_regex(r"[a-z0-9-]{1,64}", fullmatch=True))
+
+
 def _fix_weights_refused(draw, kw: dict) -> None:
     kw["version"] = draw(st.integers(-1, 2**64 - 1))
 
@@ -338,6 +353,8 @@ FIXUPS = {
     "weights_get": _fix_weights_get,
     "weights_chunk": _fix_weights_chunk,
     "weights_refused": _fix_weights_refused,
+    "weights_join": _fix_weights_join,
+    "weights_group": _fix_weights_group,
     "agent_request": _fix_agent_request,
     "agent_done": _fix_agent_done,
     "gateway_generate": _fix_gateway_generate,

@@ -231,7 +231,7 @@ def test_two_ranks_equal_one_rank(nh_model, request, tmp_path):
     """FSDP2 (learner/parallel.py shards each NemotronHBlock, then the root) on 2 CPU ranks: the 1-rank steps."""
     import test_parallel
 
-    test_parallel.test_two_ranks_equal_one_rank("nh_model", False, request, tmp_path)
+    test_parallel.test_two_ranks_equal_one_rank("nh_model", False, 1, request, tmp_path)
 
 
 def test_describe_counts_routed_experts_by_any_name(nh_model):
