@@ -218,13 +218,6 @@ def gather_ids(ids: list[str], ranks: Ranks) -> list[list[str]]:
     return [out[r] for r in range(0, ranks.world_size, ranks.cp)] if ranks.main else []
 
 
-def shard_rows(n_groups: int, group_size: int, ranks: Ranks) -> slice:
-    """This rank's rows: a contiguous, equal share of whole groups (the ranks of one context-parallel group: the
-    same share)."""
-    per_rank = n_groups // ranks.dp_size
-    return slice(ranks.dp_rank * per_rank * group_size, (ranks.dp_rank + 1) * per_rank * group_size)
-
-
 SUMMED = ("response_tokens", "zero_adv_groups", "masked_rows", "routing/routes")
 
 

@@ -69,7 +69,7 @@ class Step:
         advantages = group_advantages(batch.rewards.view(-1, batch.group_size)).flatten()
         self.policy.train()
         trainer_lp = torch.zeros_like(batch.inf_logprobs)
-        for rows, _ in batch.groups(self.cfg.micro_batch_groups):
+        for rows in batch.groups(self.cfg.micro_batch_groups):
             weight = (rows.stop - rows.start) // batch.group_size / self.groups  # the micro-batch's share of the step
             mb = batch.rows(rows)
             logprobs, entropy = forward_rows(self.policy, mb.input_ids, mb.lengths, mb.response_mask,

@@ -103,12 +103,11 @@ class Batch:
                                             if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def groups(self, per_chunk: int):
-        """Micro-batches of whole groups: (row slice, fraction of all groups)."""
+        """Micro-batches of ``per_chunk`` whole groups (0: all of them), as row slices."""
         n_groups = len(self.rewards) // self.group_size
         per_chunk = per_chunk or n_groups
         for g0 in range(0, n_groups, per_chunk):
-            g1 = min(n_groups, g0 + per_chunk)
-            yield slice(g0 * self.group_size, g1 * self.group_size), (g1 - g0) / n_groups
+            yield slice(g0 * self.group_size, min(n_groups, g0 + per_chunk) * self.group_size)
 
 
 def step_share(msg: TrainBatch, ranks: parallel.Ranks) -> int:

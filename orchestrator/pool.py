@@ -62,9 +62,6 @@ class WorkerPool:
         """The trainer rank ``rank``'s identity (None until it joined)."""
         return next((i for i, w in self.workers.items() if w.role == "trainer" and w.rank == rank), None)
 
-    def first(self, role: str) -> bytes | None:
-        return next((i for i, w in self.workers.items() if w.role == role), None)
-
     def pick(self, role: str, need: int, domain: str | None = None,
              prefer: bytes | None = None) -> tuple[bytes, Worker] | None:
         """The least loaded worker of ``role`` (serving ``domain``) with room for ``need``; ``prefer`` first when it

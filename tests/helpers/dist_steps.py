@@ -102,13 +102,20 @@ def train(policy, optimizer, step: int, ranks, cfg) -> dict:
     per = n // parts
     for p in range(parts):
         part = b.rows(slice(p * per * g, (p + 1) * per * g))
-        one.add(part.rows(parallel.shard_rows(per, g, ranks)))
+        one.add(part.rows(shard_rows(per, g, ranks)))
     return one.finish()
 
 
 def my_rows(step: int, ranks) -> Batch:
     b = batch(step)
-    return b.rows(parallel.shard_rows(len(b.rewards) // b.group_size, b.group_size, ranks))
+    return b.rows(shard_rows(len(b.rewards) // b.group_size, b.group_size, ranks))
+
+
+def shard_rows(n_groups: int, group_size: int, ranks) -> slice:
+    """This rank's rows, as the orchestrator would send them here: a contiguous, equal share of whole groups (the
+    ranks of one context-parallel group: the same share)."""
+    per_rank = n_groups // ranks.dp_size
+    return slice(ranks.dp_rank * per_rank * group_size, (ranks.dp_rank + 1) * per_rank * group_size)
 
 
 def published(policy, ranks, model_dir: str, dtype) -> dict | None:
