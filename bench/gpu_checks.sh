@@ -148,6 +148,24 @@ part() {
 }
 
 # --- install: carried wheels, then this project (pip's own build, offline; else a link per subpackage) ----------
+link_project() {  # the layout pyproject.toml maps (cascade_rl.X = ./X), as links to this tree
+  rm -rf "$SITE/cascade_rl" && mkdir -p "$SITE/cascade_rl"
+  local pkg dir
+  while read -r pkg dir; do ln -sfn "$PWD/$dir" "$SITE/cascade_rl/${pkg#cascade_rl.}"; done < <("$PY" -c \
+    "import tomllib; [print(*kv) for kv in tomllib.load(open('pyproject.toml', 'rb'))['tool']['setuptools']['package-dir'].items()]")
+}
+not_installed() {  # the tree's modules and data files that $SITE/cascade_rl lacks (a short packages list)
+  "$PY" - "$SITE" <<'EOF'
+import sys, tomllib
+from pathlib import Path
+site = Path(sys.argv[1])
+for pkg, folder in tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"].items():
+    for f in sorted(Path(folder).rglob("*")):
+        if f.suffix in (".py", ".yaml", ".cpp") and "__pycache__" not in f.parts:
+            if not (site / pkg.replace(".", "/") / f.relative_to(folder)).is_file():
+                print(f)
+EOF
+}
 install_packages() {
   local status=0
   mkdir -p "$SITE"
@@ -165,17 +183,22 @@ install_packages() {
     echo "cascade_rl already importable from $PY"
   elif ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade \
     --target "$SITE" .; then
-    # no setuptools >= 69 there: the same layout pyproject.toml maps (cascade_rl.X = ./X), as links to this tree
-    echo "pip could not build the project offline; linking its folders into $SITE/cascade_rl instead"
-    rm -rf "$SITE/cascade_rl" && mkdir -p "$SITE/cascade_rl"
-    for d in protocol data supervisor orchestrator learner modeling samplers verifiers teachers kernels configs environments; do
-      ln -sfn "$PWD/$d" "$SITE/cascade_rl/$d"
-    done
+    echo "pip could not build the project offline (no setuptools >= 69 there?); linking its folders instead"
+    link_project
+  else
+    local missing
+    missing=$(not_installed)
+    if [ -n "$missing" ]; then
+      echo "the installed project lacks $(echo "$missing" | wc -l) of the tree's files ($(echo "$missing" | head -3 |
+        tr '\n' ' ')...): pyproject.toml's packages are short; linking its folders instead"
+      status=1
+      link_project
+    fi
   fi
   if PYTHONPATH="$SITE" "$PY" -c "import cascade_rl.supervisor.cli"; then echo "cascade_rl imports"; else status=1; fi
   return $status
 }
-export -f install_packages
+export -f install_packages link_project not_installed
 export PY SITE
 part install 45 10 bash -c install_packages
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
