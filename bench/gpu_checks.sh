@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Every GPU check at once, in one call of the GPU machine (a session gets ~15 minutes of device time in all, one
-# command at most 600 s):
+# Every GPU check, in two calls of the GPU machine (a session gets ~15 minutes of device time in all, one command at
+# most 600 s; on 2026-12-04 a call's start and transfers took ~30 s, and the parts ~700 s in all):
 #
-#   bash bench/gpu_checks.sh          # on the GPU machine: its python3 (or $PY), .whl/ carried along
+#   bash bench/gpu_checks.sh                              # everything (more than one call holds)
+#   GPU_CHECKS_ONLY=first bash bench/gpu_checks.sh        # call 1 (~400 s): launch_tiny, tests, the kernel benches
+#   GPU_CHECKS_ONLY=second bash bench/gpu_checks.sh       # call 2 (~320 s): real_shapes, launch_50m, launch_vllm
+#
+# on the GPU machine: its python3 (or $PY), .whl/ carried along. Call 2 right after call 1 finds the machine warm.
 #
 # Parts, in this order, each under its own `timeout` (cap / kill grace, in s) and never stopping the others:
 #   install          45/10  the carried wheels (.whl/, made by bench/gpu_wheels.sh) and this project into /tmp/site;
@@ -12,7 +16,7 @@
 #                           /dev/shm's size, the compute mode, and a real two-process CUDA IPC probe (25 s bound)
 #   launch_tiny     150/35  bench/gpu_launch.py: a full MOPD launch, trainer + sampler + teacher sharing GPU 0 (tiny
 #                           model), bf16, Triton experts replaying the engine's routes (trainer.routing_replay)
-#   tests           150/15  the torch engine's CUDA-graph decode tests, pinned publishing, the two cross-process CUDA
+#   tests           210/15  the torch engine's CUDA-graph decode tests, pinned publishing, the two cross-process CUDA
 #                           IPC tests, the nccl transport's two (GPU weights staged on the host for gloo; a real NCCL
 #                           broadcast cuda:0 -> a sampler on cuda:1, skipped with one GPU), tests/test_gpu.py's
 #                           in-process tests (the bf16 kernel path, LoRA's round trip), tests/test_experts.py and the
@@ -20,19 +24,19 @@
 #                           on real CUDA (TRITON_INTERPRET unset); 60 s per test
 #   weight_transport 60/10  bench/weight_transport.py --quick: shm vs cuda_ipc publish + load in another process
 #   moe_kernels      75/10  bench/moe_kernels.py --rounds 5: Triton vs torch._grouped_mm vs the per-expert loop
-#   logprob_kernel   60/10  bench/logprob_kernel.py --rounds 3: the fused LM-head log-prob kernel vs chunked torch
-#   real_shapes     120/15  bench/real_shapes.py --layers 7: one whole Nano block (MEMEM*E) and 7 Qwen3-30B-A3B layers
+#   logprob_kernel   75/10  bench/logprob_kernel.py --rounds 3: the fused LM-head log-prob kernel vs chunked torch
+#   real_shapes     200/15  bench/real_shapes.py --layers 7: one whole Nano block (MEMEM*E) and 7 Qwen3-30B-A3B layers
 #                           at their real shapes: trainer step (8192 tokens), decode (64 rows at 1024), Triton compiled
-#   launch_50m      120/35  the same launch with the 50m model
+#   launch_50m      150/35  the same launch with the 50m model
 #   launch_vllm     120/35  the tiny launch with sampler.engine=vllm (skipped where vllm is not installed)
 #
-# Why this order and these caps. GPU_CHECKS_BUDGET_S (480 s) holds everything, kill graces and the final report
-# included, so the device tool's 600 s call keeps two minutes for start-up, transfers and a killed part's clean-up.
+# Why this order and these caps. GPU_CHECKS_BUDGET_S (540 s) holds everything, kill graces and the final report
+# included, so the device tool's 600 s call keeps a minute for start-up, transfers and a killed part's clean-up.
 # A part gets its cap or what is left (less its grace and a 10 s reserve), whichever is less, and is skipped, saying
 # so, when under 20 s are left: the parts run in order of value, so a budget that runs out costs the least.
-# install and machine are cheap (seconds) and everything needs them. launch_tiny is the headline: the first
-# end-to-end run on a GPU (three processes, ZeroMQ, weights, the bf16 kernels) whose figures BENCHMARKS.md still
-# lacks; it also warms Triton's cache for the kernel variants the tests share with it. tests compile the most kernel variants
+# install and machine are cheap (seconds) and everything needs them. launch_tiny is the headline: the end-to-end
+# run on a GPU (three processes, ZeroMQ, weights, the bf16 kernels; 100 s on the H200, 41 s of it building the
+# models and data); it also warms Triton's cache for the kernel variants the tests share with it. tests compile the most kernel variants
 # (the slowest to compile) and come second: they localise a failure the launch only shows. They leave out what runs
 # elsewhere: tests/test_gpu.py's three-process launch (launch_tiny does that launch, timed) and the ahead-of-time
 # sm_90 compiles (tests/test_triton_aot.py: ptxas needs no GPU, the CPU suite runs
@@ -47,7 +51,8 @@
 # one JSON line per test as it ends (bench/gpu_checks_pytest.py), and turns the cap's SIGTERM into pytest's own
 # interrupt, so a part stopped at its cap still reports each finished test and names the one it stopped in.
 #
-#   GPU_CHECKS_ONLY=tests,launch_tiny   run only these parts (install and machine always run)
+#   GPU_CHECKS_ONLY=tests,launch_tiny   run only these parts (install and machine always run); `first` and `second`
+#                                       name the two calls' sets
 #   GPU_CHECKS_ALLOW_CPU=1              run the parts without CUDA too (a rehearsal on a CPU machine)
 #   GPU_CHECKS_CAP_<PART>=S             another cap for a part (GPU_CHECKS_CAP_TESTS=300); GPU_CHECKS_GRACE_S=S
 #                                       another kill grace for every part
@@ -56,8 +61,12 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 SITE=${SITE:-/tmp/site}
-BUDGET_S=${GPU_CHECKS_BUDGET_S:-480}
+BUDGET_S=${GPU_CHECKS_BUDGET_S:-540}
 ONLY=${GPU_CHECKS_ONLY:-}
+case $ONLY in  # the two calls that hold every part (times measured on an H200, 2026-12-04)
+  first) ONLY=launch_tiny,tests,weight_transport,moe_kernels,logprob_kernel ;;
+  second) ONLY=real_shapes,launch_50m,launch_vllm ;;
+esac
 TICK_S=${GPU_CHECKS_TICK_S:-30}
 RESULTS=bench/results
 LOGS=$RESULTS/gpu_checks  # per part NAME.log / .start / .rc / .secs / .cap / .skip
@@ -231,21 +240,21 @@ TESTS=(${GPU_CHECKS_TESTS:-tests/test_torch_engine.py::test_cuda_graph_decode_ha
   tests/test_gpu.py tests/test_experts.py tests/test_moe_kernels.py tests/test_logprob_kernel.py})
 PER_TEST=()  # pytest-timeout (on the GPU machine; in the dev extra): one stuck test fails alone, the rest run
 "$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(-o "timeout=${GPU_CHECKS_TEST_TIMEOUT_S:-60}")
-gpu_part tests 150 15 env GPU_CHECKS_TESTS_JSONL="$LOGS/tests.jsonl" PYTHONPATH="$PYTHONPATH:$PWD/bench" \
+gpu_part tests 210 15 env GPU_CHECKS_TESTS_JSONL="$LOGS/tests.jsonl" PYTHONPATH="$PYTHONPATH:$PWD/bench" \
   "$PY" -m pytest -q -rfEs -p no:cacheprovider -p gpu_checks_pytest --junitxml="$LOGS/tests.xml" "${PER_TEST[@]}" \
   --deselect tests/test_gpu.py::test_mopd_launch_with_trainer_sampler_and_teacher_on_one_gpu "${TESTS[@]}"
 
 # --- weights between processes on one GPU, then the kernel benchmarks (full shapes, fewer rounds) ----------------
 gpu_part weight_transport 60 10 "$PY" bench/weight_transport.py --quick
 gpu_part moe_kernels 75 10 "$PY" bench/moe_kernels.py --rounds 5
-gpu_part logprob_kernel 60 10 "$PY" bench/logprob_kernel.py --rounds 3
+gpu_part logprob_kernel 75 10 "$PY" bench/logprob_kernel.py --rounds 3
 # the real-shape layers at more depth than the CPU holds (about 9 GB of bf16 weights a model, saved and loaded once
 # for the engine); host RSS is no constraint there (the engine reads its checkpoint into host memory first)
-gpu_part real_shapes 120 15 "$PY" bench/real_shapes.py --layers 7 --tokens 8192 --rows 64 --context 1024 \
+gpu_part real_shapes 200 15 "$PY" bench/real_shapes.py --layers 7 --tokens 8192 --rows 64 --context 1024 \
   --rss-cap-gib 100
 
 # --- launch, 50m ---------------------------------------------------------------------------------------------------
-gpu_part launch_50m 120 35 "$PY" bench/gpu_launch.py --size 50m
+gpu_part launch_50m 150 35 "$PY" bench/gpu_launch.py --size 50m
 
 # --- launch with vLLM, where it is installed (machine.json says; importing it is tried only then) -----------------
 if [ -n "$NO_GPU" ] || ! wanted launch_vllm; then
