@@ -92,10 +92,13 @@ class KVCache(nn.Module):
 
     def decode(self, positions: Tensor, kv_len: int) -> Attend:
         """Attention of one new token per slot ``0..B-1``, written at ``positions[b]``; slot b attends to its
-        positions ``0..positions[b]`` (``kv_len`` > every position: the part of the cache read at all). No
+        positions ``0..positions[b]`` (``kv_len`` > every position, <= ``max_len``: the part of the cache read). No
         device->host read: a CUDA graph can capture it (samplers/cuda_graphs.py)."""
         b = positions.shape[0]
         _, _, n_kv, max_len, hd = self.k.shape
+        if kv_len > max_len:  # else a shape error in the first layer's matmul, which names neither
+            raise ValueError(f"a decode step attending to {kv_len} positions, but the KV cache holds {max_len} a "
+                             "slot (TorchEngine._ensure_cache sizes it)")
         slot_heads = torch.arange(b * n_kv, device=positions.device)  # (slot, kv head) pairs in [B, kv] order
         flat = slot_heads * max_len + positions[:, None].expand(b, n_kv).reshape(-1)  # row in k[layer].view(-1, hd)
         visible = torch.arange(kv_len, device=positions.device) <= positions[:, None]

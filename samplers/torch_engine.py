@@ -496,4 +496,4 @@ class TorchEngine:
         self.cache = self.model.new_cache(slots, length, self.dtype, self.device, kv)
         self.buf = StepBuffers.empty(slots, self.device, self.route_shape)
         if self.use_graphs:
-            self.graphs = DecodeGraphs(self._step, slots, length)
+            self.graphs = DecodeGraphs(self._step, slots, length, self.device)

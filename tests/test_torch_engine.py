@@ -470,10 +470,12 @@ def test_the_decode_step_reads_nothing_on_the_host(tiny_model, impl):
     engine.generate([request(engine, QUESTIONS[0], n=4, max_tokens=3)])  # a cache, buffers, K/V
     guard = HostReadGuard()
     with torch.inference_mode(), guard:
-        engine._step(4, 64, True, True)
+        engine._step(4, engine.cache.max_len, True, True)  # the longest a graph pads a step to
     assert guard.ops and not guard.reads()
     if impl == "torch-ops":
         assert "_grouped_mm" in guard.ops
+        with torch.inference_mode(), pytest.raises(ValueError, match="the KV cache holds 128"):
+            engine._step(4, engine.cache.max_len + 1, True, True)  # past the cache: said so, not a shape error
 
 
 def test_a_routes_run_reads_once_a_step_and_once_a_request(tiny_model):
@@ -494,7 +496,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_decode_has_no_sync(tiny_model, dtype):
     """The decode step on CUDA in eager mode under ``set_sync_debug_mode("error")``: an op that syncs raises
-    and is named (a graph capture would fail on it, less legibly)."""
+    and is named (a graph capture would fail on it, less legibly). At the cache's length (128 here: the prompt
+    and 3 tokens, rounded up), the longest a graph pads a step to."""
     engine = TorchEngine(tiny_model, dtype=dtype, device="cuda", return_routes=True, cuda_graphs=False)
     assert engine.experts == ("grouped" if dtype == "bfloat16" else "dense")
     engine.generate([request(engine, QUESTIONS[0], n=4, max_tokens=3)])
@@ -502,7 +505,7 @@ def test_cuda_graph_decode_has_no_sync(tiny_model, dtype):
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode():
-            engine._step(4, 256, True, True)
+            engine._step(4, engine.cache.max_len, True, True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -529,6 +532,11 @@ def test_cuda_graph_decode_equals_eager(tiny_model, dtype):
 
 @cuda
 def test_cuda_graph_capture_failure_falls_back_to_eager(tiny_model, caplog):
+    """A capture that fails turns graphs off for that engine, which decodes the same tokens eagerly, and leaves
+    the process whole (the first GPU run, torch 2.11: the default CUDA generator stayed in capture mode, and
+    every later random draw of the process raised): the caller's stream is current again, the default generator
+    draws with its seed kept and its offset advancing, a seeded one draws, the allocator empties its cache (an
+    internal assert while it counts a capture under way), and a new engine captures and replays its graphs."""
     engine = TorchEngine(tiny_model, device="cuda")
     step = engine._step
 
@@ -538,9 +546,20 @@ def test_cuda_graph_capture_failure_falls_back_to_eager(tiny_model, caplog):
 
     engine._ensure_cache(3, 64)
     engine.graphs.step = syncing
+    stream = torch.cuda.current_stream()
     groups = engine.generate([request(engine, QUESTIONS[0], n=3, max_tokens=8, temperature=0.0)])
     assert not engine.graphs.enabled and "decoding eagerly" in caplog.text
-    eager = TorchEngine(tiny_model, device="cuda", cuda_graphs=False)
-    ref = eager.generate([request(eager, QUESTIONS[0], n=3, max_tokens=8, temperature=0.0)])
-    for x, y in zip(groups[0], ref[0]):
+    assert "out of capture mode" not in caplog.text  # the trivial capture of the recovery did not fail
+    assert torch.cuda.current_stream() == stream
+    default = torch.cuda.default_generators[torch.cuda.current_device()]
+    seed, offset = default.initial_seed(), default.get_offset()
+    torch.randn(3, device="cuda")
+    assert default.initial_seed() == seed and default.get_offset() > offset
+    torch.rand(3, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    fresh = TorchEngine(tiny_model, device="cuda")
+    ref = fresh.generate([request(fresh, QUESTIONS[0], n=3, max_tokens=8, temperature=0.0)])
+    assert fresh.graphs.enabled and fresh.graphs.graphs  # captured and replayed after the failure
+    for x, y in zip(groups[0], ref[0]):  # graphs sample what eager steps do: test_cuda_graph_decode_equals_eager
         np.testing.assert_array_equal(x.response_ids, y.response_ids)
