@@ -7,8 +7,9 @@
 
 peft injects its ``LoraLayer``s into the model itself (``inject_adapter_in_model``), so the model keeps its HF class,
 its layers and everything the policy, FSDP2 and context parallelism know of it; only the adapters require grad, so
-the optimizer holds only them. peft keeps adapters in fp32 beside a bf16 base (its ``autocast_adapter_dtype``): they
-are their own master weights.
+the optimizer holds only them. The adapters are fp32 beside a bf16 base (``upcast``): they are their own master
+weights, as verl and NeMo-RL keep them; in bf16 the small updates of a step would round away. peft casts a layer's
+input to its adapter's dtype and the adapter's output back to the base's, so the forward mixes them as it is.
 
 What peft cannot adapt here is refused with the reason (``LoraError``): transformers 5 fuses the routed experts of an
 MoE layer into 3-D parameters (``mlp.experts.gate_up_proj``), which peft adapts only as ``target_parameters``, a
@@ -113,9 +114,20 @@ def attach(model: nn.Module, settings, base_path: str) -> nn.Module:
     except ValueError as err:  # e.g. a Mamba layer's out_proj, which peft refuses to adapt
         raise LoraError(f"trainer.lora.targets={list(config.target_modules)}: peft refuses them on this model: "
                         f"{err}") from None
+    upcast(model)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     return model
+
+
+def upcast(model: nn.Module) -> None:
+    """Every LoRA parameter in fp32, whatever the base's dtype. peft builds the adapters in their base layer's dtype
+    and only ``PeftModel`` (``autocast_adapter_dtype``) upcasts them; ``inject_adapter_in_model`` does not, so on a
+    bf16 base they would train in bf16. New parameters, set in place of the old (before the optimizer sees any)."""
+    for prefix, module in model.named_modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if ".lora_" in f"{prefix}.{name}" and p.is_floating_point() and p.dtype != torch.float32:
+                setattr(module, name, nn.Parameter(p.detach().float(), requires_grad=p.requires_grad))
 
 
 def config_dict(model: nn.Module) -> dict:

@@ -170,8 +170,17 @@ def test_lora_round_trip_on_the_cpu(tiny_model, tmp_path):
     check_lora_round_trip(tiny_model, tmp_path, "cpu", "fp32", [])
 
 
+def test_lora_adapters_stay_fp32_on_a_bf16_base_on_the_cpu(tiny_model, tmp_path):
+    """The GPU check's bf16 round trip on the CPU: the first GPU run found the adapters built in bf16 beside the
+    bf16 base (peft's inject_adapter_in_model does not upcast them); fp32 adapters, the base in bf16, the merge
+    by the bf16 engine within bf16's precision. The CPU's own kernels (sdpa, grouped experts, torch log-probs):
+    varlen attention and the Triton kernels of GPU_PATH need CUDA."""
+    check_lora_round_trip(tiny_model, tmp_path, "cpu", "bf16", [])
+
+
 def check_lora_round_trip(tiny_model: str, tmp_path: Path, device: str, dtype: str, overrides: list[str]) -> None:
     import numpy as np
+    from safetensors.torch import load_file
 
     from cascade_rl.learner import parallel
     from cascade_rl.learner.trainer import Batch, build, publish, train_step
@@ -199,9 +208,11 @@ def check_lora_round_trip(tiny_model: str, tmp_path: Path, device: str, dtype: s
                                           rng.integers(0, 2, n).astype(np.float32), np.zeros(n, np.int32)))
     for step in range(2):
         train_step(policy, opt, batch.to(torch.device(device)), cfg.trainer, step, reference, run=cfg.run)
+    assert all(p.dtype == torch.float32 and "master" not in opt.state[p] for p in lora.values())  # their own masters
     transport = ShmTransport(run_id=f"lora-gpu-{os.getpid()}")
     try:
         notice = publish(transport, policy, parallel.Ranks(), 2)
+        assert {t.dtype for t in load_file(notice.uri.removeprefix("file://")).values()} == {torch.float32}
         engine = TorchEngine(tiny_model, dtype={"bf16": "bfloat16", "fp32": "float32"}[dtype], device=device)
         engine.load_adapter(notice.uri.removeprefix("file://"), 2, notice.adapter)
     finally:
