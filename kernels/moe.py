@@ -238,20 +238,50 @@ def experts_torch(x, topk_weights, topk_ids, gate_up, down, activation: str = "s
     return (pair_out * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)  # fp32 weights (sigmoid routers): sum in fp32
 
 
+class _TokenRows(torch.autograd.Function):
+    """``x.index_select(0, order // k)``: each token's row once per slot, in expert-sorted pair order. Backward:
+    for each slot in turn, the rows' gradients gathered through the inverse permutation and added into an fp32
+    accumulator (x's dtype if wider), rounded once: gathers and a fixed order, no atomics, the same bits on every
+    run. ``index_select``'s own backward is an ``index_add`` with each token's index k times: on CUDA atomic adds
+    in an arbitrary order (in bf16 a rounding per add), other bits on another run (seen on an H200)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.tokens, ctx.k = x.shape[0], k
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        # argsort of a permutation is its inverse: the sorted row of pair n·k + slot, here [slot, n]
+        rows = torch.argsort(order).view(ctx.tokens, ctx.k).t().contiguous()
+        dx = grad.index_select(0, rows[0]).to(torch.promote_types(grad.dtype, torch.float))
+        for slot in range(1, ctx.k):
+            dx += grad.index_select(0, rows[slot])
+        return dx.to(grad.dtype), None, None
+
+
 def experts_grouped(x, topk_weights, topk_ids, gate_up, down, activation: str = "swiglu") -> torch.Tensor:
-    """transformers' ``grouped_mm`` experts, with the gathers autograd is fast at: pairs sorted by expert, one
-    grouped GEMM per projection (``torch.nn.functional.grouped_mm`` where the device has it, transformers'
-    fallback elsewhere), the rows gathered with ``index_select`` and put back in (token, slot) order with
-    ``index_copy`` (their backwards are ``index_add`` and ``index_select``). transformers indexes ``x[perm // k]``
-    and ``out[inv_perm]`` instead, whose backward is an accumulating ``index_put_``: on CPU that was 10 % of a
-    tiny-model training step.
+    """transformers' ``grouped_mm`` experts, with deterministic gathers: pairs sorted by expert, one grouped GEMM
+    per projection (``torch.nn.functional.grouped_mm`` where the device has it, transformers' fallback
+    elsewhere). x's rows are gathered by ``_TokenRows`` (forward ``index_select``; backward gathers through the
+    inverse permutation, each token's k slots summed in slot order in fp32) and the outputs put back in (token, slot)
+    order with ``index_copy``, every index once (its backward is ``index_select``, a gather). transformers indexes
+    ``x[perm // k]`` and ``out[inv_perm]`` instead, whose backward is an accumulating ``index_put_``: on CPU that
+    was 10 % of a tiny-model training step; and any accumulating index op (``index_put_``, ``index_add``) adds a
+    token's k rows with atomics on CUDA, in an arbitrary order.
 
     The k outputs of a token are combined by one batched GEMM, ``[1, k] @ [k, H]`` per token: products and sum in
-    fp32 (cuBLAS and the CPU kernels accumulate bf16 in fp32), one rounding to x's dtype at the end, and the
-    same bits on every run. (It was an ``index_add`` in x's dtype: in bf16 a rounding per product and per partial
-    sum, and on CUDA atomic adds in an arbitrary order.) Costs one more [N·k, H] copy than the ``index_add``:
+    fp32 (cuBLAS and the CPU kernels accumulate bf16 in fp32), one rounding to x's dtype at the end. (It was an
+    ``index_add`` in x's dtype: in bf16 a rounding per product and per partial sum, and on CUDA atomic adds in an
+    arbitrary order.) No index op here accumulates, forward or backward (tests/test_moe_kernels.py walks the
+    autograd graph for one): sort, gathers, copies to unique indices, GEMMs and fixed-shape reductions, the same
+    bits on every run (checked on CUDA by the same file). Costs one more [N·k, H] copy than the ``index_add``:
     fwd+bwd of one layer, CPU fp32, 2 threads (best of 60, a shared machine): 9.5 ms against 8.2 ms at the tiny
-    model's shape (2,500 tokens, H 128, 8 experts top-2), no slower at 50m's (4,500 tokens, H 512).
+    model's shape (2,500 tokens, H 128, 8 experts top-2), no slower at 50m's (4,500 tokens, H 512). x's gradient by
+    ``_TokenRows``' gathers rather than ``index_select``'s ``index_add``: 0.37 ms against 0.14 at the tiny shape,
+    2.3 against 1.6 ms at 50m's (that backward alone, best of 200, a heavily loaded machine).
 
     No host sync: the per-expert offsets come from a binary search over the sorted ids (``torch.bincount`` syncs
     on CUDA). On CUDA, ``grouped_mm`` runs torch's CUTLASS grouped GEMM for bf16 on sm_90/sm_100; fp32 (and bf16
@@ -261,7 +291,7 @@ def experts_grouped(x, topk_weights, topk_ids, gate_up, down, activation: str = 
     n, k = topk_ids.shape
     sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
     offsets = expert_counts(sorted_ids, gate_up.shape[0]).cumsum(0).to(torch.int32)
-    h = _grouped_mm(x.index_select(0, order // k), gate_up.transpose(1, 2), offs=offsets)
+    h = _grouped_mm(_TokenRows.apply(x, order, k), gate_up.transpose(1, 2), offs=offsets)
     out = _grouped_mm(ACTIVATIONS[activation](h, -1), down.transpose(1, 2), offs=offsets)  # [N·k, H], by expert
     pair_out = out.new_empty(out.shape).index_copy(0, order, out).view(n, k, out.shape[1])  # row n·k + slot
     # fp32 weights (the sigmoid routers') with bf16 experts: the combine in fp32, as HF's experts do it (no bf16

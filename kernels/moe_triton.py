@@ -260,7 +260,7 @@ def _combine_kernel(
     HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """y[n] = Σ_k w[n, k] · o[pair_row[n·top_k + k]] (w = 1 when not HAS_W), fp32 accumulation."""
-    token, pid_h = tl.program_id(0), tl.program_id(1)
+    token, pid_h = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64: N·H may pass 2³¹
     cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -281,7 +281,7 @@ def _combine_bwd_kernel(
     BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """Per pair p = (n, k): d_o[row] = w[n, k] · dy[n] and dw[p] = <o[row], dy[n]>."""
-    pair = tl.program_id(0)
+    pair = tl.program_id(0).to(tl.int64)  # int64 offsets, as in _combine_kernel
     token, k = pair // top_k, pair % top_k
     row = tl.load(pair_row_ptr + pair).to(tl.int64)
     w = tl.load(w_ptr + token * stride_wn + k * stride_wk).to(tl.float32)

@@ -6,9 +6,10 @@ Every family of kernels/moe_families.py ``FAMILIES`` (Qwen3-MoE, Qwen3-Next, Qwe
 the family gives the experts' activation (SwiGLU, or Nemotron-H's squared ReLU without a gate).
 
 - ``grouped`` (the default): kernels/moe.py's ``experts_grouped``, transformers' grouped_mm path with
-  ``index_select`` / ``index_add`` gathers instead of advanced indexing (whose backward, an accumulating
-  ``index_put_``, was 10 % of a tiny-model training step on CPU): a training step 1.12x faster at the
-  tiny model, 1.07x at 50m.
+  gathers and unique-index copies instead of advanced indexing (whose backward, an accumulating
+  ``index_put_``, was 10 % of a tiny-model training step on CPU, and atomic adds on CUDA): a training step
+  1.12x faster at the tiny model, 1.07x at 50m (measured with an ``index_add`` backward, since replaced by
+  gathers for the same bits on every CUDA run).
 - ``hf``: transformers' own experts implementation (5.19 defaults to ``grouped_mm``:
   ``torch._grouped_mm`` forward and backward; 1.25x the torch reference at the tiny demo shape).
 - ``torch``: kernels/moe.py's torch reference (sort by expert, padded bmm; no Python loop).
