@@ -19,27 +19,23 @@ Algorithm, with z = h · Wᵀ / T:
   cancellation of two large terms when logits are large). Splits exist only so that a few thousand
   tokens still fill the GPU; there are ~2 programs per SM.
 - Backward recomputes each logits tile and forms ∂L/∂z = g_lp·(onehot(y) − p) + g_ent·(−p·(log p + H)),
-  with 1/T folded into g_lp, g_ent [N]. The kernels compute only the dense part −p·(c + g_ent·z), with
-  c = g_lp + g_ent·(H − lse) per token: three per-token values instead of five, which is what keeps the
-  transposed ∂L/∂W tile from spilling registers. The onehot part is N rows and is added in torch:
-  ∂L/∂h_i += g_lp_i·W[y_i] (a gather) and ∂L/∂W[y_i] += g_lp_i·h_i (``index_put_(accumulate=True)``,
-  sort-based on CUDA, so deterministic). The kernels use no atomics: two passes, each program owning
-  the rows it writes, so the sums are deterministic too.
-  * ``_grad_hidden_kernel``, grid (token blocks, vocab splits): loops over its vocab tiles and adds
-    ∂L/∂z · W[tile] into its own rows of an fp32 buffer [splits, N, H] (read-add-write, one H slice at a
-    time), summed over splits afterwards.
-  * ``_grad_weight_kernel``, grid (vocab tiles): the separate pass over vocab tiles; loops over all
-    token blocks, builds the tile transposed (zᵀ = W[tile] · hᵀ, so ∂L/∂zᵀ is a dot operand without a
-    register transpose) and adds ∂L/∂zᵀ · h[block] into its own rows of an fp32 ∂L/∂W [V, H].
-  The price of the second pass is one more logits recomputation: 5 matmuls of N·V·H in all
-  (forward 1, backward 2 + 2) against 4 for the chunked torch path; atomics on ∂L/∂W from a single
-  token-major pass would save that one at the cost of determinism and contention.
+  with 1/T folded into g_lp, g_ent [N]. The kernel computes only the dense part −p·(c + g_ent·z), with
+  c = g_lp + g_ent·(H − lse) per token: three per-token values instead of five. The onehot part is N rows
+  and is added in torch: ∂L/∂h_i += g_lp_i·W[y_i] (a gather) and ∂L/∂W[y_i] += g_lp_i·h_i
+  (``index_put_(accumulate=True)``, sort-based on CUDA, so deterministic).
+  * ``_grad_logits_kernel``, grid (token blocks, vocab tiles of one chunk): writes ∂z for a chunk of the
+    vocabulary, [N, C] in the operands' dtype (C columns within DZ_CHUNK_BYTES, 256 MiB: ~10 chunks at 8,192
+    tokens × 151,936 in bf16). Each chunk's two products run on cuBLAS: ∂L/∂h += ∂z · W[chunk] (added into an
+    fp32 [N, H]) and ∂L/∂W[chunk] = ∂zᵀ · h. No atomics anywhere: deterministic.
+  Three matmuls of N·V·H in the backward (one recomputation, two products). The first version kept ∂z in
+  registers and accumulated ∂L/∂h and ∂L/∂W in fp32 global buffers read and written once per vocabulary tile
+  or token block (two recomputations, ~480 GB of traffic at the size above): 249 ms on an H200, 17× its
+  forward, which is what the chunks replace.
 
-Memory: nothing of size N × V, and not even a chunk of it: logits live in registers, tile by tile.
-Saved for backward: h, W, y, lse [N] and entropy [N] (fp32). Scratch: forward 4 × splits × N fp32;
-backward the fp32 accumulators ∂L/∂h [splits, N, H] (splits > 1 only while N is small, so it stays
-near 2·SMs·BLOCK_N·H·4 bytes ≈ 0.1 GiB at H = 2048, and N·H·4 beyond) and ∂L/∂W [V, H] (then cast
-to W's dtype: 1.5 × V·H·4 bytes at the end), plus N × H for the onehot part.
+Memory: no [N, V] logits. Saved for backward: h, W, y, lse [N] and entropy [N] (fp32). Scratch: forward
+4 × splits × N fp32; backward the ∂z chunk (≤ 256 MiB, or one 128-column tile per row where N alone is
+larger), the fp32 accumulators ∂L/∂h [N, H] and ∂L/∂W [V, H] (then cast to W's dtype: 1.5 × V·H·4 bytes at
+the end), one [N, H] product per chunk, plus N × H for the onehot part.
 
 Dtypes: bf16/fp16 inputs (both the same) are loaded as such and multiplied on tensor cores with fp32
 accumulation; ∂L/∂z is rounded to that dtype before its two matmuls (as in Liger and CCE), so bf16
@@ -56,12 +52,10 @@ ragged edges and vocab splits). Checks and benchmark:
     .venv/bin/pytest tests/test_logprob_kernel.py          # interpreter on CPU, or CUDA when present
     .venv/bin/python bench/logprob_kernel.py [--quick]      # CUDA: time + peak memory vs torch paths
 
-Untested here (the machine that wrote this had no GPU): launching on a GPU at all, the bf16 tensor-core
-path, and every speed and memory figure. What was checked without one: the interpreter tests (fp32,
-and bf16 with the dots upcast), and an ahead-of-time compile of all kernels for sm_90
-(tests/test_triton_aot.py, at the launchers' own tiles, ``_tiles``): pipelined, no register spills with
-triton 3.6.0, 3.7.1 and 3.9.0, shared memory within limits.
-The tiles are untimed; tune them on the GPU.
+On an H200 (2026-12-04, the first version of the backward): the tests passed as far as they ran, and
+BENCHMARKS.md has the figures. The chunked backward has not met a GPU yet: checked by the interpreter tests
+(fp32, and bf16 with the dots upcast) and an ahead-of-time compile for sm_90 (tests/test_triton_aot.py, at the
+launchers' own tiles, ``_tiles``). The tiles are untuned.
 """
 
 from __future__ import annotations
@@ -180,60 +174,24 @@ def _load_token_stats(rows, row_ok, lse_ptr, c_ptr, gent_ptr, HAS_GENT: tl.const
 
 
 @triton.jit
-def _grad_hidden_kernel(h_ptr, w_ptr, lse_ptr, c_ptr, gent_ptr, gh_ptr, N, V, H, inv_t, tiles_per_split,
+def _grad_logits_kernel(h_ptr, w_ptr, lse_ptr, c_ptr, gent_ptr, dz_ptr, N, V, H, inv_t, v_start, CHUNK,
                         HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
+    """One [BLOCK_N, BLOCK_V] tile of the dense part of ∂L/∂z over the vocabulary chunk that starts at ``v_start``,
+    into ∂z [N, CHUNK] in the operands' dtype (its column j is vocabulary entry v_start + j)."""
     pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    pid_v = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = v_start + local
+    col_ok = (local < CHUNK) & (cols < V)
     lse, c, g_ent = _load_token_stats(rows, row_ok, lse_ptr, c_ptr, gent_ptr, HAS_GENT)
-    gh_rows = gh_ptr + pid_s.to(tl.int64) * N * H + rows.to(tl.int64)[:, None] * H  # this split's slice
-    v_lo = pid_s * tiles_per_split * BLOCK_V
-    v_hi = tl.minimum(v_lo + tiles_per_split * BLOCK_V, V)
-    for v0 in range(v_lo, v_hi, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < V
-        z = _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, inv_t, BLOCK_N, BLOCK_V, BLOCK_H, PRECISION)
-        g = _grad_logits_tile(z, row_ok[:, None] & col_ok[None, :], lse[:, None], c[:, None], g_ent[:, None],
-                              HAS_GENT)
-        g = g.to(w_ptr.dtype.element_ty)  # bf16 operands for the tensor cores; fp32 stays fp32
-        w_rows = w_ptr + cols.to(tl.int64)[:, None] * H
-        for k0 in range(0, H, BLOCK_H):
-            ks = k0 + tl.arange(0, BLOCK_H)
-            k_ok = ks < H
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            mask = row_ok[:, None] & k_ok[None, :]
-            acc = tl.load(gh_rows + ks[None, :], mask=mask, other=0.0)
-            acc = _dot(g, w, acc, PRECISION)
-            tl.store(gh_rows + ks[None, :], acc, mask=mask)
-
-
-@triton.jit
-def _grad_weight_kernel(h_ptr, w_ptr, lse_ptr, c_ptr, gent_ptr, gw_ptr, N, V, H, inv_t,
-                        HAS_GENT: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
-    pid_v = tl.program_id(0)
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_ok = cols < V
-    gw_rows = gw_ptr + cols.to(tl.int64)[:, None] * H
-    for n0 in range(0, N, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        lse, c, g_ent = _load_token_stats(rows, row_ok, lse_ptr, c_ptr, gent_ptr, HAS_GENT)
-        z_t = _logits_tile(w_ptr, h_ptr, cols, rows, col_ok, row_ok, H, inv_t, BLOCK_V, BLOCK_N, BLOCK_H, PRECISION)
-        g_t = _grad_logits_tile(z_t, col_ok[:, None] & row_ok[None, :], lse[None, :], c[None, :], g_ent[None, :],
-                                HAS_GENT)
-        g_t = g_t.to(h_ptr.dtype.element_ty)  # ∂L/∂zᵀ [BLOCK_V, BLOCK_N]
-        h_rows = h_ptr + rows.to(tl.int64)[:, None] * H
-        for k0 in range(0, H, BLOCK_H):
-            ks = k0 + tl.arange(0, BLOCK_H)
-            k_ok = ks < H
-            h = tl.load(h_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            mask = col_ok[:, None] & k_ok[None, :]
-            acc = tl.load(gw_rows + ks[None, :], mask=mask, other=0.0)
-            acc = _dot(g_t, h, acc, PRECISION)
-            tl.store(gw_rows + ks[None, :], acc, mask=mask)
+    z = _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, inv_t, BLOCK_N, BLOCK_V, BLOCK_H, PRECISION)
+    ok = row_ok[:, None] & col_ok[None, :]
+    g = _grad_logits_tile(z, ok, lse[:, None], c[:, None], g_ent[:, None], HAS_GENT)
+    out = dz_ptr + rows.to(tl.int64)[:, None] * CHUNK + local[None, :]
+    tl.store(out, g.to(dz_ptr.dtype.element_ty), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -256,17 +214,15 @@ class _Tiles:
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-# Per pass, for sm_90. Chosen only so that each kernel compiles (ahead of time, tests/test_triton_aot.py)
-# with a pipelined K loop and without register spills per cuobjdump (triton 3.6.0, 3.7.1 and 3.9.0; bf16
-# ∂L/∂h with entropy takes 248 of 255 registers under 3.6/3.7); never timed. The ∂L/∂W pass spills at 128
-# tokens a tile. fp32 runs its ``ieee`` dots on CUDA cores: smaller tiles.
+# Per pass, for sm_90. The forward's were chosen so that it compiles (ahead of time, tests/test_triton_aot.py)
+# with a pipelined K loop and without register spills per cuobjdump (triton 3.6.0, 3.7.1 and 3.9.0); on an H200 it
+# ran 8,192 tokens × 151,936 × 2,048 in 14.1 ms (bf16). The ∂z tile holds what the forward's does, less the online
+# statistics: the same tiles. fp32 runs its ``ieee`` dots on CUDA cores: smaller tiles.
 _GPU_TILES = {
     (16, "forward"): _Tiles(128, 128, 64, num_warps=8, num_stages=3),
-    (16, "grad_hidden"): _Tiles(128, 128, 64, num_warps=8, num_stages=3),
-    (16, "grad_weight"): _Tiles(64, 128, 64, num_warps=8, num_stages=3),
+    (16, "grad_logits"): _Tiles(128, 128, 64, num_warps=8, num_stages=3),
     (32, "forward"): _Tiles(64, 64, 32, num_warps=8, num_stages=3),
-    (32, "grad_hidden"): _Tiles(64, 64, 32, num_warps=8, num_stages=3),
-    (32, "grad_weight"): _Tiles(64, 64, 32, num_warps=8, num_stages=3),
+    (32, "grad_logits"): _Tiles(64, 64, 32, num_warps=8, num_stages=3),
 }
 # 16 is the smallest tl.dot tile, and small enough that the tests' shapes have ragged multi-tile edges.
 _INTERPRETER_TILES = _Tiles(16, 16, 16, num_warps=1, num_stages=1)
@@ -287,6 +243,20 @@ def _vocab_splits(n_token_blocks: int, n_vocab_tiles: int, programs: int) -> tup
     want = max(1, min(n_vocab_tiles, math.ceil(programs / max(1, n_token_blocks))))
     per_split = math.ceil(n_vocab_tiles / want)
     return math.ceil(n_vocab_tiles / per_split), per_split
+
+
+# The ∂z chunk's budget: 256 MiB, so ~10 chunks at 8,192 tokens × a 151,936 vocabulary in bf16, each product
+# [8,192 × 16,384] · [16,384 × H] big enough for cuBLAS to run near peak.
+DZ_CHUNK_BYTES = 256 * 2**20
+
+
+def _chunk_columns(n: int, vocab: int, itemsize: int, block_v: int) -> int:
+    """Vocabulary columns per ∂z chunk: a multiple of the tile, within DZ_CHUNK_BYTES (at least one tile), at most
+    the vocabulary; two tiles under the interpreter, so that the tests cross chunk edges."""
+    if INTERPRETED:
+        return 2 * block_v
+    fits = DZ_CHUNK_BYTES // max(1, n * itemsize) // block_v * block_v
+    return max(block_v, min(fits, triton.cdiv(vocab, block_v) * block_v))
 
 
 def _kernel_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -351,29 +321,30 @@ class _LinearLogprobsTriton(torch.autograd.Function):
         if g_ent is not None:
             c.addcmul_(g_ent, entropy - lse)
         stats = (lse, c, g_ent if g_ent is not None else lse)  # lse stands in for a missing g_ent: never read
-        grad_h = grad_w = None
+        tiles = _tiles(h.dtype, "grad_logits")
+        chunk = _chunk_columns(n, vocab, h.element_size(), tiles.block_v)
+        dz = torch.empty(n, chunk, dtype=h.dtype, device=h.device)
+        grad_h = torch.zeros(n, size, dtype=torch.float32, device=h.device) if want_h else None
+        grad_w = torch.empty(vocab, size, dtype=torch.float32, device=w.device) if want_w else None
+        for v0 in range(0, vocab, chunk):
+            width = min(chunk, vocab - v0)
+            if n:
+                grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(width, tiles.block_v))
+                _grad_logits_kernel[grid](h, w, *stats, dz, n, vocab, size, inv_t, v0, chunk,
+                                          HAS_GENT=g_ent is not None, **tiles.launch())
+            d = dz[:, :width]  # the products on cuBLAS (fp32 accumulation inside), one rounding each
+            if want_h:
+                grad_h += d @ w[v0:v0 + width]
+            if want_w:
+                grad_w[v0:v0 + width] = d.t() @ h
         if want_h:
-            tiles = _tiles(h.dtype, "grad_hidden")
-            token_blocks = triton.cdiv(n, tiles.block_n)
-            splits, per_split = _vocab_splits(token_blocks, triton.cdiv(vocab, tiles.block_v),
-                                              _target_programs(h.device))
-            acc = torch.zeros(splits, n, size, dtype=torch.float32, device=h.device)
-            if n:
-                _grad_hidden_kernel[(token_blocks, splits)](h, w, *stats, acc, n, vocab, size, inv_t, per_split,
-                                                            HAS_GENT=g_ent is not None, **tiles.launch())
-            acc = acc[0] if splits == 1 else acc.sum(0)
             if g_lp is not None:  # the onehot part: ∂L/∂h_i += g_lp_i · W[y_i]
-                acc.addcmul_(w[y], g_lp[:, None])
-            grad_h = acc.to(ctx.dtypes[0])
+                grad_h.addcmul_(w[y], g_lp[:, None])
+            grad_h = grad_h.to(ctx.dtypes[0])
         if want_w:
-            acc = torch.zeros(vocab, size, dtype=torch.float32, device=w.device)
-            tiles = _tiles(h.dtype, "grad_weight")
-            if n:
-                _grad_weight_kernel[(triton.cdiv(vocab, tiles.block_v),)](h, w, *stats, acc, n, vocab, size, inv_t,
-                                                                          HAS_GENT=g_ent is not None, **tiles.launch())
             if g_lp is not None:  # ∂L/∂W[y_i] += g_lp_i · h_i; index_put_ accumulates by sorting on CUDA: deterministic
-                acc.index_put_((y,), h * g_lp[:, None], accumulate=True)
-            grad_w = acc.to(ctx.dtypes[1])
+                grad_w.index_put_((y,), h * g_lp[:, None], accumulate=True)
+            grad_w = grad_w.to(ctx.dtypes[1])
         return grad_h, grad_w, None, None, None
 
 

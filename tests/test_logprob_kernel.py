@@ -124,6 +124,19 @@ def test_vocab_splits_cover_the_vocabulary():
             assert blocks * splits <= max(264, blocks) + blocks  # no more programs than asked for (one round up)
 
 
+def test_backward_chunks_fit_their_budget_and_cover_the_vocabulary(monkeypatch):
+    """The GPU's rule for the ∂z chunk (the interpreter uses two tiles): whole tiles, within DZ_CHUNK_BYTES unless
+    one tile alone is over it, never wider than the vocabulary rounded up to a tile."""
+    monkeypatch.setattr(kernel, "INTERPRETED", False)
+    for n in (1, 1000, 8192, 65536, 2**22):
+        for vocab in (1, 70, 32000, 151936):
+            for itemsize, block_v in ((2, 128), (4, 64)):
+                cols = kernel._chunk_columns(n, vocab, itemsize, block_v)
+                assert cols % block_v == 0 and block_v <= cols <= -(-vocab // block_v) * block_v
+                assert n * cols * itemsize <= kernel.DZ_CHUNK_BYTES or cols == block_v
+    assert -(-151936 // kernel._chunk_columns(8192, 151936, 2, 128)) == 10  # the bench's shape: 10 chunks
+
+
 def test_same_signature_as_the_reference():
     assert inspect.signature(kernel.linear_logprobs) == inspect.signature(torch_paths.linear_logprobs)
 
