@@ -25,6 +25,7 @@
 #   weight_transport 60/10  bench/weight_transport.py --quick: shm vs cuda_ipc publish + load in another process
 #   moe_kernels      75/10  bench/moe_kernels.py --rounds 5: Triton vs torch._grouped_mm vs the per-expert loop
 #   logprob_kernel   75/10  bench/logprob_kernel.py --rounds 3: the fused LM-head log-prob kernel vs chunked torch
+#   optimizer_step   60/10  bench/optimizer_step.py --quick: MasterAdamW's multi-tensor step on CUDA vs the loop
 #   real_shapes     200/15  bench/real_shapes.py --layers 7: one whole Nano block (MEMEM*E) and 7 Qwen3-30B-A3B layers
 #                           at their real shapes: trainer step (8192 tokens), decode (64 rows at 1024), Triton compiled
 #   launch_50m      150/35  the same launch with the 50m model
@@ -64,7 +65,7 @@ SITE=${SITE:-/tmp/site}
 BUDGET_S=${GPU_CHECKS_BUDGET_S:-540}
 ONLY=${GPU_CHECKS_ONLY:-}
 case $ONLY in  # the two calls that hold every part (times measured on an H200, 2026-12-04)
-  first) ONLY=launch_tiny,tests,weight_transport,moe_kernels,logprob_kernel ;;
+  first) ONLY=launch_tiny,tests,weight_transport,moe_kernels,logprob_kernel,optimizer_step ;;
   second) ONLY=real_shapes,launch_50m,launch_vllm ;;
 esac
 TICK_S=${GPU_CHECKS_TICK_S:-30}
@@ -78,7 +79,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no internet
 rm -rf "$LOGS" && mkdir -p "$LOGS"
 # figures of an earlier run must not pass for this one's
 rm -f "$RESULTS"/gpu_checks.json "$RESULTS"/gpu_launch_*.json "$RESULTS"/moe_kernels.json \
-  "$RESULTS"/logprob_kernel.json "$RESULTS"/weight_transport.json "$RESULTS"/real_shapes.json
+  "$RESULTS"/logprob_kernel.json "$RESULTS"/weight_transport.json "$RESULTS"/real_shapes.json \
+  "$RESULTS"/optimizer_step.json
 
 # --- publishing: the JSON, and with $OUT what comes back from the device tool ------------------------------------
 publish() {  # publish [--final --table]
@@ -248,6 +250,7 @@ gpu_part tests 210 15 env GPU_CHECKS_TESTS_JSONL="$LOGS/tests.jsonl" PYTHONPATH=
 gpu_part weight_transport 60 10 "$PY" bench/weight_transport.py --quick
 gpu_part moe_kernels 75 10 "$PY" bench/moe_kernels.py --rounds 5
 gpu_part logprob_kernel 75 10 "$PY" bench/logprob_kernel.py --rounds 3
+gpu_part optimizer_step 60 10 "$PY" bench/optimizer_step.py --quick  # multi-tensor AdamW on CUDA vs the loop
 # the real-shape layers at more depth than the CPU holds (about 9 GB of bf16 weights a model, saved and loaded once
 # for the engine); host RSS is no constraint there (the engine reads its checkpoint into host memory first)
 gpu_part real_shapes 200 15 "$PY" bench/real_shapes.py --layers 7 --tokens 8192 --rows 64 --context 1024 \

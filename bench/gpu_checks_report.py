@@ -25,9 +25,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 PARTS = ["install", "machine", "launch_tiny", "tests", "weight_transport", "moe_kernels", "logprob_kernel",
-         "real_shapes", "launch_50m", "launch_vllm"]  # the order gpu_checks.sh runs them in
+         "optimizer_step", "real_shapes", "launch_50m", "launch_vllm"]  # the order gpu_checks.sh runs them in
 # each script's own result JSON (a launch's name ends in the device it ran on: cuda, or cpu in a rehearsal)
 FIGURES = {"moe_kernels": ["moe_kernels.json"], "logprob_kernel": ["logprob_kernel.json"],
+           "optimizer_step": ["optimizer_step.json"],
            "real_shapes": ["real_shapes.json"], "weight_transport": ["weight_transport.json"],
            **{name: [f"gpu_launch_{run}_{dev}.json" for dev in ("cuda", "cpu")]
               for name, run in (("launch_tiny", "tiny_torch"), ("launch_50m", "50m_torch"),

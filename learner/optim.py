@@ -23,9 +23,15 @@ the reduce-scattered grads are fp32 shards that accumulate in fp32: no hook ther
 Memory for a bf16 parameter on one rank: 2 (param) + 4 (fp32 grad; a bf16 grad lives only until its hook) + 4
 (master) + 8 (moments) = 18 bytes; under FSDP2, 4 (fp32 shard) + 4 (grad) + 8 = 16 bytes, sharded.
 
-Written with plain elementwise tensor ops, one parameter at a time, so that it runs on any torch version and on
-FSDP2's DTensor shards alike (learner/parallel.py): the master, the moments and the grad of a sharded parameter
-are DTensors with the parameter's placements. Checkpoints (docs/ARCHITECTURE.md §6) hold the fp32 state:
+On CUDA the update runs as torch's multi-tensor ``_foreach_*`` ops over every parameter of a group that shares a device,
+a state dtype, a step count and (FSDP2's DTensor shards, learner/parallel.py) a mesh and placements: each op one
+dispatch, and on CUDA one fused kernel per chunk of tensors, where a loop over parameters launches ~8 kernels and,
+on DTensors, 8 trips through DTensor's dispatch per parameter. ``foreach=False`` is that loop
+(``torch.optim.adam._single_tensor_adam``'s ops, one parameter at a time), the CPU's default: there it was faster
+(bench/optimizer_step.py: each tensor stays in cache through its 8 ops). Both run the same ops in the same order:
+the same bits on the CPU, FSDP2's shards included (tests/test_optim.py); on CUDA torch's single-tensor division by
+a scalar multiplies by its reciprocal, which may differ from the multi-tensor kernel's division in the last bit. The master, the moments and the grad of a sharded parameter are DTensors with the
+parameter's placements. Checkpoints (docs/ARCHITECTURE.md §6) hold the fp32 state:
 ``load_state_dict`` keeps it fp32 where ``torch.optim.Optimizer`` would cast it to the bf16 parameter's dtype.
 Tests: tests/test_optim.py.
 """
@@ -71,8 +77,10 @@ class MasterAdamW(Optimizer):
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 fp32_grads: bool = True) -> None:
-        """``fp32_grads``: accumulate the grads of low-precision parameters in fp32 (see the module docstring)."""
+                 fp32_grads: bool = True, foreach: bool | None = None) -> None:
+        """``fp32_grads``: accumulate the grads of low-precision parameters in fp32 (see the module docstring).
+        ``foreach``: update many parameters per op (multi-tensor); False: one parameter at a time; None: multi-tensor
+        when every parameter is on CUDA, as torch's AdamW (on a CPU the loop was faster: bench/optimizer_step.py)."""
         if not 0.0 <= _scalar(lr):
             raise ValueError(f"invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -82,6 +90,8 @@ class MasterAdamW(Optimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"invalid weight_decay: {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        every = [p for group in self.param_groups for p in group["params"]]
+        self.foreach = foreach if foreach is not None else bool(every) and all(p.is_cuda for p in every)
         self.fp32_grads: dict[Tensor, Tensor] = {}  # low-precision parameter -> its step's gradient so far, fp32
         if fp32_grads:
             for group in self.param_groups:
@@ -98,8 +108,12 @@ class MasterAdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if (grad := self.grad(p)) is not None:
+            live = [(p, grad) for p in group["params"] if (grad := self.grad(p)) is not None]
+            if self.foreach:
+                for bucket in self._buckets(live):
+                    self._update_many(bucket, group)
+            else:
+                for p, grad in live:
                     self._update(p, grad, group)
         return loss
 
@@ -179,6 +193,51 @@ class MasterAdamW(Optimizer):
         master.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
         if master is not p:
             p.copy_(master)  # round to nearest into bf16/fp16
+
+    def _buckets(self, live: list[tuple[Tensor, Tensor]]) -> list[list[tuple[Tensor, Tensor]]]:
+        """``(parameter, grad)`` pairs grouped so that one multi-tensor op can take each group: the same device,
+        state dtype and step count, and for DTensor shards the same mesh and placements."""
+        buckets: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
+        for p, grad in live:
+            state = self._state(p)
+            master = state.get("master", p)
+            layout = (p.device_mesh, tuple(p.placements)) if is_sharded(p) else None
+            key = (master.device, master.dtype, float(state["step"]), layout)
+            buckets.setdefault(key, []).append((p, grad))
+        return list(buckets.values())
+
+    def _update_many(self, bucket: list[tuple[Tensor, Tensor]], group: dict[str, Any]) -> None:
+        """``_update`` of every parameter in ``bucket`` at once, op by op with ``torch._foreach_*``: the same ops in
+        the same order."""
+        if any(grad.is_sparse for _, grad in bucket):
+            raise RuntimeError("MasterAdamW does not support sparse gradients")
+        states = [self._state(p) for p, _ in bucket]
+        lr, (beta1, beta2) = _scalar(group["lr"]), group["betas"]
+        eps, weight_decay = group["eps"], group["weight_decay"]
+        masters = [state.get("master", p) for (p, _), state in zip(bucket, states)]
+        grads = [grad.float() if master is not p else grad for (p, grad), master in zip(bucket, masters)]
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+
+        for state in states:
+            state["step"] += 1
+        step = states[0]["step"].item()  # one count per bucket; a CPU tensor: no device sync
+        if weight_decay != 0:
+            torch._foreach_mul_(masters, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(masters, exp_avgs, denom, value=-(lr / bias_correction1))
+        low = [(p, master) for (p, _), master in zip(bucket, masters) if master is not p]
+        if low and is_sharded(low[0][0]):  # DTensor has no sharding rule for _foreach_copy_ (torch 2.13)
+            for p, master in low:
+                p.copy_(master)
+        elif low:  # round to nearest into bf16/fp16
+            torch._foreach_copy_([p for p, _ in low], [master for _, master in low])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``Optimizer.load_state_dict``, then every floating state tensor of a low-precision parameter set

@@ -60,6 +60,32 @@ def test_fp32_parameters_are_exactly_torch_adamw():
         assert opt.state[p]["step"].dtype == torch.float32 and float(opt.state[p]["step"]) == 6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_tensor_update_gives_the_one_at_a_time_bits(dtype):
+    """``foreach`` (the default: one op over every parameter of a bucket) and the loop over parameters: the same
+    parameters, masters and moments, bit for bit, with weight decay, a changing lr, and a parameter that joins
+    late (its own step count: a bucket of its own)."""
+    late = torch.randn(4, 3, generator=torch.Generator().manual_seed(9))
+    sides = []
+    for foreach in (True, False):
+        ps = [*params(dtype), late.clone().to(dtype).requires_grad_()]
+        opt = MasterAdamW(ps, **HYPER, foreach=foreach)
+        for step in range(5):
+            for group in opt.param_groups:
+                group["lr"] = LRS[step]
+            for p, g in zip(ps, grads(step, ps)):
+                p.grad = g.to(dtype) if (p is not ps[-1] or step >= 2) else None
+            opt.step()
+            opt.zero_grad()
+        sides.append((ps, opt))
+    (mine, fast), (theirs, slow) = sides
+    assert {float(fast.state[p]["step"]) for p in mine} == {5.0, 3.0}
+    for p, q in zip(mine, theirs):
+        assert torch.equal(p, q)
+        for key in slow.state[q]:
+            assert torch.equal(fast.state[p][key], slow.state[q][key]), key
+
+
 def test_bf16_master_follows_fp32_adamw_and_the_parameter_is_its_rounding():
     mine = params(torch.bfloat16)
     shadow = [p.detach().float().requires_grad_() for p in mine]  # fp32 AdamW on the same grads
@@ -278,7 +304,9 @@ DIST_SCRIPT = textwrap.dedent('''
     for layer in sharded[::2]:
         fully_shard(layer)
     fully_shard(sharded)
-    opt1, opt2 = MasterAdamW(single.parameters(), **HYPER), MasterAdamW(sharded.parameters(), **HYPER)
+    # the shards multi-tensor (DTensor foreach ops, as on CUDA), the single rank one parameter at a time (the CPU's
+    # default): the same bits
+    opt1, opt2 = MasterAdamW(single.parameters(), **HYPER), MasterAdamW(sharded.parameters(), **HYPER, foreach=True)
     for k in range(3):
         step(single, opt1, k)
         step(sharded, opt2, k)
@@ -301,7 +329,7 @@ DIST_SCRIPT = textwrap.dedent('''
     for layer in resumed[::2]:
         fully_shard(layer)
     fully_shard(resumed)
-    opt3 = MasterAdamW(resumed.parameters(), **HYPER)
+    opt3 = MasterAdamW(resumed.parameters(), **HYPER, foreach=True)
     loaded = torch.load(out + ".pt", map_location="cpu", weights_only=True)
     set_optimizer_state_dict(resumed, opt3, optim_state_dict=loaded,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
