@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +24,18 @@ from cascade_rl.protocol import auth
 
 class WeightsError(RuntimeError):
     """A weights notice that cannot be honoured (missing file, bad checksum, unknown format)."""
+
+
+def notice_uri(pattern: re.Pattern, notice, want: str, full_only: str = "") -> re.Match:
+    """``notice.uri`` matched by a transport's ``pattern`` (a ``version`` group equal to the notice's), else a
+    ``WeightsError`` naming ``want`` (the form expected); ``full_only``: the transport's name, refusing a LoRA
+    adapter notice (it ships full weights only)."""
+    m = pattern.match(notice.uri)
+    if m is None or int(m["version"]) != notice.version:
+        raise WeightsError(f"weights uri {notice.uri!r}: want {want}")
+    if full_only and notice.adapter:
+        raise WeightsError(f"the {full_only} weight transport ships full weights, not LoRA adapters")
+    return m
 
 
 class TornRead(WeightsError):

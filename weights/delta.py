@@ -56,7 +56,7 @@ import xxhash
 from cascade_rl.protocol.messages import WeightsReady
 
 from . import stream
-from .common import WeightsError, receive_dir
+from .common import WeightsError, notice_uri, receive_dir
 from .layout import SAFETENSORS_DTYPES, Weights
 
 log = logging.getLogger(__name__)
@@ -309,11 +309,7 @@ COUNTS = {"deltas": 0, "resyncs": 0, "refused": 0}  # this process's loads: by d
 
 def load(engine, notice: WeightsReady, run_id: str) -> None:
     """Apply ``notice`` to ``engine``: by its delta when this process holds its base, else by the full file."""
-    m = DELTA_URI.match(notice.uri)
-    if m is None or int(m["version"]) != notice.version:
-        raise WeightsError(f"weights uri {notice.uri!r}: want delta+tcp://HOST:PORT/{notice.version}?base=B")
-    if notice.adapter:
-        raise WeightsError("the delta weight transport ships full weights, not LoRA adapters")
+    m = notice_uri(DELTA_URI, notice, f"delta+tcp://HOST:PORT/{notice.version}?base=B", full_only="delta")
     addr, base = m["addr"], int(m["base"])
     held = KEPT.setdefault(engine, {})
     kept = held.get(addr)

@@ -26,7 +26,7 @@ from cascade_rl.protocol.codec import ProtocolError, decode, encode
 from cascade_rl.protocol.messages import WeightsReady, WeightsRefused
 from cascade_rl.protocol.weights_group import WeightsGroup, WeightsJoin
 
-from .common import WeightsError, receive_dir
+from .common import WeightsError, notice_uri, receive_dir
 from .layout import SAFETENSORS_DTYPES
 from .nccl import NCCL_URI, broadcast, make_group
 from .stream import _keep_newest
@@ -51,11 +51,7 @@ HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> {publ
 
 def load(engine, notice: WeightsReady, run_id: str) -> None:
     """Ask the publisher for ``notice.version``, receive the broadcast, check it, hand it to ``engine``."""
-    m = NCCL_URI.match(notice.uri)
-    if m is None or int(m["version"]) != notice.version:
-        raise WeightsError(f"weights uri {notice.uri!r}: want nccl+tcp://HOST:PORT/{notice.version}?timeout=S")
-    if notice.adapter:
-        raise WeightsError("the nccl weight transport ships full weights, not LoRA adapters")
+    m = notice_uri(NCCL_URI, notice, f"nccl+tcp://HOST:PORT/{notice.version}?timeout=S", full_only="nccl")
     addr, timeout_s = m["addr"], _seconds(m["timeout"], notice.uri)
     held = HELD.setdefault(engine, {}).setdefault(addr, Held())
     backends = ["gloo", "nccl"] if torch.cuda.is_available() else ["gloo"]

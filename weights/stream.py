@@ -49,7 +49,7 @@ from cascade_rl.protocol import auth
 from cascade_rl.protocol.codec import ProtocolError, decode, encode
 from cascade_rl.protocol.messages import WeightsChunk, WeightsGet, WeightsReady, WeightsRefused
 
-from .common import Checksum, WeightsError, receive_dir
+from .common import Checksum, WeightsError, notice_uri, receive_dir
 from .layout import Staging, Weights, layout
 
 log = logging.getLogger(__name__)
@@ -262,9 +262,7 @@ def snapshot(weights: Weights, reuse: np.ndarray | None = None, staging: Staging
 def resolve(notice: WeightsReady, run_id: str, timeout_s: float, window: int = 4) -> str:
     """The notice's file, fetched into this process's receive folder and checked (size, checksum); ``timeout_s``
     bounds each wait for the publisher, ``window`` the requests in flight."""
-    m = STREAM_URI.match(notice.uri)
-    if m is None or int(m["version"]) != notice.version:
-        raise WeightsError(f"weights uri {notice.uri!r}: want stream+tcp://HOST:PORT/{notice.version}")
+    m = notice_uri(STREAM_URI, notice, f"stream+tcp://HOST:PORT/{notice.version}")
     folder = receive_dir(run_id)
     path = folder / f"policy-v{notice.version:06d}.safetensors"
     tmp = path.with_suffix(".tmp")
