@@ -3,8 +3,8 @@
 # most 600 s; on 2026-12-04 a call's start and transfers took ~30 s, and the parts ~700 s in all):
 #
 #   bash bench/gpu_checks.sh                              # everything (more than one call holds)
-#   GPU_CHECKS_ONLY=first bash bench/gpu_checks.sh        # call 1 (~400 s): launch_tiny, tests, the kernel benches
-#   GPU_CHECKS_ONLY=second bash bench/gpu_checks.sh       # call 2 (~320 s): real_shapes, launch_50m, launch_vllm
+#   GPU_CHECKS_ONLY=first bash bench/gpu_checks.sh        # call 1 (~380 s): launch_tiny, tests, the kernel benches
+#   GPU_CHECKS_ONLY=second bash bench/gpu_checks.sh       # call 2 (~340 s): real_shapes, launch_50m, launch_vllm
 #
 # on the GPU machine: its python3 (or $PY), .whl/ carried along. Call 2 right after call 1 finds the machine warm.
 #
@@ -26,7 +26,7 @@
 #   moe_kernels      75/10  bench/moe_kernels.py --rounds 5: Triton vs torch._grouped_mm vs the per-expert loop
 #   logprob_kernel   75/10  bench/logprob_kernel.py --rounds 3: the fused LM-head log-prob kernel vs chunked torch
 #   optimizer_step   60/10  bench/optimizer_step.py --quick: MasterAdamW's multi-tensor step on CUDA vs the loop
-#   real_shapes     200/15  bench/real_shapes.py --layers 7: one whole Nano block (MEMEM*E) and 7 Qwen3-30B-A3B layers
+#   real_shapes     240/15  bench/real_shapes.py --layers 7: one whole Nano block (MEMEM*E) and 7 Qwen3-30B-A3B layers
 #                           at their real shapes: trainer step (8192 tokens), decode (64 rows at 1024), Triton compiled
 #   launch_50m      150/35  the same launch with the 50m model
 #   launch_vllm     120/35  the tiny launch with sampler.engine=vllm (skipped where vllm is not installed)
@@ -253,7 +253,7 @@ gpu_part logprob_kernel 75 10 "$PY" bench/logprob_kernel.py --rounds 3
 gpu_part optimizer_step 60 10 "$PY" bench/optimizer_step.py --quick  # multi-tensor AdamW on CUDA vs the loop
 # the real-shape layers at more depth than the CPU holds (about 9 GB of bf16 weights a model, saved and loaded once
 # for the engine); host RSS is no constraint there (the engine reads its checkpoint into host memory first)
-gpu_part real_shapes 200 15 "$PY" bench/real_shapes.py --layers 7 --tokens 8192 --rows 64 --context 1024 \
+gpu_part real_shapes 240 15 "$PY" bench/real_shapes.py --layers 7 --tokens 8192 --rows 64 --context 1024 \
   --rss-cap-gib 100
 
 # --- launch, 50m ---------------------------------------------------------------------------------------------------

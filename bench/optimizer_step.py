@@ -107,7 +107,8 @@ def fsdp_worker(size: str, rounds: int, out: str) -> None:
 def fsdp2(size: str, rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fsdp2.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
+        # the ranks are CPU ranks (gloo): hide the GPUs, or FSDP2's default mesh sets a CUDA device per rank
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1", CUDA_VISIBLE_DEVICES="")
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                             __file__, "--worker", size, str(rounds), str(out)], capture_output=True, text=True,
                            env=env, timeout=1800)
