@@ -83,7 +83,7 @@ def make_batch(groups: int, g: int, prompt: int, resp: int, vocab: int, seed: in
     import numpy as np
 
     from cascade_rl.learner.trainer import Batch
-    from cascade_rl.protocol.messages import TrainBatch
+    from cascade_rl.protocol.rows import from_padded
 
     rng = np.random.default_rng(seed)
     n = groups * g
@@ -92,7 +92,8 @@ def make_batch(groups: int, g: int, prompt: int, resp: int, vocab: int, seed: in
     mask[:, prompt:] = True
     rewards = np.tile((np.arange(g) % 2).astype(np.float32), groups)  # half of each group rewarded
     inf = np.full((n, prompt + resp), -2.0, np.float32) * mask
-    return Batch.from_message(TrainBatch(0, g, ids, mask, inf, rewards, np.zeros(n, np.int32)))
+    return Batch.from_message(from_padded(step=0, group_size=g, input_ids=ids, response_mask=mask, inf_logprobs=inf,
+                                              rewards=rewards, versions=np.zeros(n, np.int32)))
 
 
 def child(spec: str) -> None:

@@ -86,7 +86,7 @@ class Step:
             stats["entropy"] = group_token_mean(entropy.detach(), mb.loss_mask, batch.group_size)
             for k, v in stats.items():
                 self.sums[k] = self.sums[k].to(v.device) + v.detach().float() * weight
-            trainer_lp[rows] = logprobs.detach()
+            trainer_lp[rows, : logprobs.shape[1]] = logprobs.detach()  # the micro-batch's own width
         keep = batch.response_mask
         self.mismatch.append((trainer_lp[keep], batch.inf_logprobs[keep]))
         per_group = advantages.view(-1, batch.group_size)

@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 
 from cascade_rl.modeling.models import describe, load_model
 from cascade_rl.modeling.policy import Policy
-from cascade_rl.protocol import records
+from cascade_rl.protocol import records, rows
 from cascade_rl.protocol.devices import role_device
 from cascade_rl.protocol.messages import Ready, StepDone, TrainBatch
 from cascade_rl.protocol.sockets import WorkerLink
@@ -51,10 +51,11 @@ log = logging.getLogger("trainer")
 
 @dataclasses.dataclass
 class Batch:
-    """A TrainBatch as tensors; rows ordered group by group, right-padded."""
+    """A TrainBatch as tensors; rows ordered group by group, right-padded to the longest row (each micro-batch,
+    ``rows``, to its own longest)."""
 
     input_ids: torch.Tensor  # [N, L] long
-    lengths: torch.Tensor  # [N] real tokens per row (prompt + response)
+    lengths: torch.Tensor  # [N] real tokens per row (the wire's: a row may end on context tokens)
     response_mask: torch.Tensor  # [N, L] bool: response tokens
     loss_mask: torch.Tensor  # [N, L] bool: response tokens that carry loss (not of a masked group)
     inf_logprobs: torch.Tensor  # [N, L]
@@ -66,23 +67,26 @@ class Batch:
 
     @classmethod
     def from_message(cls, msg: TrainBatch) -> Batch:
-        response_mask = torch.from_numpy(msg.response_mask.copy())
-        positions = torch.arange(response_mask.shape[1])
-        # real tokens end with each row's last response token (rows are right-padded)
-        lengths = torch.where(response_mask, positions + 1, 0).amax(dim=1)
+        """The message's packed rows, right-padded here (host memory; ``to`` moves them)."""
+        lengths = msg.lengths
+
+        def padded(values, fill=0):
+            return None if values is None else torch.from_numpy(rows.pad(values, lengths, fill))
+
+        response_mask = padded(msg.response_mask, False)
         loss_mask = response_mask.clone()
         if msg.loss_masked is not None:
             loss_mask[torch.from_numpy(msg.loss_masked.copy())] = False
         return cls(
-            input_ids=torch.from_numpy(msg.input_ids.astype("int64")),
-            lengths=lengths,
+            input_ids=padded(msg.input_ids).long(),
+            lengths=torch.from_numpy(lengths.astype("int64")),
             response_mask=response_mask,
             loss_mask=loss_mask,
-            inf_logprobs=torch.from_numpy(msg.inf_logprobs.copy()),
+            inf_logprobs=padded(msg.inf_logprobs),
             rewards=torch.from_numpy(msg.rewards.copy()),
             group_size=msg.group_size,
-            teacher_logprobs=None if msg.teacher_logprobs is None else torch.from_numpy(msg.teacher_logprobs.copy()),
-            routes=None if msg.routes is None else torch.from_numpy(msg.routes.copy()),
+            teacher_logprobs=padded(msg.teacher_logprobs),
+            routes=padded(msg.routes, -1),
             segment_starts=None if msg.segment_starts is None else torch.from_numpy(msg.segment_starts.copy()),
         )
 
@@ -98,9 +102,13 @@ class Batch:
                                             if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def rows(self, sl: slice) -> Batch:
-        """Rows ``sl`` (whole groups) as a batch of their own."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[sl] for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+        """Rows ``sl`` (whole groups) as a batch of their own, as wide as their longest row (a micro-batch of short
+        rows pays for none of the step's longest)."""
+        width = int(self.lengths[sl].max()) if len(self.lengths[sl]) else 0  # one sync a micro-batch
+        per_token = ("input_ids", "response_mask", "loss_mask", "inf_logprobs", "teacher_logprobs", "routes")
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name)[sl, :width] if f.name in per_token else getattr(self, f.name)[sl]
+            for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def groups(self, per_chunk: int):
         """Micro-batches of ``per_chunk`` whole groups (0: all of them), as row slices."""

@@ -10,41 +10,45 @@ from . import trajectory
 from .groups import Group, rewards
 
 
-def build_batch(step: int, groups: list[Group], group_size: int, pad_id: int, mopd: bool, overlong_penalty: bool,
+def build_batch(step: int, groups: list[Group], group_size: int, mopd: bool, overlong_penalty: bool,
                 cursor: dict[str, int]) -> TrainBatch:
-    """Rows group by group (prompt + response, right-padded), each with its rollout id, the sampler's log-probs,
-    the reward trained on and, under MOPD, the teacher's log-probs."""
+    """Rows group by group (prompt + response), packed one after another (protocol/rows.py), each with its
+    rollout id, the sampler's log-probs, the reward trained on and, under MOPD, the teacher's log-probs."""
     rows = [(g.rollout_id(i), g.rollouts[i], g.masked) for g in groups for i in range(g.n)]
-    width = max(len(r.prompt_ids) + len(r.response_ids) for _, r, _ in rows)
-    input_ids = np.full((len(rows), width), pad_id, np.int32)
-    response_mask = np.zeros((len(rows), width), bool)
-    inf_logprobs = np.zeros((len(rows), width), np.float32)
+    rollouts = [r for _, r, _ in rows]
+    lengths = np.array([len(r.prompt_ids) + len(r.response_ids) for r in rollouts], np.int32)
     teacher = [lp for g in groups for lp in g.teacher] if mopd else None
-    teacher_logprobs = np.zeros((len(rows), width), np.float32) if mopd else None
-    routes = batch_routes([r for _, r, _ in rows], width)
-    for i, (_, r, _) in enumerate(rows):
-        p, n = len(r.prompt_ids), len(r.response_ids)
-        input_ids[i, :p] = r.prompt_ids
-        input_ids[i, p : p + n] = r.response_ids
-        response_mask[i, p : p + n] = True if r.loss_mask is None else r.loss_mask  # multi-turn: model tokens
-        inf_logprobs[i, p : p + n] = r.inf_logprobs
-        if teacher is not None:
-            teacher_logprobs[i, p : p + n] = teacher[i]
     return TrainBatch(
         step=step,
         group_size=group_size,
-        input_ids=input_ids,
-        response_mask=response_mask,
-        inf_logprobs=inf_logprobs,
+        input_ids=_cat([np.concatenate([r.prompt_ids, r.response_ids]) for r in rollouts], np.int32),
+        response_mask=_cat([_prompt_then(r, True if r.loss_mask is None else r.loss_mask, False)  # multi-turn: the
+                            for r in rollouts], bool),                                          # model's tokens
+        inf_logprobs=_cat([_prompt_then(r, r.inf_logprobs, 0.0) for r in rollouts], np.float32),
         rewards=np.concatenate([rewards(g, overlong_penalty) for g in groups]),
-        versions=np.array([r.policy_version for _, r, _ in rows], np.int32),
-        teacher_logprobs=teacher_logprobs,
+        versions=np.array([r.policy_version for r in rollouts], np.int32),
+        lengths=lengths,
+        teacher_logprobs=None if teacher is None else _cat([_prompt_then(r, lp, 0.0)
+                                                            for r, lp in zip(rollouts, teacher)], np.float32),
         loss_masked=np.array([masked for _, _, masked in rows], bool),
-        routes=routes,
+        routes=batch_routes(rollouts, lengths),
         cursor=dict(cursor),
         ids=[rid for rid, _, _ in rows],
-        segment_starts=batch_segments([r for _, r, _ in rows]),
+        segment_starts=batch_segments(rollouts),
     )
+
+
+def _prompt_then(r, response, prompt_value) -> np.ndarray:
+    """A per-token array of rollout ``r``'s row: ``prompt_value`` over its prompt, then ``response`` (one value per
+    response token, or one for all)."""
+    p, n = len(r.prompt_ids), len(r.response_ids)
+    out = np.empty(p + n, np.asarray(response).dtype if np.ndim(response) else np.asarray(prompt_value).dtype)
+    out[:p], out[p:] = prompt_value, response
+    return out
+
+
+def _cat(rows: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype)
 
 
 def batch_segments(rollouts: list) -> np.ndarray | None:
@@ -67,19 +71,21 @@ def version_span(r) -> int:
     return int(r.token_versions.max()) - r.policy_version
 
 
-def batch_routes(rollouts: list, width: int) -> np.ndarray | None:
-    """The rows' routes [N, width, MoE layers, top_k] (-1 where a row has none: its last token, padding, a rollout
-    that came without), or None when no rollout carries any."""
+def batch_routes(rollouts: list, lengths: np.ndarray) -> np.ndarray | None:
+    """The rows' routes, packed [sum(lengths), MoE layers, top_k] (-1 where a row has none: its last token, a
+    rollout that came without), or None when no rollout carries any."""
     shapes = {r.routes.shape[1:] for r in rollouts if r.routes is not None}
     if not shapes:
         return None
     if len(shapes) > 1:
         raise ValueError(f"rollouts of one batch carry routes of different shapes {sorted(shapes)}: one model, "
                          "one engine kind per run")
-    out = np.full((len(rollouts), width, *shapes.pop()), -1, np.int16)
-    for i, r in enumerate(rollouts):
+    out = np.full((int(lengths.sum(dtype=np.int64)), *shapes.pop()), -1, np.int16)
+    start = 0
+    for r, n in zip(rollouts, lengths.tolist()):
         if r.routes is not None:
-            out[i, : len(r.routes)] = r.routes
+            out[start : start + len(r.routes)] = r.routes
+        start += n
     return out
 
 

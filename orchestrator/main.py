@@ -248,8 +248,8 @@ class Orchestrator:
         self.pump(lambda: all(self.core.pool.trainer(r) for r in range(t.world_size)), "the trainer's ranks")
         batches = []
         for share in shares(part.groups, t.world_size // t.context_parallel):
-            batch = build_batch(step, share, self.cfg.run.group_size, self.tokenizer.pad_token_id or 0,
-                                self.core.rules.mopd, o.overlong_penalty, {"examples_drawn": self.prompts.drawn})
+            batch = build_batch(step, share, self.cfg.run.group_size, self.core.rules.mopd,
+                                o.overlong_penalty, {"examples_drawn": self.prompts.drawn})
             batches += [dataclasses.replace(batch, part=part.index, last=part.last,
                                             step_groups=self.cfg.run.prompts_per_step)] * t.context_parallel
             if o.get("save_rollouts", False):

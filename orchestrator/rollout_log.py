@@ -14,23 +14,22 @@ import json
 from pathlib import Path
 
 from cascade_rl.protocol.messages import TrainBatch
+from cascade_rl.protocol.rows import offsets
 
 
-def rows(batch: TrainBatch, row_ids: list[str], lengths: list[int]):
-    """The batch's rows as records (padding cut); ``row_ids``: each row's data row (its prompt's id); ``lengths``:
-    each row's tokens (a trajectory may end on context: padding cannot be told from it by the masks)."""
-    for i, (rid, end) in enumerate(zip(batch.ids, lengths)):
-        mask = batch.response_mask[i]
-        starts = [] if batch.segment_starts is None else [int(s) for s in batch.segment_starts[i] if s >= 0]
-        yield {"id": rid, "row": row_ids[i], "step": batch.step, "ids": batch.input_ids[i, :end].tolist(),
-               "loss_mask": mask[:end].astype(int).tolist(),
-               "logprobs": [round(float(x), 6) for x in batch.inf_logprobs[i, :end]],
-               "reward": float(batch.rewards[i]), "version": int(batch.versions[i]), "segment_starts": starts}
+def rows(batch: TrainBatch, row_ids: list[str]):
+    """The batch's rows as records; ``row_ids``: each row's data row (its prompt's id)."""
+    starts = offsets(batch.lengths)
+    for i, rid in enumerate(batch.ids):
+        row = slice(int(starts[i]), int(starts[i + 1]))
+        starts_i = [] if batch.segment_starts is None else [int(s) for s in batch.segment_starts[i] if s >= 0]
+        yield {"id": rid, "row": row_ids[i], "step": batch.step, "ids": batch.input_ids[row].tolist(),
+               "loss_mask": batch.response_mask[row].astype(int).tolist(),
+               "logprobs": [round(float(x), 6) for x in batch.inf_logprobs[row]],
+               "reward": float(batch.rewards[i]), "version": int(batch.versions[i]), "segment_starts": starts_i}
 
 
 def append(path: Path, batch: TrainBatch, groups: list) -> None:
     """``batch``'s rows, made of ``groups`` (orchestrator/groups.py), appended to ``path``."""
-    rollouts = [(g.row.id, g.rollouts[i]) for g in groups for i in range(g.n)]
     with open(path, "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows(batch, [rid for rid, _ in rollouts],
-                                                        [len(r.prompt_ids) + len(r.response_ids) for _, r in rollouts]))
+        f.writelines(json.dumps(r) + "\n" for r in rows(batch, [g.row.id for g in groups for _ in range(g.n)]))

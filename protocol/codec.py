@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2  # 2: PromptRequest and Rollout carry a WorkKey (issue 34)
+PROTOCOL_VERSION = 3  # 2: PromptRequest and Rollout carry a WorkKey (issue 34); 3: TrainBatch rows packed
 MAX_HEADER_BYTES = 4 << 20  # a header is metadata; arrays travel in their own frames
 MAX_ARRAY_DIMS = 4
 ALLOWED_DTYPES = ("bool", "uint8", "int16", "int32", "int64", "float16", "float32", "float64")

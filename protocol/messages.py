@@ -321,29 +321,32 @@ class TeacherLogprobs:
 
 @message("train_batch")
 class TrainBatch:
-    """orchestrator → trainer: complete groups, rows ordered group by group, right-padded."""
+    """orchestrator → trainer: complete groups, rows ordered group by group, packed: every per-token array is the
+    rows' tokens one after another ([T], T = sum(lengths)), no padding on the wire (protocol/rows.py: offsets,
+    padding, building one from padded arrays)."""
 
     step: int
     group_size: int
-    input_ids: np.ndarray = array("int32", 2)  # [N, L] prompt + response tokens
-    response_mask: np.ndarray = array("bool", 2)  # [N, L] True where input_ids[t] is a response token
-    inf_logprobs: np.ndarray = array("float32", 2)  # [N, L] sampler log-prob of input_ids[t]
+    input_ids: np.ndarray = array("int32", 1)  # [T] each row's prompt + response tokens, row after row
+    response_mask: np.ndarray = array("bool", 1)  # [T] True where input_ids[t] is a response token
+    inf_logprobs: np.ndarray = array("float32", 1)  # [T] sampler log-prob of input_ids[t] (0 elsewhere)
     rewards: np.ndarray = array("float32", 1)  # [N]
     versions: np.ndarray = array("int32", 1)  # [N] policy version that sampled each row
-    teacher_logprobs: np.ndarray | None = array("float32", 2, default=None)  # [N, L] for MOPD
+    lengths: np.ndarray = array("int32", 1)  # [N] each row's tokens (>= 1; a row may end on context tokens)
+    teacher_logprobs: np.ndarray | None = array("float32", 1, default=None)  # [T] for MOPD
     loss_masked: np.ndarray | None = array("bool", 1, default=None)  # [N] rows trained with no loss
-    routes: np.ndarray | None = array("int16", 4, default=None)  # [N, L, MoE layers, top_k] the engine's experts of
-    # input_ids[t] (-1: none, e.g. each row's last token and padding); None: the rollouts carried none
+    routes: np.ndarray | None = array("int16", 3, default=None)  # [T, MoE layers, top_k] the engine's experts of
+    # input_ids[t] (-1: none, e.g. each row's last token); None: the rollouts carried none
     cursor: dict[str, int] = field(default_factory=dict)  # the orchestrator's data cursor, saved with checkpoints
     ids: list[str] = field(default_factory=list)  # [N] each row's rollout id (the ledger's; trained_ids.jsonl)
     segment_starts: np.ndarray | None = array("int32", 2, default=None)  # [N, S] where each row's later segments
-    # begin (-1: none); each segment is its own sequence, with its row's reward (agents' rewritten histories, §14)
+    # begin, as positions in the row (-1: none); each segment is its own sequence, with its row's reward (§14)
     part: int = 0  # this batch's place among its step's parts (orchestrator.stream_tokens: groups as they are scored)
     last: bool = True  # the step's last part: the trainer updates the weights after it
     step_groups: int = 0  # groups in the whole step, every part together (0: this batch is the whole step)
 
     def validate(self) -> str:
-        n, length = self.input_ids.shape
+        n, tokens = len(self.lengths), len(self.input_ids)
         if self.part < 0 or self.step_groups < 0:
             return f"part {self.part}, step_groups {self.step_groups}: neither may be negative"
         if self.step_groups and self.step_groups < n // max(1, self.group_size):
@@ -352,20 +355,23 @@ class TrainBatch:
             return f"{len(self.ids)} rollout ids for {n} rows"
         if self.group_size <= 0 or n % self.group_size:
             return f"{n} rows is not a whole number of groups of {self.group_size}"
-        for name in ("response_mask", "inf_logprobs"):
-            if getattr(self, name).shape != (n, length):
-                return f"{name} shape {getattr(self, name).shape} != {(n, length)}"
+        if n and int(self.lengths.min()) < 1:
+            return f"a row of {int(self.lengths.min())} tokens: every row holds at least one"
+        if int(self.lengths.sum(dtype=np.int64)) != tokens:
+            return f"lengths sum to {int(self.lengths.sum(dtype=np.int64))} but there are {tokens} tokens"
+        for name in ("response_mask", "inf_logprobs", "teacher_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value.shape != (tokens,):
+                return f"{name} shape {value.shape} != {(tokens,)}: one entry per token"
         if self.rewards.shape != (n,) or self.versions.shape != (n,):
             return "rewards/versions must have one entry per row"
-        if self.teacher_logprobs is not None and self.teacher_logprobs.shape != (n, length):
-            return "teacher_logprobs shape mismatch"
         if self.loss_masked is not None and self.loss_masked.shape != (n,):
             return "loss_masked must have one entry per row"
-        if self.routes is not None and self.routes.shape[:2] != (n, length):
-            return f"routes shape {self.routes.shape[:2]} != {(n, length)} (+ layers, top_k)"
+        if self.routes is not None and self.routes.shape[0] != tokens:
+            return f"routes for {self.routes.shape[0]} tokens, not {tokens} (+ layers, top_k)"
         if self.segment_starts is not None and (len(self.segment_starts) != n or (
-                self.segment_starts.size and int(self.segment_starts.max()) >= length)):
-            return f"segment_starts shape {self.segment_starts.shape} for {n} rows of {length}"
+                self.segment_starts.size and bool((self.segment_starts >= self.lengths[:, None]).any()))):
+            return f"segment_starts shape {self.segment_starts.shape}: one row per row, each start inside its row"
         return ""
 
 

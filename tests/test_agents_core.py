@@ -107,7 +107,7 @@ def test_an_agent_runs_its_row_through_gateway_calls_and_segments(world, tokeniz
     assert r0.prompt_ids.tolist() == [] and r0.response_ids.tolist() == [*p1, *second.tolist(), *p2, *third.tolist()]
     assert r0.segment_starts.tolist() == [seg1]
     assert r0.loss_mask.sum() == len(reply) + len(second) + len(third)
-    batch = build_batch(0, core.settle([g]), 2, 0, False, False, {})
+    batch = build_batch(0, core.settle([g]), 2, False, False, {})
     assert batch.segment_starts.tolist() == [[seg1], [-1]] and batch.ids == [f"{g.group_id}/0", f"{g.group_id}/1"]
     assert batch.rewards.tolist() == [0.75, 1.0] and not batch.validate()
     t0 = g.trajectories[0]

@@ -29,7 +29,8 @@ from cascade_rl.modeling.experts import use_moe_impl
 from cascade_rl.modeling.logprobs import token_logprobs
 from cascade_rl.modeling.packing import share_prefixes
 from cascade_rl.modeling.policy import Policy
-from cascade_rl.protocol.messages import TeacherRequest, TrainBatch, WorkKey
+from cascade_rl.protocol.messages import TeacherRequest, WorkKey
+from cascade_rl.protocol.rows import from_padded
 from cascade_rl.samplers.engine import GenerationRequest
 from cascade_rl.samplers.models import model_class
 from cascade_rl.samplers.torch_engine import TorchEngine
@@ -86,7 +87,8 @@ def shared_prompt_batch(groups: int = 2, g: int = 4, prompt: int = 6, resp: int 
     mask[1, prompt + 2 :] = False
     mask[6, prompt + 4 :] = False
     rewards = np.tile(np.array([1.0, 0.0, 0.0, 1.0], np.float32), groups)
-    msg = TrainBatch(0, g, ids, mask, np.zeros(ids.shape, np.float32), rewards, np.zeros(n, np.int32))
+    msg = from_padded(step=0, group_size=g, input_ids=ids, response_mask=mask, inf_logprobs=np.zeros(ids.shape, np.float32),
+                      rewards=rewards, versions=np.zeros(n, np.int32))
     return Batch.from_message(msg)
 
 
@@ -191,8 +193,9 @@ def trainer_logprobs(policy: Policy, req: TeacherRequest) -> np.ndarray:
     for i, y in enumerate(rows):
         ids[i, :p], ids[i, p : p + len(y)], mask[i, p : p + len(y)] = req.prompt_ids, y, True
     n = len(rows)
-    batch = Batch.from_message(TrainBatch(0, n, ids, mask, np.zeros(ids.shape, np.float32), np.zeros(n, np.float32),
-                                          np.zeros(n, np.int32)))
+    batch = Batch.from_message(from_padded(step=0, group_size=n, input_ids=ids, response_mask=mask,
+                                           inf_logprobs=np.zeros(ids.shape, np.float32), rewards=np.zeros(n, np.float32),
+                                           versions=np.zeros(n, np.int32)))
     policy.temperature = req.temperature
     policy.train()
     lp, _ = policy(batch.input_ids, batch.lengths, batch.response_mask, with_entropy=True)

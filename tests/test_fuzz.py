@@ -271,9 +271,22 @@ def _fix_teacher_request(draw, kw: dict) -> None:  # response_lens split respons
 
 
 def _fix_train_batch(draw, kw: dict) -> None:
-    n, length = kw["input_ids"].shape
+    n = len(kw["rewards"])  # rows: each >= 1 token, every per-token array one entry per token (packed rows)
+    lengths = draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+    kw["lengths"], tokens = np.array(lengths, np.int32), sum(lengths)
+    for name, dtype, rest in (("input_ids", np.int32, ()), ("response_mask", np.bool_, ()),
+                              ("inf_logprobs", np.float32, ()), ("teacher_logprobs", np.float32, ()),
+                              ("routes", np.int16, (2, 2))):
+        if name in ("input_ids", "response_mask", "inf_logprobs") or kw.get(name) is not None:
+            size = tokens * int(np.prod(rest, dtype=np.int64)) * np.dtype(dtype).itemsize
+            raw = draw(st.binary(min_size=size, max_size=size))
+            kw[name] = (np.frombuffer(raw, np.uint8) & 1).astype(bool) if dtype is np.bool_ else \
+                np.frombuffer(raw, dtype).reshape(tokens, *rest)
+    kw["versions"] = kw["versions"][:n] if len(kw["versions"]) == n else np.zeros(n, np.int32)
+    if kw.get("loss_masked") is not None:
+        kw["loss_masked"] = np.zeros(n, bool)
     if kw.get("segment_starts") is not None:  # one row of starts per row, each inside the row (-1: none)
-        starts = draw(st.lists(st.integers(-1, max(length - 1, -1)), min_size=n, max_size=n))
+        starts = [draw(st.integers(-1, length - 1)) for length in lengths]
         kw["segment_starts"] = np.array(starts, np.int32).reshape(n, 1) if n else None
     kw["group_size"] = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0] or [1, 2, 3]))
     if kw.get("ids"):  # rollout ids: none, or one per row

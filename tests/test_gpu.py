@@ -184,7 +184,7 @@ def check_lora_round_trip(tiny_model: str, tmp_path: Path, device: str, dtype: s
 
     from cascade_rl.learner import parallel
     from cascade_rl.learner.trainer import Batch, build, publish, train_step
-    from cascade_rl.protocol.messages import TrainBatch
+    from cascade_rl.protocol.rows import from_padded
     from cascade_rl.samplers.engine import GenerationRequest
     from cascade_rl.samplers.torch_engine import TorchEngine
     from cascade_rl.supervisor.config import compose
@@ -204,8 +204,10 @@ def check_lora_round_trip(tiny_model: str, tmp_path: Path, device: str, dtype: s
     ids = rng.integers(5, 300, size=(n, prompt + resp)).astype(np.int32)
     mask = np.zeros((n, prompt + resp), bool)
     mask[:, prompt:] = True
-    batch = Batch.from_message(TrainBatch(0, 4, ids, mask, np.zeros_like(mask, np.float32),
-                                          rng.integers(0, 2, n).astype(np.float32), np.zeros(n, np.int32)))
+    batch = Batch.from_message(from_padded(step=0, group_size=4, input_ids=ids, response_mask=mask,
+                                           inf_logprobs=np.zeros_like(mask, np.float32),
+                                           rewards=rng.integers(0, 2, n).astype(np.float32),
+                                           versions=np.zeros(n, np.int32)))
     for step in range(2):
         train_step(policy, opt, batch.to(torch.device(device)), cfg.trainer, step, reference, run=cfg.run)
     assert all(p.dtype == torch.float32 and "master" not in opt.state[p] for p in lora.values())  # their own masters

@@ -26,6 +26,7 @@ from cascade_rl.protocol.messages import (
     ScoreRequest,
     WorkKey,
 )
+from cascade_rl.protocol.rows import pad
 from cascade_rl.protocol.sockets import UNREACHABLE
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(47*83)"}}</tool_call>'
@@ -163,10 +164,10 @@ def test_a_trajectory_through_sampler_environment_and_verifier(world, tokenizer,
     assert r0.loss_mask.tolist() == [True] * len(call) + [False] * obs + [True] * len(answer)
     assert (r0.inf_logprobs[~r0.loss_mask] == 0).all()
     kept = core.settle([g])
-    batch = build_batch(0, kept, 2, 0, False, False, {})
-    row0 = batch.response_mask[0]
+    batch = build_batch(0, kept, 2, False, False, {})
+    row0 = pad(batch.response_mask, batch.lengths)[0]
     assert row0.sum() == len(call) + len(answer) and not row0[len(prompt) + len(call): len(cont.prompt_ids)].any()
-    assert batch.input_ids[0, : len(cont.prompt_ids)].tolist() == cont.prompt_ids.tolist()
+    assert pad(batch.input_ids, batch.lengths)[0, : len(cont.prompt_ids)].tolist() == cont.prompt_ids.tolist()
     summary = trajectory.summary(list(g.trajectories.values()))
     assert summary["turns_mean"] == 1.5 and summary["tool_calls_mean"] == 0.5
     assert summary["observation_token_frac"] == pytest.approx(obs / (len(call) + obs + 2 * len(answer)))

@@ -28,6 +28,7 @@ from cascade_rl.orchestrator.batch import build_batch
 from cascade_rl.orchestrator.offline import offline_core, run_in_process
 from cascade_rl.orchestrator.rules import Rules
 from cascade_rl.protocol.messages import SamplingParams
+from cascade_rl.protocol.rows import pad
 from cascade_rl.samplers.engine import ENGINES, register_builtin_engines
 from cascade_rl.verifiers.sandbox import isolation_available
 
@@ -112,13 +113,14 @@ def test_trajectories_are_the_templates_rendering_at_every_boundary(episodes):
 def test_trainer_logprobs_of_model_tokens_equal_the_engines_and_observations_get_no_gradient(episodes):
     kept = [g for g in episodes.groups if any(t.turn >= 2 for t in g.trajectories.values())]
     assert kept
-    msg = build_batch(0, kept, N, 0, False, False, {})
+    msg = build_batch(0, kept, N, False, False, {})
     batch = Batch.from_message(msg)
-    observation = np.zeros_like(msg.response_mask)
+    response = pad(msg.response_mask, msg.lengths)
+    observation = np.zeros_like(response)
     for row, (g, i) in enumerate((g, i) for g in kept for i in range(N)):
         r = g.rollouts[i]
         observation[row, len(r.prompt_ids): len(r.prompt_ids) + len(r.response_ids)] = ~r.loss_mask
-    assert observation.any() and not (observation & msg.response_mask).any()
+    assert observation.any() and not (observation & response).any()
     model = AutoModelForCausalLM.from_pretrained(episodes.model, dtype=torch.float32)
     policy = Policy(model, temperature=1.0)
     logprobs, entropy = policy(batch.input_ids, batch.lengths, batch.response_mask, with_entropy=True)

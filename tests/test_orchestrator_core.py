@@ -32,6 +32,7 @@ from cascade_rl.protocol.messages import (
     WeightsReady,
     WorkKey,
 )
+from cascade_rl.protocol.rows import offsets, pad
 from cascade_rl.protocol.sockets import UNREACHABLE
 
 ROW = Row("r0", ({"role": "user", "content": "1+1?"},), "math", "2", {})
@@ -122,10 +123,10 @@ def test_settle_writes_each_fate_with_its_reason_and_the_batch_carries_ids_masks
     low, high, flat = (sample_and_score(core, r) for r in ([0.5, 0.2, 0.0, 0.5], [0.6, 0.2, 0.0, 0.5], [1.0] * 4))
     kept = core.settle([low, high, flat])
     assert kept == [low, high] and low.masked and not high.masked and not core.groups
-    batch = build_batch(0, kept, 4, 0, mopd=False, overlong_penalty=False, cursor={"examples_drawn": 40})
+    batch = build_batch(0, kept, 4, mopd=False, overlong_penalty=False, cursor={"examples_drawn": 40})
     core.trained(kept)
     assert batch.loss_masked.tolist() == [True] * 4 + [False] * 4
-    assert batch.response_mask[:4].any()  # the tokens stay (log-prob mismatch is still measured on them)
+    assert pad(batch.response_mask, batch.lengths)[:4].any()  # the tokens stay (log-prob mismatch is still measured on them)
     assert batch.cursor == {"examples_drawn": 40} and batch.validate() == ""
     assert batch.ids == [f"{low.group_id}/{i}" for i in range(4)] + [f"{high.group_id}/{i}" for i in range(4)]
     lines = ledger_lines(tmp_path)
@@ -359,10 +360,10 @@ def test_mopd_sends_each_group_to_its_teacher_and_trains_on_the_replies(clock):
     logprobs = -np.arange(1, 11, dtype=np.float32) / 10
     core.receive(T0, TeacherLogprobs(treq.key, logprobs))
     assert g.complete and not core.pool.get(T0).held
-    batch = build_batch(0, core.settle([g]), 4, 0, mopd=True, overlong_penalty=False, cursor={})
-    p = len(PROMPT)
-    assert batch.teacher_logprobs[0, p:p + 3].tolist() == pytest.approx([-0.1, -0.2, -0.3])
-    assert batch.teacher_logprobs[3, p:p + 4].tolist() == pytest.approx([-0.7, -0.8, -0.9, -1.0])
+    batch = build_batch(0, core.settle([g]), 4, mopd=True, overlong_penalty=False, cursor={})
+    p, teacher = len(PROMPT), pad(batch.teacher_logprobs, batch.lengths)
+    assert teacher[0, p:p + 3].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert teacher[3, p:p + 4].tolist() == pytest.approx([-0.7, -0.8, -0.9, -1.0])
     assert batch.teacher_logprobs[~batch.response_mask].max() == 0.0 and batch.validate() == ""
 
 
@@ -432,13 +433,13 @@ def test_routes_and_token_versions_travel_through_the_core_into_the_batch_and_th
     for v, score in sent(core, ScoreRequest):
         core.receive(v, Score(score.key, float(score.key.attempt == 0), True))
     kept = core.settle([g])
-    batch = build_batch(1, kept, 2, 0, mopd=False, overlong_penalty=False, cursor={})
+    batch = build_batch(1, kept, 2, mopd=False, overlong_penalty=False, cursor={})
     core.trained(kept)
-    assert batch.validate() == "" and batch.routes.shape == (2, len(PROMPT) + 5, 2, 2)
-    for i in (0, 1):
+    assert batch.validate() == "" and batch.routes.shape == (int(batch.lengths.sum()), 2, 2)  # packed rows
+    for i, row in enumerate(np.split(batch.routes, offsets(batch.lengths)[1:-1])):
         ran = len(routes[i])
-        np.testing.assert_array_equal(batch.routes[i, :ran], routes[i])
-        assert (batch.routes[i, ran:] == -1).all()
+        np.testing.assert_array_equal(row[:ran], routes[i])
+        assert (row[ran:] == -1).all()
     assert batch.versions.tolist() == [0, 0]  # each row's oldest token
     lines = {r["id"]: r for r in ledger_lines(tmp_path) if r["fate"] == "trained"}
     assert "version_max" not in lines[f"{g.group_id}/0"] and lines[f"{g.group_id}/1"]["version_max"] == 1
@@ -460,7 +461,7 @@ def test_the_main_loop_drives_the_core_through_its_methods_and_every_message_lea
     core.receive(v, Score(s.key, 1.0, True))
     g = sample_and_score(core, [0.0, 1.0], step=5)
     kept = core.settle([g])
-    batch = build_batch(5, kept, 2, 0, False, False, {})
+    batch = build_batch(5, kept, 2, False, False, {})
     core.to_trainer([batch], kept)
     assert core.take_outbox() == [(b"trainer-0", batch)] and core.books()["trained"] == 2
     core.receive(b"trainer-0", StepDone(5, 6))

@@ -55,22 +55,28 @@ K = WorkKey.score("k", 0, 0)  # a key for messages whose key does not matter
 
 
 def _train_batch(n: int = 4, length: int = 6, group_size: int = 2, teacher: bool = True, seed: int = 0) -> TrainBatch:
+    """``n`` rows of ``length`` tokens (row 0 one shorter), packed: 4 x 6 - 1 = 23 tokens by default."""
     rng = np.random.default_rng(seed)
-    mask = np.zeros((n, length), dtype=bool)
-    mask[:, length // 2 :] = True
-    if n and length:
-        mask[0, -1] = False  # right padding on one row
+    lengths = np.full(n, length, np.int32)
+    if n:
+        lengths[0] -= 1  # one shorter row
+    tokens = int(lengths.sum())
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if n else np.zeros(0, int)
+    mask = np.zeros(tokens, dtype=bool)
+    for start, size in zip(starts, lengths):
+        mask[start + length // 2 : start + size] = True  # the second half of each row: its response
     return TrainBatch(
         step=17,
         group_size=group_size,
-        input_ids=rng.integers(0, 151_936, size=(n, length), dtype=np.int32),
+        input_ids=rng.integers(0, 151_936, size=tokens, dtype=np.int32),
         response_mask=mask,
-        inf_logprobs=-rng.random((n, length), dtype=np.float32) * 5,
+        inf_logprobs=-rng.random(tokens, dtype=np.float32) * 5,
         rewards=np.array([1.0, 0.0, 0.5, -1.0][:n] + [0.25] * max(0, n - 4), dtype=np.float32),
         versions=np.arange(n, dtype=np.int32) + 40,
-        teacher_logprobs=(-rng.random((n, length), dtype=np.float32)) if teacher else None,
+        lengths=lengths,
+        teacher_logprobs=(-rng.random(tokens, dtype=np.float32)) if teacher else None,
         loss_masked=(np.arange(n) % 3 == 0) if teacher else None,
-        routes=rng.integers(-1, 128, size=(n, length, 3, 8), dtype=np.int16) if teacher else None,  # R3
+        routes=rng.integers(-1, 128, size=(tokens, 3, 8), dtype=np.int16) if teacher else None,  # R3
         part=1 if teacher else 0, last=not teacher, step_groups=8 if teacher else 0,  # a step's second part of several
     )
 
@@ -175,7 +181,7 @@ def sample_messages() -> list[Any]:
         TeacherLogprobs(key=WorkKey.teacher("g-8", 3), logprobs=np.zeros(0, np.float32), ok=False, error="domain 'x' is not served"),
         _train_batch(),
         _train_batch(teacher=False),
-        _train_batch(n=0, length=7, group_size=4),  # 0 rows, 2-D empty arrays
+        _train_batch(n=0, length=7, group_size=4),  # 0 rows, empty arrays
         dataclasses.replace(_train_batch(), segment_starts=np.array([[3], [-1], [2], [-1]], np.int32)),  # agents' rows
         StepDone(step=17, version=18, metrics={"loss": 0.4375, "kl": 1e-3, "grad_norm": 2.0}),
         StepDone(step=0, version=1),
@@ -269,8 +275,7 @@ def test_samples_cover_every_registered_type_and_array_dtype():
         for f in dataclasses.fields(cls)
         if "array" in f.metadata
     }
-    assert declared == {("int32", 1), ("float32", 1), ("int32", 2), ("float32", 2), ("bool", 2), ("bool", 1),
-                        ("uint8", 1), ("int16", 3), ("int16", 4)}
+    assert declared == {("int32", 1), ("float32", 1), ("int32", 2), ("bool", 1), ("uint8", 1), ("int16", 3)}
 
 
 @pytest.mark.parametrize("msg", sample_messages(), ids=lambda m: m.TYPE)
@@ -292,10 +297,11 @@ def test_round_trip(msg):
 def test_train_batch_arrays_keep_dtype_shape_and_optional_teacher():
     with_teacher, without = _train_batch(), _train_batch(teacher=False)
     a, b = decode(encode(with_teacher)), decode(encode(without))
-    assert a.response_mask.dtype == np.bool_ and a.response_mask.shape == (4, 6)
+    assert a.response_mask.dtype == np.bool_ and a.response_mask.shape == (23,)  # packed: 5 + 6 + 6 + 6 tokens
     np.testing.assert_array_equal(a.response_mask, with_teacher.response_mask)
-    assert a.input_ids.dtype == np.int32 and a.input_ids.shape == (4, 6)
-    assert a.teacher_logprobs.dtype == np.float32 and a.teacher_logprobs.shape == (4, 6)
+    assert a.input_ids.dtype == np.int32 and a.input_ids.shape == (23,) and a.lengths.tolist() == [5, 6, 6, 6]
+    assert a.teacher_logprobs.dtype == np.float32 and a.teacher_logprobs.shape == (23,)
+    assert a.routes.dtype == np.int16 and a.routes.shape == (23, 3, 8)
     np.testing.assert_array_equal(a.teacher_logprobs, with_teacher.teacher_logprobs)
     assert a.loss_masked.dtype == np.bool_ and a.loss_masked.tolist() == [True, False, False, True]
     assert b.teacher_logprobs is None and b.loss_masked is None
@@ -309,17 +315,20 @@ def test_train_batch_arrays_keep_dtype_shape_and_optional_teacher():
 
 def test_encode_converts_and_compacts_arrays():
     # Non-contiguous views and other dtypes/lists are converted to the declared dtype, C order.
-    base = np.arange(48, dtype=np.int64).reshape(6, 8)
+    base = np.arange(64, dtype=np.int64)
     tb = _train_batch()
-    tb.input_ids = base[::1, ::2][:4, :4].T  # Fortran-ordered, strided view, int64
-    tb.response_mask = np.ones((4, 4), dtype=np.int8)
-    tb.inf_logprobs = np.full((4, 4), -0.5)  # float64
+    tb.lengths = [4, 4, 4, 4]  # a plain list
+    tb.input_ids = base[::4]  # a strided view, int64
+    tb.response_mask = np.ones(16, dtype=np.int8)
+    tb.inf_logprobs = np.full(16, -0.5)  # float64
     tb.teacher_logprobs = tb.routes = None
+    tb.segment_starts = np.asfortranarray(np.array([[1, -1], [2, 3], [-1, -1], [0, 1]], np.int64))  # Fortran order
     tb.rewards = [1, 0, 1, 0]  # a plain list
     tb.versions = np.array([1, 1, 2, 2], dtype=np.uint8)
     out = decode(encode(tb))
-    assert out.input_ids.dtype == np.int32
-    np.testing.assert_array_equal(out.input_ids, base[::1, ::2][:4, :4].T)
+    assert out.input_ids.dtype == np.int32 and out.lengths.dtype == np.int32
+    np.testing.assert_array_equal(out.input_ids, base[::4])
+    np.testing.assert_array_equal(out.segment_starts, [[1, -1], [2, 3], [-1, -1], [0, 1]])
     assert out.response_mask.dtype == np.bool_ and out.response_mask.all()
     assert out.inf_logprobs.dtype == np.float32 and (out.inf_logprobs == -0.5).all()
     assert out.rewards.dtype == np.float32 and out.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
@@ -496,7 +505,7 @@ def test_reject_header_too_large():
 def test_reject_version_and_type():
     score = Score(key=K, reward=1.0, ok=True)
     _reject(_edit(score, lambda h: h.update(v=PROTOCOL_VERSION + 1)), f"protocol version {PROTOCOL_VERSION + 1}")
-    _reject(_edit(score, lambda h: h.update(v=1)), "protocol version 1, this peer speaks 2")  # the old shapes
+    _reject(_edit(score, lambda h: h.update(v=2)), "protocol version 2, this peer speaks 3")  # padded TrainBatch rows
     _reject(_edit(score, lambda h: h.update(v="1")), "protocol version '1'")
     _reject(_edit(score, lambda h: h.pop("v")), "protocol version None")
     _reject(_edit(score, lambda h: h.update(t="scores")), "unknown message type 'scores'")
@@ -572,11 +581,12 @@ WRONG_SCALARS = [
         TrainBatch(
             step=0,
             group_size=1,
-            input_ids=np.zeros((1, 1), np.int32),
-            response_mask=np.zeros((1, 1), bool),
-            inf_logprobs=np.zeros((1, 1), np.float32),
+            input_ids=np.zeros(1, np.int32),
+            response_mask=np.zeros(1, bool),
+            inf_logprobs=np.zeros(1, np.float32),
             rewards=np.zeros(1, np.float32),
             versions=np.zeros(1, np.int32),
+            lengths=np.ones(1, np.int32),
         ),
         ("group_size",),
         False,
@@ -626,17 +636,17 @@ def test_reject_bad_array_references():
     _reject(set_ref("prompt_ids", shape=[2**41]), "bad shape")
     tb = _train_batch()
     _reject(
-        _edit(tb, lambda h: _ref(h, "input_ids").update(shape=[24])), "train_batch.input_ids: bad shape [24] for rank 2"
+        _edit(tb, lambda h: _ref(h, "input_ids").update(shape=[4, 6])), "train_batch.input_ids: bad shape [4, 6] for rank 1"
     )
-    _reject(_edit(tb, lambda h: _ref(h, "response_mask").update(shape=[4, 6, 1])), "bad shape [4, 6, 1] for rank 2")
+    _reject(_edit(tb, lambda h: _ref(h, "routes").update(shape=[23, 24])), "bad shape [23, 24] for rank 3")
     # byte length vs shape
     _reject(set_ref("prompt_ids", shape=[5]), "rollout.prompt_ids: 16 bytes for shape [5] int32 (20 expected)")
     _reject(set_ref("prompt_ids", shape=[0]), "16 bytes for shape [0]")
     _reject(
-        _edit(tb, lambda h: _ref(h, "input_ids").update(shape=[4, 5])), "96 bytes for shape [4, 5] int32 (80 expected)"
+        _edit(tb, lambda h: _ref(h, "input_ids").update(shape=[20])), "92 bytes for shape [20] int32 (80 expected)"
     )
     # right byte count, wrong split: caught later by validate, not by the codec
-    _reject(_edit(tb, lambda h: _ref(h, "input_ids").update(shape=[6, 4])), "response_mask shape (4, 6) != (6, 4)")
+    _reject(_edit(tb, lambda h: _ref(h, "routes").update(shape=[46, 3, 4])), "routes for 46 tokens, not 23")
     frames = _bytes_frames(r)
     idx = _header(frames)["prompt_ids"]["__nd__"]
     frames[idx] = frames[idx][:-1]
@@ -675,10 +685,11 @@ def test_reject_frame_referenced_twice_and_unreferenced_frames():
 
 def test_huge_shape_does_not_overflow_byte_count():
     # 2**32 * 2**32 wraps to 0 in int64; the byte count must not, or an empty frame would "match".
-    tb = _train_batch(n=0, length=0, group_size=1, teacher=False)
-    frames = _edit(tb, lambda h: _ref(h, "input_ids").update(shape=[2**32, 2**32]))
-    _reject(frames, "train_batch.input_ids: 0 bytes for shape [4294967296, 4294967296]")
-    frames = _edit(tb, lambda h: _ref(h, "inf_logprobs").update(shape=[2**39, 2**39]))
+    tb = dataclasses.replace(_train_batch(n=0, length=0, group_size=1, teacher=False),
+                             segment_starts=np.zeros((0, 0), np.int32), routes=np.zeros((0, 0, 0), np.int16))
+    frames = _edit(tb, lambda h: _ref(h, "segment_starts").update(shape=[2**32, 2**32]))
+    _reject(frames, "train_batch.segment_starts: 0 bytes for shape [4294967296, 4294967296]")
+    frames = _edit(tb, lambda h: _ref(h, "routes").update(shape=[2**39, 2**39, 2**39]))
     _reject(frames, "bytes for shape")
 
 
@@ -696,11 +707,16 @@ VALIDATION_FAILURES = [
     (_train_batch(n=6, group_size=4), "train_batch: 6 rows is not a whole number of groups of 4"),
     (_train_batch(n=4, group_size=0), "rows is not a whole number of groups of 0"),
     (_train_batch(n=4, group_size=-2), "groups of -2"),
-    (dataclasses.replace(_train_batch(), response_mask=np.ones((4, 5), bool)), "response_mask shape (4, 5) != (4, 6)"),
-    (dataclasses.replace(_train_batch(), inf_logprobs=np.ones((2, 6), np.float32)), "inf_logprobs shape (2, 6)"),
+    (dataclasses.replace(_train_batch(), response_mask=np.ones(22, bool)), "response_mask shape (22,) != (23,)"),
+    (dataclasses.replace(_train_batch(), inf_logprobs=np.ones(24, np.float32)), "inf_logprobs shape (24,)"),
+    (dataclasses.replace(_train_batch(), lengths=np.array([5, 6, 6, 7], np.int32)), "lengths sum to 24 but there are 23"),
+    (dataclasses.replace(_train_batch(), lengths=np.array([6, 0, 11, 6], np.int32)), "a row of 0 tokens"),
+    (dataclasses.replace(_train_batch(), lengths=np.array([6, 6, 11], np.int32)), "3 rows is not a whole number"),
+    (dataclasses.replace(_train_batch(), segment_starts=np.array([[5], [-1], [2], [-1]], np.int32)),
+     "each start inside its row"),
     (dataclasses.replace(_train_batch(), rewards=np.ones(3, np.float32)), "one entry per row"),
     (dataclasses.replace(_train_batch(), versions=np.ones(5, np.int32)), "one entry per row"),
-    (dataclasses.replace(_train_batch(), teacher_logprobs=np.ones((4, 7), np.float32)), "teacher_logprobs shape"),
+    (dataclasses.replace(_train_batch(), teacher_logprobs=np.ones(7, np.float32)), "teacher_logprobs shape"),
     (_teacher_request(response_ids=np.zeros(7, np.int32)), "teacher_request: response_lens sum to 8 but there are 7 ids"),
     (_teacher_request(lens=()), "response_lens must hold at least one response"),
     (_teacher_request(lens=(2, 0, 3)), "each of >= 1 token"),

@@ -24,6 +24,7 @@ from cascade_rl.modeling.routing import moe_routers
 from cascade_rl.orchestrator.batch import batch_routes
 from cascade_rl.protocol.codec import decode, encode
 from cascade_rl.protocol.messages import Rollout, WorkKey
+from cascade_rl.protocol.rows import pad
 from cascade_rl.samplers.engine import GenerationRequest
 from cascade_rl.samplers.kv_cache import KVCache
 from cascade_rl.samplers.torch_engine import TorchEngine
@@ -49,8 +50,8 @@ def to_batch(prompts, groups) -> tuple[Batch, torch.Tensor]:
         mask[i, len(p): len(p) + len(s.response_ids)] = True
     key = WorkKey.sample("g", 0)
     rollouts = [Rollout(key, "math", p, s.response_ids, s.logprobs, routes=s.routes) for p, s in rows]
-    routes = torch.from_numpy(batch_routes(rollouts, width))
     lengths = torch.tensor([len(p) + len(s.response_ids) for p, s in rows])
+    routes = torch.from_numpy(pad(batch_routes(rollouts, lengths.numpy()), lengths.numpy(), -1))  # as the trainer pads
     inf = torch.zeros(len(rows), width)
     for i, (p, s) in enumerate(rows):
         inf[i, len(p): len(p) + len(s.response_ids)] = torch.from_numpy(s.logprobs)
@@ -215,13 +216,13 @@ def test_routes_travel_with_the_rollout_into_the_train_batch(tiny_model):
     np.testing.assert_array_equal(back.routes, s.routes)
     short = Rollout(WorkKey.sample("g", 0), "math", prompts[0], s.response_ids, s.logprobs, routes=s.routes[:-1])
     assert "routes for" in short.validate()
-    width = len(prompts[0]) + len(s.response_ids) + 3
+    width = len(prompts[0]) + len(s.response_ids)
     other = Rollout(WorkKey.sample("g", 0).answer(1), "math", prompts[0], s.response_ids, s.logprobs)  # no routes
-    out = batch_routes([r, other], width)
-    assert out.shape == (2, width, 4, 2) and out.dtype == np.int16
-    np.testing.assert_array_equal(out[0, : len(s.routes)], s.routes)
-    assert (out[0, len(s.routes):] == -1).all() and (out[1] == -1).all()
-    assert batch_routes([other], width) is None
+    out = batch_routes([r, other], np.array([width, width]))
+    assert out.shape == (2 * width, 4, 2) and out.dtype == np.int16  # packed: row after row
+    np.testing.assert_array_equal(out[: len(s.routes)], s.routes)
+    assert (out[len(s.routes):] == -1).all()  # the first row's last token, then the row that came without
+    assert batch_routes([other], np.array([width])) is None
 
 
 def test_a_launch_that_wants_routes_from_an_engine_that_cannot_give_them_is_refused(tmp_path):

@@ -23,7 +23,8 @@ from cascade_rl.modeling.policy import Policy
 from cascade_rl.orchestrator.assembly import Assembly, shares, tokens
 from cascade_rl.orchestrator.groups import Group
 from cascade_rl.orchestrator.refill import KeepRate, to_dispatch
-from cascade_rl.protocol.messages import Rollout, SamplingParams, TrainBatch, WorkKey
+from cascade_rl.protocol.messages import Rollout, SamplingParams, WorkKey
+from cascade_rl.protocol.rows import from_padded
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import RUN, cfg, make_batch  # noqa: E402
@@ -177,8 +178,9 @@ def replay_barrier(model_path: str, run_dir: Path, c, steps: int) -> dict[str, t
         for i, r in enumerate(step_rows):
             n = len(r["ids"])
             ids[i, :n], mask[i, :n], inf[i, :n] = r["ids"], r["loss_mask"], r["logprobs"]
-        msg = TrainBatch(s, c.run.group_size, ids, mask, inf, np.array([r["reward"] for r in step_rows], np.float32),
-                         np.zeros(len(step_rows), np.int32))
+        msg = from_padded(step=s, group_size=c.run.group_size, input_ids=ids, response_mask=mask, inf_logprobs=inf,
+                          rewards=np.array([r["reward"] for r in step_rows], np.float32),
+                          versions=np.zeros(len(step_rows), np.int32), lengths=[len(r["ids"]) for r in step_rows])
         train_step(policy, opt, Batch.from_message(msg), c.trainer, s, run=c.run)
     return {k: v.detach() for k, v in model.state_dict().items()}
 

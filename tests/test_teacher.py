@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM
 from cascade_rl.learner.trainer import Batch
 from cascade_rl.modeling.policy import Policy
 from cascade_rl.protocol.codec import decode, encode
-from cascade_rl.protocol.messages import Heartbeat, Ready, Score, TeacherLogprobs, TeacherRequest, TrainBatch, WorkKey
+from cascade_rl.protocol.messages import Heartbeat, Ready, Score, TeacherLogprobs, TeacherRequest, WorkKey
+from cascade_rl.protocol.rows import from_padded
 from cascade_rl.protocol.sockets import bind_router, recv, recv_routed, send
 from cascade_rl.supervisor.config import compose
 from cascade_rl.teachers.server import Teacher, batch_rows
@@ -67,8 +68,9 @@ def trainer_logprobs(model: str, cfg, requests: list[TeacherRequest]) -> np.ndar
         ids, mask = np.zeros((n, length), np.int32), np.zeros((n, length), bool)
         for i, (row, p) in enumerate(zip(rows, prompts)):
             ids[i, : len(row)], mask[i, p : len(row)] = row, True
-        msg = TrainBatch(0, 1, ids, mask, np.zeros((n, length), np.float32), np.zeros(n, np.float32),
-                         np.zeros(n, np.int32))
+        msg = from_padded(step=0, group_size=1, input_ids=ids, response_mask=mask,
+                          inf_logprobs=np.zeros((n, length), np.float32), rewards=np.zeros(n, np.float32),
+                          versions=np.zeros(n, np.int32))
         batch = Batch.from_message(decode(encode(msg)))
         policy = Policy(AutoModelForCausalLM.from_pretrained(model), temperature, t.logprob_chunk_tokens, t.pack,
                         t.pack_tokens, t.logprob_impl)

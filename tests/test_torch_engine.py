@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from cascade_rl.learner.trainer import Batch
 from cascade_rl.modeling.logprobs import token_logprobs
-from cascade_rl.protocol.messages import TrainBatch
+from cascade_rl.protocol.rows import from_padded
 from cascade_rl.samplers.engine import GenerationRequest
 from cascade_rl.samplers.torch_engine import TorchEngine
 
@@ -59,7 +59,8 @@ def trainer_logprobs(hf, reqs, groups) -> tuple[torch.Tensor, torch.Tensor, torc
         ids[i, len(p) : len(p) + len(s.response_ids)] = s.response_ids
         mask[i, len(p) : len(p) + len(s.response_ids)] = True
         inf[i, len(p) : len(p) + len(s.response_ids)] = s.logprobs
-    msg = TrainBatch(0, 1, ids, mask, inf, np.zeros(len(rows), np.float32), np.zeros(len(rows), np.int32))
+    msg = from_padded(step=0, group_size=1, input_ids=ids, response_mask=mask, inf_logprobs=inf,
+                      rewards=np.zeros(len(rows), np.float32), versions=np.zeros(len(rows), np.int32))
     batch = Batch.from_message(msg)
     with torch.no_grad():
         logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from cascade_rl.learner.trainer import Batch, lr_at, train_step
 from cascade_rl.modeling.logprobs import token_logprobs
 from cascade_rl.modeling.policy import Policy
-from cascade_rl.protocol.messages import TrainBatch
+from cascade_rl.protocol.rows import from_padded
 
 
 def make_batch(groups: int = 2, g: int = 4, prompt: int = 5, resp: int = 6, seed: int = 0) -> Batch:
@@ -26,7 +26,8 @@ def make_batch(groups: int = 2, g: int = 4, prompt: int = 5, resp: int = 6, seed
     mask[:, prompt:] = True
     mask[1, prompt + 3 :] = False  # a shorter response (right padding after it)
     rewards = np.tile(np.array([1.0, 0.0, 0.0, 1.0], np.float32), groups)[:n]
-    msg = TrainBatch(0, g, ids, mask, np.zeros_like(mask, np.float32), rewards, np.zeros(n, np.int32))
+    msg = from_padded(step=0, group_size=g, input_ids=ids, response_mask=mask, inf_logprobs=np.zeros_like(mask, np.float32),
+                      rewards=rewards, versions=np.zeros(n, np.int32))
     return Batch.from_message(msg)
 
 

@@ -30,7 +30,7 @@ from cascade_rl.learner.optim import MasterAdamW
 from cascade_rl.learner.step import Step
 from cascade_rl.learner.trainer import Batch, load_state, publish, save_state, strip_prefix, train_step
 from cascade_rl.modeling.policy import Policy
-from cascade_rl.protocol.messages import TrainBatch
+from cascade_rl.protocol.rows import from_padded
 from cascade_rl.weights.layout import unshared
 from cascade_rl.weights.shm import ShmTransport
 
@@ -46,7 +46,8 @@ def batch(step: int) -> Batch:
         mask[i, prompt + 1 + i % resp:] = False
     rewards = rng.integers(0, 2, size=n).astype(np.float32)
     inf = -rng.random((n, prompt + resp)).astype(np.float32)
-    return Batch.from_message(TrainBatch(step, g, ids, mask, inf, rewards, np.zeros(n, np.int32)))
+    return Batch.from_message(from_padded(step=step, group_size=g, input_ids=ids, response_mask=mask, inf_logprobs=inf,
+                                              rewards=rewards, versions=np.zeros(n, np.int32)))
 
 
 def main() -> None:
