@@ -12,8 +12,10 @@ layout in turn, the whole path from the orchestrator's rollouts to the trainer's
             array per field filled row by row (the version 2 ``build_batch``)
   send      the frames over a real ZeroMQ PUSH/PULL pair (ipc), sent and received in full; packed frames are
             ``encode``'s; padded ones the same frames with the padded arrays in place of the packed ones
-  trainer   ``Batch.from_message`` (the packed rows padded on arrival) against the version 2 one (the padded
-            arrays taken as they are, each row's length recovered from its response mask)
+  trainer   the trainer's micro-batches of one group each: packed, ``Part.from_message`` then each micro-batch
+            padded to its own longest row (``Part.rows``); padded, the version 2 ``Batch.from_message`` (the
+            padded arrays taken as they are, each row's length recovered from its response mask) and each
+            micro-batch a view of the whole width
 
 Reports bytes on the wire and the median seconds of each part and of the whole; ratio = packed / padded time
 (< 1: packed faster). Writes bench/results/train_batch_wire.json.
@@ -95,12 +97,13 @@ def padded_trainer(arrays: dict[str, np.ndarray]):
 
     mask = torch.from_numpy(arrays["response_mask"])
     lengths = torch.where(mask, torch.arange(mask.shape[1]) + 1, 0).amax(dim=1)
-    return (torch.from_numpy(arrays["input_ids"]).long(), lengths, mask, mask.clone(),
-            *(torch.from_numpy(arrays[k]) for k in ("inf_logprobs", "teacher_logprobs", "routes") if k in arrays))
+    tensors = [torch.from_numpy(arrays["input_ids"]).long(), lengths, mask, mask.clone(),
+               *(torch.from_numpy(arrays[k]) for k in ("inf_logprobs", "teacher_logprobs", "routes") if k in arrays)]
+    return [[t[g : g + GROUP_SIZE] for t in tensors] for g in range(0, len(lengths), GROUP_SIZE)]
 
 
 def one_round(rows, push, pull) -> dict[str, dict[str, float]]:
-    from cascade_rl.learner.trainer import Batch
+    from cascade_rl.learner.batch import Part
     from cascade_rl.protocol import decode, encode
 
     out = {}
@@ -111,7 +114,8 @@ def one_round(rows, push, pull) -> dict[str, dict[str, float]]:
     push.send_multipart(frames, copy=False)
     got = pull.recv_multipart(copy=False)
     t2 = time.perf_counter()
-    Batch.from_message(decode(got))
+    part = Part.from_message(decode(got))
+    [part.rows(sl) for sl in part.groups(1)]
     t3 = time.perf_counter()
     out["packed"] = {"build_s": t1 - t0, "send_s": t2 - t1, "trainer_s": t3 - t2, "total_s": t3 - t0,
                      "bytes": sum(len(memoryview(f)) for f in frames)}

@@ -59,8 +59,9 @@ class Step:
         self.compute_s = 0.0  # forward and backward of the parts (``add``)
 
     def add(self, batch) -> None:
-        """Forward and backward of ``batch`` (a ``Batch`` of whole groups), in micro-batches of
-        ``cfg.micro_batch_groups`` groups; its gradients add to the step's."""
+        """Forward and backward of ``batch`` (a ``Part`` or a ``Batch`` of whole groups, learner/batch.py), in
+        micro-batches of ``cfg.micro_batch_groups`` groups, each padded to its own longest row; its gradients
+        add to the step's."""
         t0 = time.perf_counter()
         n_groups = len(batch.rewards) // batch.group_size
         if self.seen + n_groups > self.groups:
@@ -68,7 +69,6 @@ class Step:
         self.seen += n_groups
         advantages = group_advantages(batch.rewards.view(-1, batch.group_size)).flatten()
         self.policy.train()
-        trainer_lp = torch.zeros_like(batch.inf_logprobs)
         for rows in batch.groups(self.cfg.micro_batch_groups):
             weight = (rows.stop - rows.start) // batch.group_size / self.groups  # the micro-batch's share of the step
             mb = batch.rows(rows)
@@ -86,17 +86,17 @@ class Step:
             stats["entropy"] = group_token_mean(entropy.detach(), mb.loss_mask, batch.group_size)
             for k, v in stats.items():
                 self.sums[k] = self.sums[k].to(v.device) + v.detach().float() * weight
-            trainer_lp[rows, : logprobs.shape[1]] = logprobs.detach()  # the micro-batch's own width
-        keep = batch.response_mask
-        self.mismatch.append((trainer_lp[keep], batch.inf_logprobs[keep]))
+            keep = mb.response_mask
+            self.mismatch.append((logprobs.detach()[keep], mb.inf_logprobs[keep]))
+            self._count(response_tokens=keep.sum(), masked_rows=(keep.any(1) & ~mb.loss_mask.any(1)).sum())
         per_group = advantages.view(-1, batch.group_size)
-        for k, v in {"rewards": batch.rewards.sum(), "advantages_abs": advantages.abs().sum(),
-                     "rows": len(batch.rewards), "response_tokens": keep.sum(),
-                     "zero_adv_groups": (per_group == 0).all(dim=1).sum(),
-                     "masked_rows": (keep.any(1) & ~batch.loss_mask.any(1)).sum(),
-                     "tokens": batch.lengths.sum()}.items():
-            self.counts[k] = self.counts[k] + v
+        self._count(rewards=batch.rewards.sum(), advantages_abs=advantages.abs().sum(), rows=len(batch.rewards),
+                    zero_adv_groups=(per_group == 0).all(dim=1).sum(), tokens=batch.lengths.sum())
         self.compute_s += time.perf_counter() - t0
+
+    def _count(self, **values) -> None:
+        for k, v in values.items():
+            self.counts[k] = self.counts[k] + v
 
     @property
     def complete(self) -> bool:

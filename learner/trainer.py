@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 
 from cascade_rl.modeling.models import describe, load_model
 from cascade_rl.modeling.policy import Policy
-from cascade_rl.protocol import records, rows
+from cascade_rl.protocol import records
 from cascade_rl.protocol.devices import role_device
 from cascade_rl.protocol.messages import Ready, StepDone, TrainBatch
 from cascade_rl.protocol.sockets import WorkerLink
@@ -43,79 +43,11 @@ from cascade_rl.weights.notices import NoticePublisher
 from cascade_rl.weights.registry import TRANSPORTS
 
 from . import checkpoint, lora, parallel
+from .batch import Batch, Part  # noqa: F401  (Batch: the trainer's API as before)
 from .optim import MasterAdamW
 from .step import Step, lr_at, routing_stats  # noqa: F401  (lr_at, routing_stats: the trainer's API as before)
 
 log = logging.getLogger("trainer")
-
-
-@dataclasses.dataclass
-class Batch:
-    """A TrainBatch as tensors; rows ordered group by group, right-padded to the longest row (each micro-batch,
-    ``rows``, to its own longest)."""
-
-    input_ids: torch.Tensor  # [N, L] long
-    lengths: torch.Tensor  # [N] real tokens per row (the wire's: a row may end on context tokens)
-    response_mask: torch.Tensor  # [N, L] bool: response tokens
-    loss_mask: torch.Tensor  # [N, L] bool: response tokens that carry loss (not of a masked group)
-    inf_logprobs: torch.Tensor  # [N, L]
-    rewards: torch.Tensor  # [N]
-    group_size: int
-    teacher_logprobs: torch.Tensor | None = None  # [N, L], MOPD
-    routes: torch.Tensor | None = None  # [N, L, MoE layers, top_k] int16, the engine's experts (-1: none)
-    segment_starts: torch.Tensor | None = None  # [N, S] where each row's later segments start (-1: none; §14)
-
-    @classmethod
-    def from_message(cls, msg: TrainBatch) -> Batch:
-        """The message's packed rows, right-padded here (host memory; ``to`` moves them)."""
-        lengths = msg.lengths
-
-        def padded(values, fill=0):
-            return None if values is None else torch.from_numpy(rows.pad(values, lengths, fill))
-
-        response_mask = padded(msg.response_mask, False)
-        loss_mask = response_mask.clone()
-        if msg.loss_masked is not None:
-            loss_mask[torch.from_numpy(msg.loss_masked.copy())] = False
-        return cls(
-            input_ids=padded(msg.input_ids).long(),
-            lengths=torch.from_numpy(lengths.astype("int64")),
-            response_mask=response_mask,
-            loss_mask=loss_mask,
-            inf_logprobs=padded(msg.inf_logprobs),
-            rewards=torch.from_numpy(msg.rewards.copy()),
-            group_size=msg.group_size,
-            teacher_logprobs=padded(msg.teacher_logprobs),
-            routes=padded(msg.routes, -1),
-            segment_starts=None if msg.segment_starts is None else torch.from_numpy(msg.segment_starts.copy()),
-        )
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        return (torch.arange(self.input_ids.shape[1], device=self.lengths.device)[None, :]
-                < self.lengths[:, None]).long()
-
-    def to(self, device: torch.device) -> Batch:
-        """Every tensor on ``device`` (the trainer's: the message arrives in host memory)."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
-                                            for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), torch.Tensor)})
-
-    def rows(self, sl: slice) -> Batch:
-        """Rows ``sl`` (whole groups) as a batch of their own, as wide as their longest row (a micro-batch of short
-        rows pays for none of the step's longest)."""
-        width = int(self.lengths[sl].max()) if len(self.lengths[sl]) else 0  # one sync a micro-batch
-        per_token = ("input_ids", "response_mask", "loss_mask", "inf_logprobs", "teacher_logprobs", "routes")
-        return dataclasses.replace(self, **{
-            f.name: getattr(self, f.name)[sl, :width] if f.name in per_token else getattr(self, f.name)[sl]
-            for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)})
-
-    def groups(self, per_chunk: int):
-        """Micro-batches of ``per_chunk`` whole groups (0: all of them), as row slices."""
-        n_groups = len(self.rewards) // self.group_size
-        per_chunk = per_chunk or n_groups
-        for g0 in range(0, n_groups, per_chunk):
-            yield slice(g0 * self.group_size, min(n_groups, g0 + per_chunk) * self.group_size)
 
 
 def step_share(msg: TrainBatch, ranks: parallel.Ranks) -> int:
@@ -290,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             elif msg.step != step_id:
                 raise RuntimeError(f"a part of step {msg.step} arrived while step {step_id} had {step.seen} of its "
                                    f"{step.groups} groups: the orchestrator sends a step's parts together")
-            step.add(Batch.from_message(msg).to(device))
+            step.add(Part.from_message(msg).to(device))  # packed; each micro-batch padded on the device
             ids += msg.ids
             if not msg.last:
                 continue

@@ -3,10 +3,13 @@ trainer pads them itself, each micro-batch to its own longest row."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
+from cascade_rl.learner.batch import Part
 from cascade_rl.learner.trainer import Batch
 from cascade_rl.protocol import decode, encode
 from cascade_rl.protocol.rows import flatten, from_padded, offsets, pad
@@ -60,8 +63,16 @@ def test_each_micro_batch_is_as_wide_as_its_own_longest_row():
     msg = from_padded(step=0, group_size=3, input_ids=ids, response_mask=mask, inf_logprobs=-mask.astype(np.float32),
                       rewards=np.zeros(n, np.float32), versions=np.zeros(n, np.int32), lengths=lengths,
                       teacher_logprobs=-2 * mask.astype(np.float32), routes=routes)
-    batch = Batch.from_message(decode(encode(msg)))
-    first, second = (batch.rows(sl) for sl in batch.groups(1))
+    msg = decode(encode(dataclasses.replace(msg, loss_masked=np.array([0, 0, 0, 1, 1, 1], bool))))
+    batch, part = Batch.from_message(msg), Part.from_message(msg)
+    assert batch.input_ids.shape == (6, 30) and part.input_ids.shape == (sum(lengths),)  # the part stays packed
+    for sl in batch.groups(1):  # a micro-batch padded from the packed part is the padded batch's rows
+        from_part, from_batch = part.rows(sl), batch.rows(sl)
+        for name in ("input_ids", "lengths", "response_mask", "loss_mask", "inf_logprobs", "teacher_logprobs",
+                     "routes", "rewards"):
+            assert torch.equal(getattr(from_part, name), getattr(from_batch, name)), name
+    assert not batch.loss_mask[3:].any() and torch.equal(batch.loss_mask[:3], batch.response_mask[:3])
+    first, second = (part.rows(sl) for sl in part.groups(1))
     assert first.input_ids.shape == (3, 30) and second.input_ids.shape == (3, 3)
     for name in ("response_mask", "loss_mask", "inf_logprobs", "teacher_logprobs"):
         assert getattr(second, name).shape == (3, 3), name
