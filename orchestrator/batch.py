@@ -22,8 +22,9 @@ def build_batch(step: int, groups: list[Group], group_size: int, mopd: bool, ove
         step=step,
         group_size=group_size,
         input_ids=_cat([np.concatenate([r.prompt_ids, r.response_ids]) for r in rollouts], np.int32),
-        response_mask=_cat([_prompt_then(r, True if r.loss_mask is None else r.loss_mask, False)  # multi-turn: the
-                            for r in rollouts], bool),                                          # model's tokens
+        # the response's tokens (a multi-turn row's: the model's, not the tools' output)
+        response_mask=_cat([_prompt_then(r, True if r.loss_mask is None else r.loss_mask, False) for r in rollouts],
+                           bool),
         inf_logprobs=_cat([_prompt_then(r, r.inf_logprobs, 0.0) for r in rollouts], np.float32),
         rewards=np.concatenate([rewards(g, overlong_penalty) for g in groups]),
         versions=np.array([r.policy_version for r in rollouts], np.int32),

@@ -244,3 +244,32 @@ def check_lora_round_trip(tiny_model: str, tmp_path: Path, device: str, dtype: s
         with adapters_off(policy):
             base, _ = policy(padded.to(device), lengths.to(device), target.to(device))
     assert (base - lp)[target.to(device)].abs().max().item() > 1e-2
+
+
+@needs_cuda
+def test_a_packed_part_pads_its_micro_batches_on_cuda():
+    """The trainer's path for every TrainBatch (learner/batch.py): the part moves packed, each micro-batch is padded on
+    the GPU (``index_copy_`` of int64, bool, fp32 and int16 rows), the same values as on the CPU."""
+    import numpy as np
+
+    from cascade_rl.learner.batch import Part
+    from cascade_rl.protocol import decode, encode
+    from cascade_rl.protocol.rows import from_padded
+
+    rng = np.random.default_rng(0)
+    lengths = [7, 3, 12, 5, 6, 6]
+    n, width = len(lengths), max(lengths)
+    real = np.arange(width)[None, :] < np.array(lengths)[:, None]
+    mask = real & (np.arange(width)[None, :] >= 2)
+    msg = decode(encode(from_padded(
+        step=0, group_size=3, input_ids=rng.integers(1, 500, (n, width)).astype(np.int32) * real, response_mask=mask,
+        inf_logprobs=-rng.random((n, width)).astype(np.float32) * mask, rewards=np.ones(n, np.float32),
+        versions=np.zeros(n, np.int32), lengths=lengths, teacher_logprobs=-rng.random((n, width)).astype(np.float32),
+        routes=rng.integers(-1, 8, (n, width, 2, 2)).astype(np.int16), loss_masked=np.array([0, 0, 0, 1, 1, 1], bool))))
+    cpu, gpu = Part.from_message(msg), Part.from_message(msg).to(torch.device("cuda"))
+    for sl in cpu.groups(1):
+        want, got = cpu.rows(sl), gpu.rows(sl)
+        for name in ("input_ids", "lengths", "response_mask", "loss_mask", "inf_logprobs", "teacher_logprobs",
+                     "routes", "rewards"):
+            value = getattr(got, name)
+            assert value.is_cuda and torch.equal(value.cpu(), getattr(want, name)), name
