@@ -8,8 +8,9 @@ caps at 16K), with the sampler's log-probs, MOPD's teacher log-probs and, in the
 at Nemotron-3-Nano's shape (23 MoE layers, top-6, int16: 276 bytes a token, routing replay). Per round, each
 layout in turn, the whole path from the orchestrator's rollouts to the trainer's ``Batch``:
 
-  build     the orchestrator's arrays: packed, the rows concatenated (orchestrator/batch.py); padded, an [N, L]
-            array per field filled row by row (the version 2 ``build_batch``)
+  build     the orchestrator's arrays from its complete groups: packed, ``build_batch`` itself (orchestrator/
+            batch.py, then ``encode``); padded, an [N, L] array per field filled row by row (the version 2
+            ``build_batch``)
   send      the frames over a real ZeroMQ PUSH/PULL pair (ipc), sent and received in full; packed frames are
             ``encode``'s; padded ones the same frames with the padded arrays in place of the packed ones
   trainer   the trainer's micro-batches of one group each: packed, ``Part.from_message`` then each micro-batch
@@ -38,56 +39,47 @@ GROUPS, GROUP_SIZE, PROMPT = 8, 16, 1024
 ROUTES = (23, 6)  # Nemotron-3-Nano: MoE layers, top-k
 
 
-def rollouts(cap: int, routes: bool, seed: int = 0) -> list[dict]:
+def groups(cap: int, routes: bool, seed: int = 0) -> list:
+    """One rank's complete groups, as the orchestrator holds them (scored, with the teacher's log-probs)."""
+    from cascade_rl.data.rows import Row
+    from cascade_rl.orchestrator.groups import Group
+    from cascade_rl.protocol.messages import Rollout, SamplingParams, Score, WorkKey
+
     rng = np.random.default_rng(seed)
     out = []
-    for _ in range(GROUPS * GROUP_SIZE):
-        n = int(min(cap, max(16, rng.lognormal(np.log(6144), 1.0))))
-        out.append({"prompt": rng.integers(0, 131_072, PROMPT, dtype=np.int32),
-                    "response": rng.integers(0, 131_072, n, dtype=np.int32),
-                    "logprobs": -rng.random(n, dtype=np.float32), "teacher": -rng.random(n, dtype=np.float32),
-                    "routes": rng.integers(0, 128, (PROMPT + n - 1, *ROUTES), dtype=np.int16) if routes else None})
+    for k in range(GROUPS):
+        key = WorkKey.sample(f"g{k}", 0)
+        prompt = rng.integers(0, 131_072, PROMPT, dtype=np.int32)
+        g = Group(key.group, Row(f"row-{k}", (), "math", "", {}), prompt, GROUP_SIZE, SamplingParams(), 0, True,
+                  teacher=[])
+        for i in range(GROUP_SIZE):
+            n = int(min(cap, max(16, rng.lognormal(np.log(6144), 1.0))))
+            g.rollouts[i] = Rollout(key.answer(i), "math", prompt, rng.integers(0, 131_072, n, dtype=np.int32),
+                                    -rng.random(n, dtype=np.float32),
+                                    routes=rng.integers(0, 128, (PROMPT + n - 1, *ROUTES), dtype=np.int16)
+                                    if routes else None)
+            g.scores[i] = Score(key.answer(i), 0.0, True)
+            g.teacher.append(-rng.random(n, dtype=np.float32))
+        out.append(g)
     return out
 
 
-def packed_message(rows: list[dict]):
-    from cascade_rl.protocol.messages import TrainBatch
-
-    def per_token(key, fill, dtype):
-        return np.concatenate([np.concatenate([np.full(PROMPT, fill, dtype), r[key]]) for r in rows])
-
-    lengths = np.array([PROMPT + len(r["response"]) for r in rows], np.int32)
-    routes = None
-    if rows[0]["routes"] is not None:
-        routes = np.full((int(lengths.sum()), *ROUTES), -1, np.int16)
-        start = 0
-        for r, n in zip(rows, lengths.tolist()):
-            routes[start : start + len(r["routes"])] = r["routes"]
-            start += n
-    return TrainBatch(
-        step=0, group_size=GROUP_SIZE,
-        input_ids=np.concatenate([np.concatenate([r["prompt"], r["response"]]) for r in rows]),
-        response_mask=np.concatenate([np.arange(n) >= PROMPT for n in lengths.tolist()]),
-        inf_logprobs=per_token("logprobs", 0.0, np.float32), rewards=np.zeros(len(rows), np.float32),
-        versions=np.zeros(len(rows), np.int32), lengths=lengths,
-        teacher_logprobs=per_token("teacher", 0.0, np.float32), routes=routes)
-
-
-def padded_arrays(rows: list[dict]) -> dict[str, np.ndarray]:
+def padded_arrays(groups: list) -> dict[str, np.ndarray]:
     """The version 2 batch: every per-token field right-padded to the longest row."""
-    n, width = len(rows), max(PROMPT + len(r["response"]) for r in rows)
+    rows = [(g.rollouts[i], g.teacher[i]) for g in groups for i in range(g.n)]
+    n, width = len(rows), max(PROMPT + len(r.response_ids) for r, _ in rows)
     out = {"input_ids": np.zeros((n, width), np.int32), "response_mask": np.zeros((n, width), bool),
            "inf_logprobs": np.zeros((n, width), np.float32), "teacher_logprobs": np.zeros((n, width), np.float32)}
-    if rows[0]["routes"] is not None:
+    if rows[0][0].routes is not None:
         out["routes"] = np.full((n, width, *ROUTES), -1, np.int16)
-    for i, r in enumerate(rows):
-        k = len(r["response"])
-        out["input_ids"][i, :PROMPT], out["input_ids"][i, PROMPT : PROMPT + k] = r["prompt"], r["response"]
+    for i, (r, teacher) in enumerate(rows):
+        k = len(r.response_ids)
+        out["input_ids"][i, :PROMPT], out["input_ids"][i, PROMPT : PROMPT + k] = r.prompt_ids, r.response_ids
         out["response_mask"][i, PROMPT : PROMPT + k] = True
-        out["inf_logprobs"][i, PROMPT : PROMPT + k] = r["logprobs"]
-        out["teacher_logprobs"][i, PROMPT : PROMPT + k] = r["teacher"]
+        out["inf_logprobs"][i, PROMPT : PROMPT + k] = r.inf_logprobs
+        out["teacher_logprobs"][i, PROMPT : PROMPT + k] = teacher
         if "routes" in out:
-            out["routes"][i, : len(r["routes"])] = r["routes"]
+            out["routes"][i, : len(r.routes)] = r.routes
     return out
 
 
@@ -102,13 +94,14 @@ def padded_trainer(arrays: dict[str, np.ndarray]):
     return [[t[g : g + GROUP_SIZE] for t in tensors] for g in range(0, len(lengths), GROUP_SIZE)]
 
 
-def one_round(rows, push, pull) -> dict[str, dict[str, float]]:
+def one_round(groups, push, pull) -> dict[str, dict[str, float]]:
     from cascade_rl.learner.batch import Part
+    from cascade_rl.orchestrator.batch import build_batch
     from cascade_rl.protocol import decode, encode
 
     out = {}
     t0 = time.perf_counter()
-    msg = packed_message(rows)
+    msg = build_batch(0, groups, GROUP_SIZE, mopd=True, overlong_penalty=False, cursor={})
     frames = encode(msg)
     t1 = time.perf_counter()
     push.send_multipart(frames, copy=False)
@@ -120,7 +113,7 @@ def one_round(rows, push, pull) -> dict[str, dict[str, float]]:
     out["packed"] = {"build_s": t1 - t0, "send_s": t2 - t1, "trainer_s": t3 - t2, "total_s": t3 - t0,
                      "bytes": sum(len(memoryview(f)) for f in frames)}
     t0 = time.perf_counter()
-    arrays = padded_arrays(rows)
+    arrays = padded_arrays(groups)
     frames = [frames[0], *(memoryview(a).cast("B") for a in arrays.values())]  # a header, then the arrays' bytes
     t1 = time.perf_counter()
     push.send_multipart(frames, copy=False)
@@ -134,11 +127,11 @@ def one_round(rows, push, pull) -> dict[str, dict[str, float]]:
 
 
 def run_case(cap: int, routes: bool, rounds: int, push, pull) -> dict:
-    rows = rollouts(cap, routes)
-    lengths = [PROMPT + len(r["response"]) for r in rows]
-    per = [one_round(rows, push, pull) for _ in range(rounds + 1)][1:]  # round 0 warms up
+    step = groups(cap, routes)
+    lengths = [PROMPT + len(g.rollouts[i].response_ids) for g in step for i in range(g.n)]
+    per = [one_round(step, push, pull) for _ in range(rounds + 1)][1:]  # round 0 warms up
     med = {lay: {k: statistics.median(r[lay][k] for r in per) for k in per[0][lay]} for lay in ("packed", "padded")}
-    return {"rows": len(rows), "tokens": sum(lengths), "longest": max(lengths),
+    return {"rows": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
             "median_row": int(statistics.median(lengths)), "routes": routes, "median": med,
             "bytes_ratio": round(med["packed"]["bytes"] / med["padded"]["bytes"], 4),
             "time_ratio": round(med["packed"]["total_s"] / med["padded"]["total_s"], 4)}

@@ -23,14 +23,13 @@ def build_batch(step: int, groups: list[Group], group_size: int, mopd: bool, ove
         group_size=group_size,
         input_ids=_cat([np.concatenate([r.prompt_ids, r.response_ids]) for r in rollouts], np.int32),
         # the response's tokens (a multi-turn row's: the model's, not the tools' output)
-        response_mask=_cat([_prompt_then(r, True if r.loss_mask is None else r.loss_mask, False) for r in rollouts],
-                           bool),
-        inf_logprobs=_cat([_prompt_then(r, r.inf_logprobs, 0.0) for r in rollouts], np.float32),
+        response_mask=_cat([_row(r, True if r.loss_mask is None else r.loss_mask, bool) for r in rollouts], bool),
+        inf_logprobs=_cat([_row(r, r.inf_logprobs, np.float32) for r in rollouts], np.float32),
         rewards=np.concatenate([rewards(g, overlong_penalty) for g in groups]),
         versions=np.array([r.policy_version for r in rollouts], np.int32),
         lengths=lengths,
-        teacher_logprobs=None if teacher is None else _cat([_prompt_then(r, lp, 0.0)
-                                                            for r, lp in zip(rollouts, teacher)], np.float32),
+        teacher_logprobs=None if teacher is None else _cat([_row(r, lp, np.float32) for r, lp in zip(rollouts, teacher)],
+                                                            np.float32),
         loss_masked=np.array([masked for _, _, masked in rows], bool),
         routes=batch_routes(rollouts, lengths),
         cursor=dict(cursor),
@@ -39,17 +38,16 @@ def build_batch(step: int, groups: list[Group], group_size: int, mopd: bool, ove
     )
 
 
-def _prompt_then(r, response, prompt_value) -> np.ndarray:
-    """A per-token array of rollout ``r``'s row: ``prompt_value`` over its prompt, then ``response`` (one value per
-    response token, or one for all)."""
-    p, n = len(r.prompt_ids), len(r.response_ids)
-    out = np.empty(p + n, np.asarray(response).dtype if np.ndim(response) else np.asarray(prompt_value).dtype)
-    out[:p], out[p:] = prompt_value, response
+def _row(r, response, dtype) -> np.ndarray:
+    """A per-token array of rollout ``r``'s row: 0 over its prompt, then ``response`` (a value per response token,
+    or one for all)."""
+    out = np.zeros(len(r.prompt_ids) + len(r.response_ids), dtype)
+    out[len(r.prompt_ids):] = response
     return out
 
 
 def _cat(rows: list[np.ndarray], dtype) -> np.ndarray:
-    return np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype)
+    return np.concatenate(rows) if rows else np.zeros(0, dtype)
 
 
 def batch_segments(rollouts: list) -> np.ndarray | None:

@@ -16,8 +16,6 @@ import numpy as np
 
 from .messages import TrainBatch
 
-PER_TOKEN = ("input_ids", "response_mask", "inf_logprobs", "teacher_logprobs", "routes")  # packed [T, ...] fields
-
 
 def offsets(lengths: np.ndarray) -> np.ndarray:
     """Row lengths [N] -> [N + 1] int64 starts (0 first, the total last)."""
