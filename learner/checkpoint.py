@@ -57,6 +57,7 @@ Tests (exact resume of a dense and an MoE model, SIGKILL mid-save, HF loadabilit
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -69,8 +70,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from cascade_rl.protocol import exits
+
 # the directory layout, without torch (the orchestrator and the supervisor read it too)
-from .checkpoint_dirs import STATE_FILE, STATE_JSON, clean, latest, resolve, step_dir  # noqa: F401
+from .checkpoint_dirs import STATE_FILE, STATE_JSON, clean, latest, prune, resolve, step_dir  # noqa: F401
 
 log = logging.getLogger("checkpoint")
 
@@ -121,10 +124,13 @@ def save(
             os.rename(out_dir, old)
         os.rename(tmp, out_dir)  # the commit point
         _fsync(parent)
-    except BaseException:
+    except BaseException as e:
+        full = exits.disk_full(e, tmp)  # judged before the partial save is removed and frees its room
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and old.exists() and not out_dir.exists():
             os.rename(old, out_dir)  # the commit failed after the old one was moved aside: put it back
+        if full and not isinstance(e, OSError):  # torch.save's "file write failed" carries no errno: say what it was
+            raise OSError(errno.ENOSPC, f"no space left on device saving {out_dir} ({e})") from e
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -47,6 +47,20 @@ def latest(checkpoints_dir: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def prune(checkpoints_dir: Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` complete checkpoints (0: keep every one); returns what it removed. A run
+    of days that saves often to bound what a restart loses would otherwise fill its disk."""
+    checkpoints_dir = Path(checkpoints_dir)
+    if not keep or not checkpoints_dir.is_dir():
+        return []
+    complete = sorted((int(m.group(1)), p) for p in checkpoints_dir.iterdir()
+                      if (m := STEP_DIR.fullmatch(p.name)) and (p / STATE_FILE).is_file())
+    gone = [p for _, p in complete[:-keep]]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
 def clean(checkpoints_dir: Path) -> None:
     """Remove temp/old directories of crashed saves. One whose writer is still alive (another
     process in the middle of a save) is left alone."""

@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 
 from cascade_rl.modeling.models import describe, load_model
 from cascade_rl.modeling.policy import Policy
-from cascade_rl.protocol import records
+from cascade_rl.protocol import exits, records
 from cascade_rl.protocol.devices import role_device
 from cascade_rl.protocol.messages import Ready, StepDone, TrainBatch
 from cascade_rl.protocol.sockets import WorkerLink
@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
             if version == cfg.run.steps or (tcfg.save_every and version % tcfg.save_every == 0):
                 checkpoint_dir = save_state(policy, optimizer, tokenizer, run_dir, version,
                                             {"policy_version": version, "orchestrator": dict(msg.cursor)}, ranks)
+                if ranks.main:
+                    checkpoint.prune(run_dir / "checkpoints", tcfg.keep_checkpoints)
             # busy: the parts' forward and backward, the update, publishing and the checkpoint; not the waits between
             metrics["train_s"] = step.compute_s + time.perf_counter() - t0
             metrics["step_span_s"] = time.perf_counter() - t_first  # the first part in to the step done
@@ -261,6 +263,12 @@ def main(argv: list[str] | None = None) -> None:
         # keep serving heartbeats until the supervisor stops us, so the final weights stay readable
         while True:
             time.sleep(3600)
+    except Exception as e:
+        if exits.disk_full(e, run_dir):  # the supervisor stops the run and says so; the last checkpoint stands
+            log.error("no space left in run_dir=%s at step %d (%s): the checkpoints before it are whole", run_dir,
+                      version, e)
+            raise SystemExit(exits.DISK_FULL) from e
+        raise
     finally:
         link.close()
         if ranks.main:

@@ -93,7 +93,7 @@ class Core:
         self.malformed = 0
         self.stray_replies = 0  # replies naming no training rollout: late evaluation replies, unknown keys
         self.turn_waits = {"builtin": Mean(), "agent": Mean()}  # multi-turn turns after the first: queued to sampled
-        self._seq: Counter = Counter()  # groups made per step ("e": evaluation)
+        self._seq: Counter = Counter(ledger.group_seq)  # groups made per step ("e": evaluation); a restart's go on
         self._handlers = {Ready: self._on_ready, Rollout: self._on_rollout, Score: self._on_score,
                           TeacherLogprobs: self._on_teacher, WeightsReady: self._on_weights, StepDone: self._on_step,
                           EnvReply: self._on_env, GatewayGenerate: self._on_call, AgentDone: self._on_agent_done,

@@ -8,7 +8,15 @@ ends in exactly one fate, written as one line of ``<run_dir>/ledger.jsonl``:
 
 * ``trained``: sent to the trainer in step ``step``'s batch (reason "masked" when its loss was masked);
 * ``filtered``: dropped with the reason (a sampler or teacher error, uniform rewards under dynamic filtering);
-* ``stale``: older than ``orchestrator.max_staleness`` allows.
+* ``stale``: older than ``orchestrator.max_staleness`` allows;
+* ``rolled_back``: its step came after the checkpoint the run went on from (a trainer or orchestrator restarted by
+  the supervisor, or ``resume=true``): whatever it was before (trained in weights that were thrown away, or still in
+  flight in a process that died), it is not in the run's history, and its prompt is drawn again.
+
+A training group's dispatch is a line too, ``{"event": "dispatched", "group": "s3g5", "n": 4, "step": 3, "t": ...}``:
+an id in flight when its orchestrator died is then known to the next one, which settles it ``rolled_back``. An id's
+fate lines are one fate, or one fate followed by ``rolled_back``; the last is its terminal fate
+(orchestrator/books.py ``audit`` checks a run's files by these rules).
 
 ``t`` is when the fate was written (Unix time: a group is settled as soon as it is scored, a trained one as its part
 goes to the trainer, which writes when each part came in ``trained_ids.jsonl``'s ``parts``). ``version`` is the
@@ -26,6 +34,7 @@ ledger's ``trained`` lines, step by step.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,8 +44,11 @@ from cascade_rl.protocol.records import LEDGER_FILE, TRAINED_IDS_FILE
 
 from .groups import Group
 
-FATES = ("trained", "filtered", "stale")
+FATES = ("trained", "filtered", "stale", "rolled_back")
+ROLLED_BACK = "rolled_back"
 DUPLICATE = "duplicate"
+DISPATCHED = "dispatched"  # the event of a group's dispatch (not a fate)
+_GROUP = re.compile(r"^(s\d+)g(\d+)$")  # a training group's id: its step's scope and its number there
 
 
 @dataclasses.dataclass
@@ -49,20 +61,50 @@ class Entry:
 
 class Ledger:
     def __init__(self, path: Path | None, resume_step: int = 0) -> None:
-        """``path``: the ledger file (None: in memory only, for tests); a run resumed at ``resume_step`` keeps
-        the lines of the steps before it."""
+        """``path``: the ledger file (None: in memory only, for tests). A file that exists is the run's so far (a
+        restart or a resume at ``resume_step``): its ids are read back, and every one of a step from
+        ``resume_step`` on, or without a fate, is settled ``rolled_back``."""
         self.entries: dict[str, Entry] = {}
         self.reasons: Counter = Counter()  # filtered rollouts by reason
         self.duplicates = 0
         self.spans: Counter = Counter()  # trained rollouts by version span (newest - oldest token version)
+        self.group_seq: Counter = Counter()  # the highest group number of each step's scope ("s3"): new ids follow
         self._out = None
         if path is not None:
-            records.keep_steps_before(path, resume_step)
+            self._read_back(path)
             self._out = records.Appender(path)
+            self._roll_back(resume_step)
+
+    def _read_back(self, path: Path) -> None:
+        """The ids of the file so far, each with its last fate."""
+        for r in records.read(path):
+            if r.get("event") == DISPATCHED:
+                self._known(r["group"], r["step"])
+                for i in range(r["n"]):
+                    self.entries.setdefault(f"{r['group']}/{i}", Entry(r["group"], r["step"]))
+            elif r.get("fate") in FATES:
+                self._known(r["group"], r["step"])
+                entry = self.entries.setdefault(r["id"], Entry(r["group"], r["step"]))
+                entry.fate, entry.attempt = r["fate"], r.get("attempt", 0)
+
+    def _known(self, group: str, step: int) -> None:
+        if m := _GROUP.match(group):
+            self.group_seq[m[1]] = max(self.group_seq[m[1]], int(m[2]))
+
+    def _roll_back(self, step: int) -> None:
+        """Every id of a step from ``step`` on (and any without a fate): ``rolled_back``, unless it already is."""
+        reason = f"rolled back: the run went on from the checkpoint of step {step}"
+        for rid, entry in self.entries.items():
+            if entry.fate != ROLLED_BACK and (entry.step >= step or not entry.fate):
+                entry.fate = ROLLED_BACK
+                self._write(rid, entry, entry.attempt, ROLLED_BACK, reason, None)
 
     def dispatch(self, g: Group) -> None:
         for rid in g.ids():
             self.entries[rid] = Entry(g.group_id, g.step)
+        if self._out is not None:
+            self._out.write({"event": DISPATCHED, "group": g.group_id, "n": g.n, "step": g.step,
+                             "t": round(time.time(), 3)})
 
     def redispatch(self, g: Group) -> None:
         for rid in g.ids():
@@ -131,10 +173,16 @@ class Ledger:
             self._out.write(line)
 
 
+def terminal_fates(path: Path) -> dict[str, dict]:
+    """Each id's last fate line in the ledger at ``path`` (duplicates and dispatch events aside)."""
+    return {r["id"]: r for r in records.read(path) if r.get("fate") in FATES}
+
+
 def compare_trainer(run_dir: Path, show: int = 5) -> dict:
-    """The trainer's ids (``trained_ids.jsonl``) against the ledger's ``trained`` lines, step by step: ``match``
-    when every (step, id) pair is in both exactly as often."""
-    ledger = Counter((r["step"], r["id"]) for r in records.read(run_dir / LEDGER_FILE) if r["fate"] == "trained")
+    """The trainer's ids (``trained_ids.jsonl``) against the ids whose terminal fate in the ledger is ``trained``,
+    step by step: ``match`` when every (step, id) pair is in both exactly as often."""
+    ledger = Counter((r["step"], r["id"]) for r in terminal_fates(run_dir / LEDGER_FILE).values()
+                     if r["fate"] == "trained")
     trainer = Counter((r["step"], rid) for r in records.read(run_dir / TRAINED_IDS_FILE) for rid in r["ids"])
     return {
         "match": ledger == trainer,

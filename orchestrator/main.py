@@ -32,6 +32,7 @@ from cascade_rl.data.promptset import PromptSet, PromptStream
 from cascade_rl.data.render import PromptRenderer, TurnRenderer
 from cascade_rl.data.tokenizer import load_tokenizer
 from cascade_rl.learner import checkpoint_dirs
+from cascade_rl.protocol import exits
 from cascade_rl.protocol.agents import AgentDone, GatewayGenerate, GatewayReward, read_secret
 from cascade_rl.protocol.messages import (
     EnvReply,
@@ -380,6 +381,11 @@ def main(argv: list[str] | None = None) -> None:
         summary = orchestrator.run()
         log.info("done: %s", json.dumps(summary))
         ok = True
+    except Exception as e:
+        if exits.disk_full(e, cfg.run_dir):  # the supervisor stops the run and says so; the ledger is whole
+            log.error("no space left in run_dir=%s (%s): the ledger so far is whole", cfg.run_dir, e)
+            raise SystemExit(exits.DISK_FULL) from e
+        raise
     finally:
         orchestrator.close(ok)
 

@@ -47,10 +47,19 @@ class Appender:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        torn = path.is_file() and path.stat().st_size and not _ends_with_newline(path)
         self._f = open(path, "a", buffering=1)
+        if torn:  # a writer killed mid-line (or a full disk): end that line, so the next one is whole
+            self._f.write("\n")
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self._f.close()
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"

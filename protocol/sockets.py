@@ -26,10 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import auth
 from .codec import ProtocolError, decode, encode
-from .messages import Heartbeat, WeightsReady
+from .messages import Heartbeat, Ready, WeightsReady
 
 log = logging.getLogger(__name__)
 
@@ -238,15 +239,21 @@ class WorkerLink(IOThread):
                  expect: tuple[type, ...], status: Callable[[], dict[str, Any]], heartbeat_s: float = 1.0) -> None:
         super().__init__(worker_id, role, supervisor, status, heartbeat_s)
         self._orchestrator, self._weights, self._expect = orchestrator, weights, expect
-        self._dealer = self._sub = None
+        self._dealer = self._sub = self._monitor = None
+        self._hello: Ready | None = None  # the last Ready sent: sent again to an orchestrator that restarted
+        self._handshakes = 0  # connections made to the orchestrator: after the first, each is a restarted one
+        self.reconnects = 0
 
     def _open(self, poller: zmq.Poller) -> list[zmq.Socket]:
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, self.worker_id.encode())
         self._dealer.setsockopt(zmq.LINGER, 1000)
+        # a restarted orchestrator knows no worker: each new connection (after the first) gets our Ready again
+        self._monitor = self._dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         auth.connect(self._dealer, self._orchestrator)  # every link: CURVE client on tcp (protocol/auth.py)
         poller.register(self._dealer, zmq.POLLIN)
-        sockets = [self._dealer]
+        poller.register(self._monitor, zmq.POLLIN)
+        sockets = [self._dealer, self._monitor]
         if self._weights:
             self._sub = self._ctx.socket(zmq.SUB)
             self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -257,12 +264,28 @@ class WorkerLink(IOThread):
         return sockets
 
     def _send_item(self, item: Any) -> None:
+        if isinstance(item, Ready):
+            self._hello = item
         send(self._dealer, item)
 
     def _read(self, sock: zmq.Socket) -> None:
+        if sock is self._monitor:
+            self._on_handshakes()
+            return
         expect = self._expect if sock is self._dealer else (WeightsReady,)
         for msg in self._decoded(sock, expect, routed=False):
             self.inbox.put(msg)
+
+    def _on_handshakes(self) -> None:
+        """Connections made: the first is the launch's; each later one is an orchestrator the supervisor restarted,
+        which learns of this worker from the Ready it is sent again (its work there starts afresh)."""
+        while self._monitor.poll(0):
+            recv_monitor_message(self._monitor)
+            self._handshakes += 1
+            if self._handshakes > 1 and self._hello is not None:
+                self.reconnects += 1
+                log.info("%s: the orchestrator is back; Ready again", self.worker_id)
+                send(self._dealer, self._hello)
 
     def _linger_ms(self, sock: zmq.Socket) -> int:
         return 500 if sock is self._dealer else 0  # what the worker sent last still goes out

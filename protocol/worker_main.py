@@ -22,10 +22,15 @@ def worker_start(description: str, argv: list[str] | None = None,
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", required=True)
     p.add_argument("--worker-id", required=default_id is None, default=default_id)
+    p.add_argument("--resume-from", default=None,
+                   help="run.resume_from for this process alone: the supervisor's restart of a trainer and an "
+                        "orchestrator from the run's newest checkpoint ('latest')")
     args = p.parse_args(argv)
     exit_on_sigterm()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to the log
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s")
     cfg = OmegaConf.load(args.config)
+    if args.resume_from is not None:
+        cfg.run.resume_from = args.resume_from
     auth.install_from_config(cfg)
     return args, cfg

@@ -171,16 +171,25 @@ def cmd_ctl(args: argparse.Namespace) -> int:
             from rich.table import Table
 
             table = Table("role", "id", "node", "pid", "state", "version", "restarts", "throughput", "device",
-                          title=reply.result["run_dir"])
+                          "recent failures", title=reply.result["run_dir"])
             for w in workers:
                 c = w["counters"]
                 rate = c.get("tokens", 0) / c["gen_s"] if c.get("gen_s") else None
                 table.add_row(w["role"], w["id"], w.get("node") or "local", str(w["pid"]), w["state"], str(w["version"]), str(w["restarts"]),
-                              f"{rate:.0f} tok/s" if rate else "-", str(c.get("device", "")))
+                              f"{rate:.0f} tok/s" if rate else "-", str(c.get("device", "")), _failures(w))
             Console().print(table)
     else:
         print(json.dumps(reply.result))
     return 0
+
+
+def _failures(row: dict) -> str:
+    """A worker's failures within the restart window: how many, and how the last one died."""
+    failures = row.get("failures", [])
+    if not failures:
+        return "-"
+    last = failures[-1]
+    return f"{len(failures)}; last {last['ago_s']:.0f} s ago: {last['why']}"
 
 
 def _wait_for_swap(sock, started: dict, timeout_s: float) -> int:

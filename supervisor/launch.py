@@ -34,6 +34,7 @@ import time
 import zmq
 from omegaconf import DictConfig
 
+from cascade_rl.learner import checkpoint_dirs
 from cascade_rl.protocol import auth
 from cascade_rl.protocol.codec import ProtocolError
 from cascade_rl.protocol.messages import Control, ControlReply, Heartbeat
@@ -41,8 +42,9 @@ from cascade_rl.protocol.sockets import recv, send
 from cascade_rl.weights.common import shm_dir
 
 from . import inline as inline_mode
-from . import judge, placement, stall
+from . import judge, placement, recovery, stall
 from .display import Display
+from .faults import MemoryWatch
 from .inline import ThreadProc
 from .launchers import LaunchError, Start
 from .plan import check_scale, check_swap, prepare
@@ -52,6 +54,7 @@ from .procs import (
     Proc,
     free_ports,
     next_ids,
+    resume_hint,
     sampler_procs,
     state_dir,
     worker_argv,
@@ -60,6 +63,9 @@ from .procs import (
 from .stall import StallWatch
 
 __all__ = ["Supervisor", "free_ports", "sampler_procs", "state_dir"]  # cli.py and tests import these from here
+
+
+MEMORY_SAMPLE_S = 2.0  # how often the supervisor samples each process's RSS
 
 
 def _interrupt(*_) -> None:
@@ -89,6 +95,10 @@ class Supervisor:
         self.started = time.monotonic()
         self.stop_requested = False
         self.stall = StallWatch(cfg.orchestrator.stall_timeout_s)
+        self.memory = MemoryWatch()  # RSS and OOM-kill counts: how a dead process died (supervisor/faults.py)
+        self._next_memory_sample = 0.0
+        self.rewinds = 0  # data-plane restarts from the newest checkpoint (supervisor/recovery.py)
+        self.notices: list[str] = []  # what the live display has yet to say
         info = {"pid": os.getpid(), "control": cfg.endpoints.control, "run_dir": str(self.run_dir),
                 "auth_keys": cfg.auth_keys}  # ctl reads the key file (same user) to reach the control socket
         (self.run_dir / "supervisor.json").write_text(json.dumps(info))
@@ -153,7 +163,8 @@ class Supervisor:
         failure reason."""
         now, sup = time.monotonic(), self.cfg.supervisor
         self._retire()
-        for p in self.procs.values():
+        self._sample_memory(now)
+        for p in list(self.procs.values()):
             if p.draining:
                 continue
             if p.handle is None:
@@ -163,8 +174,8 @@ class Supervisor:
             role, rc = ROLES[p.role], p.handle.poll()
             if role.ready and rc is None and p.state == "starting" and role.ready(self.cfg):
                 p.state = "serving"  # a restarted server: serving once it answers
-            if role.ends_run and rc is not None:
-                return role.ends_run(rc, self.run_dir)
+            if role.ends_run and rc is not None and (outcome := role.ends_run(rc, self.run_dir)):
+                return outcome
             silent = not role.server and now - p.last_beat > sup.heartbeat_timeout_s
             if rc is None and not silent:
                 continue
@@ -172,32 +183,85 @@ class Supervisor:
                 p.handle.kill()
             if p.serves in self.procs and self.procs[p.serves].handle is not None:
                 self.procs[p.serves].handle.kill()  # a fresh server has the base weights: so must its sampler
-            if p.restarts >= sup.max_restarts or (self.inline and not p.cmd):  # inline: the traceback is the answer
-                return f"{p.worker_id} failed {p.restarts + 1} times (see logs/{p.worker_id}.log)"
-            state = ("lost" if getattr(p.handle, "lost", "") else f"exited({rc})") if rc is not None else "hung"
-            p.handle = None
-            self._back_off(p, now, state)
+            if failed := self._failed(p, now, rc):
+                return failed
+            if p.role in recovery.REWINDS_ON_DEATH:
+                self._rewind(p, now)
         if sup.timeout_s and now - self.started > sup.timeout_s:
             return f"run exceeded supervisor.timeout_s={sup.timeout_s}"
         if self.stop_requested:
             return "stopped by ctl stop"
         return "running"
 
+    def _failed(self, p: Proc, now: float, rc: int | None) -> str:
+        """``p`` died (``rc``; None: it hung): its failure recorded, in its log too, and its restart scheduled; why
+        the run fails when that makes a crash loop (supervisor/recovery.py)."""
+        why = "lost with its node" if getattr(p.handle, "lost", "") else self.memory.explain(p.worker_id, rc)
+        p.failures.append(recovery.Failure(now, time.time(), why))
+        self._tell_log(p, f"supervisor: {p.worker_id} {why}")
+        sup = self.cfg.supervisor
+        if self.inline and not p.cmd:  # inline: the traceback is the answer
+            return f"{p.worker_id} failed (see logs/{p.worker_id}.log)"
+        if recovery.crash_loop(p.failures, now, sup):
+            hint = f"; {resume_hint(self.run_dir)}" if p.role in recovery.REWOUND_ROLES else ""
+            return recovery.crash_loop_reason(p.worker_id, p.failures, now, sup) + hint
+        state = ("lost" if getattr(p.handle, "lost", "") else f"exited({rc})") if rc is not None else "hung"
+        p.handle = None
+        self._back_off(p, now, state)
+        return ""
+
+    def _rewind(self, dead: Proc, now: float) -> None:
+        """``dead`` (the trainer or the orchestrator) died: stop the rest of the data plane and start it all again
+        from the newest checkpoint after ``dead``'s backoff (supervisor/recovery.py)."""
+        resume = checkpoint_dirs.latest(self.run_dir / "checkpoints") is not None
+        for p in self.procs.values():
+            if p.role not in recovery.REWOUND_ROLES or p.draining:
+                continue
+            if p.handle is not None:
+                p.handle.kill()
+                p.handle.wait(30)
+                p.handle, p.state = None, "rewinding"
+            if p.role in recovery.REWINDS_ON_DEATH:
+                p.args = recovery.with_resume(p.args, resume)
+            p.restart_at = max(p.restart_at, dead.restart_at)
+        self.rewinds += 1
+        self.notices.append(f"{dead.worker_id} {dead.failures[-1].why}: the trainer, the orchestrator and the "
+                            f"samplers start again from " + ("the newest checkpoint" if resume else "the start"))
+
     def _respawn(self, p: Proc, now: float) -> str:
         """Start ``p`` again (its backoff is over): "" once started or retried later; why the run fails when it
-        still has no place after ``supervisor.max_restarts`` tries."""
+        still has no place after ``supervisor.max_restarts`` tries within the window."""
         try:
             self.spawn(p)
         except LaunchError as e:  # no room on the cluster now (launcher=ray): retried with the backoff
-            if p.restarts >= self.cfg.supervisor.max_restarts:
-                return f"{p.worker_id} could not be placed again: {e}"
+            p.failures.append(recovery.Failure(now, time.time(), f"could not be placed: {e}"))
+            if recovery.crash_loop(p.failures, now, self.cfg.supervisor):
+                hint = f"; {resume_hint(self.run_dir)}" if p.role in recovery.REWOUND_ROLES else ""
+                return f"{p.worker_id} could not be placed again: {e}{hint}"
             self._back_off(p, now, "unplaced")
         return ""
 
     def _back_off(self, p: Proc, now: float, state: str) -> None:
-        """``p`` is not running (``state`` says why): its next start after an exponentially growing wait."""
-        p.state, p.restart_at = state, now + self.cfg.supervisor.restart_backoff_s * 2**p.restarts
+        """``p`` is not running (``state`` says why): its next start after a wait that doubles with each failure
+        still in the restart window."""
+        p.state, p.restart_at = state, now + recovery.backoff_s(p.failures, now, self.cfg.supervisor)
         p.restarts += 1
+
+    def _sample_memory(self, now: float) -> None:
+        """Every ``MEMORY_SAMPLE_S``: each process's RSS, the evidence an OOM kill is explained with."""
+        if now < self._next_memory_sample or self.inline:
+            return
+        self._next_memory_sample = now + MEMORY_SAMPLE_S
+        self.memory.sample({p.worker_id: p.handle.pid for p in self.procs.values()
+                            if p.handle is not None and getattr(p.handle, "pid", None)})
+
+    def _tell_log(self, p: Proc, line: str) -> None:
+        """A line of the supervisor's in ``p``'s own log (how it died, next to what it wrote last)."""
+        try:
+            with open(self.run_dir / "logs" / f"{p.worker_id}.log", "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+        except OSError:
+            pass  # a full disk: the console and ctl status still say it
 
     def _drain(self, p: Proc) -> None:
         """SIGTERM ``p``: it finishes what it holds, tells the orchestrator it takes no more, exits 0; never restarted."""
@@ -320,7 +384,7 @@ class Supervisor:
         return ControlReply(False, None, f"op {msg.op!r} is not available in this version of the supervisor")
 
     def table(self) -> list[dict]:
-        return [p.row() for p in self.procs.values()] + self.retired
+        return [p.row(self.cfg.supervisor.restart_window_s) for p in self.procs.values()] + self.retired
 
     def report_stall(self, display: Display) -> None:
         """When the orchestrator's waits have stopped completing: stall.txt, and where to read it (supervisor/stall.py)."""
@@ -359,6 +423,8 @@ class Supervisor:
                     display.update(self.procs["orchestrator"].counters, self.table())
                     self.report_stall(display)
                     self.report_dashboards(display)
+                    while self.notices:
+                        display.notice(self.notices.pop(0))
         except KeyboardInterrupt:
             outcome = "interrupted"
         except (judge.JudgeStartError, LaunchError) as e:  # the judge never answered, a worker has no place:
@@ -372,6 +438,9 @@ class Supervisor:
         if outcome == "done" and summary_path.is_file():
             summary = json.loads(summary_path.read_text())
             summary["restarts"] = {p.worker_id: p.restarts for p in self.procs.values()}
+            summary["rewinds"] = self.rewinds  # data-plane restarts from the newest checkpoint
+            summary["failures"] = {p.worker_id: [f.row(time.monotonic()) for f in p.failures]
+                                   for p in self.procs.values() if p.failures}
             summary["workers"] = self.table()  # final counters of every worker, retired ones included
             summary_path.write_text(json.dumps(summary, indent=2))
             display.final(summary)

@@ -10,13 +10,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from cascade_rl.protocol import exits
 from cascade_rl.weights import adapters
 
 from . import placement
+from .recovery import SHOW_FAILURES, Failure, in_window
 
 # the environment of every process the supervisor starts. PYTHONSAFEPATH (python -P): never put the cwd on
 # sys.path, in its children and theirs (torchrun's ranks): a checkout's top-level verifiers/ or kernels/ folders
@@ -26,11 +29,12 @@ WORKER_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHO
 
 @dataclasses.dataclass(frozen=True)
 class Role:
-    """How the supervisor runs and watches the processes of one role. Any other crash is restarted with the
-    backoff, up to ``supervisor.max_restarts`` times."""
+    """How the supervisor runs and watches the processes of one role. A crash is restarted with the backoff, up to
+    ``supervisor.max_restarts`` times within ``supervisor.restart_window_s`` (supervisor/recovery.py)."""
 
     module: str = ""  # what a worker runs (python -m MODULE); "": a server, started by its own command (Proc.cmd)
-    ends_run: Callable[[int, Path], str] | None = None  # its exit ends the run: (exit code, run_dir) -> the outcome
+    # an exit that ends the run: (exit code, run_dir) -> the outcome, "" for a fault the supervisor recovers from
+    ends_run: Callable[[int, Path], str] | None = None
     ready: Callable[[Any], bool] | None = None  # a server: "serving" once this holds of the config
 
     @property
@@ -40,15 +44,33 @@ class Role:
         return not self.module
 
 
+def resume_hint(run_dir: Path) -> str:
+    return f"continue from the last checkpoint with: cascade-rl launch ... run_dir={run_dir} resume=true"
+
+
+def _disk_full(role: str, run_dir: Path) -> str:
+    import shutil
+
+    free = shutil.disk_usage(run_dir).free
+    return (f"{role}: no space left on the disk of run_dir={run_dir} ({free / 2**20:.1f} MiB free now; see "
+            f"logs/{role}.log). The checkpoints and the ledger written before are whole: free space (or move "
+            f"run_dir), then {resume_hint(run_dir)}")
+
+
 def _run_outcome(rc: int, run_dir: Path) -> str:
-    """The orchestrator's exit is the run's: 0 done, anything else failed."""
-    return "done" if rc == 0 else f"orchestrator exited with code {rc} (see logs/orchestrator.log)"
+    """The orchestrator's exit is the run's: 0 done, 1 (an error it raised: bad data, no group survived the refills)
+    failed, a full disk stopped; killed (a signal): "", the supervisor rewinds the data plane and goes on."""
+    if rc == 0:
+        return "done"
+    if rc == exits.DISK_FULL:
+        return _disk_full("orchestrator", run_dir)
+    return f"orchestrator exited with code {rc} (see logs/orchestrator.log)" if rc == exits.FAILED else ""
 
 
-def _resume_hint(rc: int, run_dir: Path) -> str:
-    """A fresh trainer would restart at version 0: the run stops with the command that resumes it instead."""
-    return (f"trainer exited with code {rc} (see logs/trainer-0.log); continue from the last checkpoint "
-            f"with: cascade-rl launch ... run_dir={run_dir} resume=true")
+def _trainer_outcome(rc: int, run_dir: Path) -> str:
+    """The trainer stops only with the run: a full disk stops the run; any other death rewinds the data plane to
+    the newest checkpoint (counted against its restart budget, so an error that repeats fails the run)."""
+    return _disk_full("trainer-0", run_dir) if rc == exits.DISK_FULL else ""
 
 
 def _judge_answers(cfg) -> bool:
@@ -59,7 +81,7 @@ def _judge_answers(cfg) -> bool:
 
 ROLES = {
     "orchestrator": Role("cascade_rl.orchestrator.main", ends_run=_run_outcome),
-    "trainer": Role("cascade_rl.learner.trainer", ends_run=_resume_hint),
+    "trainer": Role("cascade_rl.learner.trainer", ends_run=_trainer_outcome),
     "sampler": Role("cascade_rl.samplers.worker"),
     "verifier": Role("cascade_rl.verifiers.worker"),
     "teacher": Role("cascade_rl.teachers.server"),
@@ -133,6 +155,7 @@ class Proc:
     worker_id: str
     handle: Any = None  # what the launcher returned (supervisor/launchers/: a Popen's, a Ray actor's); None: not running
     restarts: int = 0
+    failures: list[Failure] = dataclasses.field(default_factory=list)  # each death, newest last (recovery.py)
     restart_at: float = 0.0
     last_beat: float = 0.0
     state: str = "starting"
@@ -148,7 +171,9 @@ class Proc:
     replaced_by: list[str] = dataclasses.field(default_factory=list)  # a swap retires this once they run
     draining: bool = False  # SIGTERM sent: it finishes what it holds and exits; never restarted
 
-    def row(self) -> dict:
+    def row(self, window_s: float = 0.0) -> dict:
+        """Its row of ``ctl status``: ``failures`` are those of the last ``window_s`` (the restart window)."""
+        now = time.monotonic()
         return {
             "role": self.role,
             "id": self.worker_id,
@@ -157,6 +182,7 @@ class Proc:
             "state": self.state,
             "version": self.version,
             "restarts": self.restarts,
+            "failures": [f.row(now) for f in in_window(self.failures, now, window_s)][-SHOW_FAILURES:],
             "counters": self.counters,
             "gpus": list(self.gpus),
         }

@@ -94,7 +94,11 @@ class TrainerConfig:
     micro_batch_groups: int = 0
     """Groups per forward/backward pass (0: the whole batch at once)."""
     save_every: int = 0
-    """Write an HF checkpoint every k steps (0: only the final one)."""
+    """Write an HF checkpoint every k steps (0: only the final one). It bounds the work a dead trainer or orchestrator
+    costs: the supervisor restarts the run from the newest checkpoint (supervisor/recovery.py), so up to k - 1 steps
+    are redone; with 0 a restart goes back to step 0."""
+    keep_checkpoints: int = 0
+    """Keep only the newest k checkpoints, removing older ones after each save (0: keep every one)."""
     threads: int = 0
     """torch.set_num_threads (0: torch's default)."""
     kl_coef: float = 0.0
@@ -368,10 +372,16 @@ class SupervisorConfig:
     """Heartbeat period of every worker."""
     heartbeat_timeout_s: float = 60.0
     """A worker silent this long is restarted."""
-    max_restarts: int = 3
-    """Restarts per worker before the run fails."""
+    max_restarts: int = 5
+    """Failures of one worker the run survives within ``restart_window_s``; one more there fails the run (a crash
+    loop). A dead trainer or orchestrator counts here too: its death rewinds the data plane to the newest checkpoint
+    (supervisor/recovery.py)."""
+    restart_window_s: float = 1800.0
+    """The window ``max_restarts`` is counted over (0: the whole run). The defaults are for a run of days: a worker
+    OOM-killed or preempted now and then is restarted each time; six failures in 30 minutes stop the run."""
     restart_backoff_s: float = 1.0
-    """First restart delay; doubles with each restart of the same worker."""
+    """First restart delay; doubles with each earlier failure of the same worker still in ``restart_window_s``
+    (so it resets once the worker has run a window without failing)."""
     progress: Progress = Progress.auto
     """auto | rich | plain | none: live display (auto: rich on a terminal, plain lines otherwise)."""
     timeout_s: float = 0.0

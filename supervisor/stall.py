@@ -5,7 +5,8 @@ an evaluation: ``progress`` in its heartbeat). When that count has not moved for
 ``orchestrator.stall_timeout_s``, the supervisor writes ``<run_dir>/stall.txt`` and prints where it is:
 
 * what the orchestrator waits for (``waiting_for``) and its books;
-* every process: role, id, pid, state, seconds since its last heartbeat, restarts, and what the orchestrator
+* every process: role, id, pid, state, seconds since its last heartbeat, restarts (and how each recent one died:
+  the signal, the OOM killer's count, its last RSS: supervisor/faults.py), and what the orchestrator
   has it hold (items, the oldest's age, the next deadline, a few keys: ``s3g5/2/0`` is the score of rollout
   ``s3g5/2``, attempt 0);
 * a stack dump of every process: SIGUSR1 makes each of ours print every thread's stack to its log
@@ -75,6 +76,7 @@ def report(rows: list[dict], orchestrator: dict, stalled_s: float, timeout_s: fl
         age = f"{r['beat_age_s']:.0f} s ago" if r.get("beat_age_s") is not None else "never"
         lines.append(f"  {r['role']:12s} {r['id']:14s} pid {r['pid']}  {r['state']:12s} heartbeat {age:10s} "
                      f"restarts {r['restarts']}  {what}")
+        lines += [f"      failed {f['ago_s']:.0f} s ago: {f['why']}" for f in r.get("failures", [])]
     lines += ["", "stacks (SIGUSR1: every thread of every process, from its log):"]
     lines += stack_dumps(rows, logs)
     return "\n".join(lines) + "\n"

@@ -53,8 +53,8 @@ def clock():
     return Clock()
 
 
-def make(clock, tmp_path=None, **options) -> Core:
-    ledger = Ledger(tmp_path / "ledger.jsonl" if tmp_path else None)
+def make(clock, tmp_path=None, resume_step: int = 0, **options) -> Core:
+    ledger = Ledger(tmp_path / "ledger.jsonl" if tmp_path else None, resume_step)
     core = Core(Rules(**options), decode=lambda ids: " ".join(map(str, ids)), ledger=ledger, clock=clock)
     return core
 
@@ -91,7 +91,8 @@ def sample_and_score(core: Core, rewards: list[float], finish: list[str] | None 
 
 
 def ledger_lines(tmp_path: Path) -> list[dict]:
-    return list(records.read(tmp_path / "ledger.jsonl"))
+    """The ledger's fate lines (a group's dispatch is an event line of its own)."""
+    return [r for r in records.read(tmp_path / "ledger.jsonl") if "fate" in r]
 
 
 # --------------------------------------------------------------------------- pure rules
@@ -395,7 +396,10 @@ def test_a_sampler_error_fails_its_group_with_the_reason(clock):
     assert g.complete and g.error == "sampler_error: prompt longer than the context" and not core.pool.get(S0).held
 
 
-def test_books_count_ids_and_a_resumed_ledger_keeps_the_steps_before_it(clock, tmp_path):
+def test_books_count_ids_and_a_resumed_ledger_rolls_back_the_steps_from_its_checkpoint(clock, tmp_path):
+    """A ledger read back at step 2 (a restart from that checkpoint): the ids of steps 0 and 1 keep their fates, those
+    of steps 2 and on (trained in weights thrown away) and every one in flight are settled ``rolled_back``, once; new
+    groups of step 2 get new ids; the books count the whole run."""
     core = make(clock, tmp_path)
     join(core, S0, "sampler")
     join(core, V0, "verifier")
@@ -406,9 +410,24 @@ def test_books_count_ids_and_a_resumed_ledger_keeps_the_steps_before_it(clock, t
     assert (books["dispatched"], books["trained"], books["in_flight"], books["lost"]) == (8, 6, 2, 0)
     core.forget([g])  # dropped without a fate: lost, by id
     assert core.books()["lost"] == 2 and core.books()["lost_ids"] == [f"{g.group_id}/0", f"{g.group_id}/1"]
+    g = core.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=3)  # in flight when the orchestrator died
     core.ledger.close()
-    Ledger(tmp_path / "ledger.jsonl", resume_step=2).close()  # resumed from the checkpoint of step 2
-    assert sorted({r["step"] for r in ledger_lines(tmp_path)}) == [0, 1]
+    dispatches = [r for r in records.read(tmp_path / "ledger.jsonl") if r.get("event") == "dispatched"]
+    assert [(r["step"], r["n"]) for r in dispatches] == [(0, 2), (1, 2), (2, 2), (3, 2), (3, 2)]
+    again = make(clock, tmp_path, resume_step=2)  # restarted from the checkpoint of step 2
+    fates = {}
+    for r in ledger_lines(tmp_path):
+        fates.setdefault(r["id"], []).append((r["step"], r["fate"]))
+    assert sorted(f for f in fates.values() if f[-1][1] == "rolled_back") == [
+        [(2, "trained"), (2, "rolled_back")], [(2, "trained"), (2, "rolled_back")],
+        [(3, "rolled_back")], [(3, "rolled_back")], [(3, "rolled_back")], [(3, "rolled_back")]]
+    assert sum(f == [(s, "trained")] for f in fates.values() for s in (0, 1)) == 4
+    books = again.books()
+    assert (books["dispatched"], books["trained"], books["rolled_back"], books["lost"]) == (10, 4, 6, 0)
+    new = again.add_group(ROW, PROMPT, 2, SamplingParams(), train=True, step=2)
+    assert new.group_id not in {rid.split("/")[0] for rid in fates}  # drawn again, under a new id
+    make(clock, tmp_path, resume_step=2).ledger.close()  # read back again: nothing settled twice
+    assert sum(r["fate"] == "rolled_back" for r in ledger_lines(tmp_path)) == 6 + 2
 
 
 def test_routes_and_token_versions_travel_through_the_core_into_the_batch_and_the_ledger(clock, tmp_path):

@@ -149,7 +149,10 @@ def test_the_role_table_names_each_role_a_module_or_a_server():
     assert {name for name, role in ROLES.items() if role.ends_run} == {"orchestrator", "trainer"}
     assert ROLES["orchestrator"].ends_run(0, Path("/r")) == "done"
     assert "logs/orchestrator.log" in ROLES["orchestrator"].ends_run(1, Path("/r"))
-    assert "run_dir=/r resume=true" in ROLES["trainer"].ends_run(1, Path("/r"))
+    assert ROLES["orchestrator"].ends_run(-9, Path("/r")) == ""  # killed: the data plane rewinds, the run goes on
+    assert ROLES["trainer"].ends_run(1, Path("/r")) == ROLES["trainer"].ends_run(-9, Path("/r")) == ""
+    for role in ("orchestrator", "trainer"):  # a full disk stops the run with what to do
+        assert "no space left" in (why := ROLES[role].ends_run(28, Path("/"))) and "resume=true" in why
     cmd = worker_command(Proc("verifier", "verifier-3", args=["--impl", "math=math"]), Path("/r/config.yaml"))
     assert cmd == ["python", "-P", "-m", "cascade_rl.verifiers.worker", "--config", "/r/config.yaml",
                    "--worker-id", "verifier-3", "--impl", "math=math"]
