@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-SCRIPTS = sorted(p.stem for p in BENCH.glob("[!_]*.py") if p.stem != "run_all" and not p.stem.startswith("gpu_"))
+SCRIPTS = sorted(p.stem for p in BENCH.glob("[!_]*.py")
+                 if p.stem not in ("run_all", "chaos") and not p.stem.startswith("gpu_"))  # chaos: tests/test_chaos.py
 # bench/run_all.py's columns: the summary line of every script has them
 SUMMARY_KEYS = {"name", "metric", "value", "baseline", "baseline_value", "ratio", "target", "pass"}
 # none is marked slow: a smoke run is one launch at most, `--inline` (every role a thread of one process; about

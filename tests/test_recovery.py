@@ -19,6 +19,11 @@ import pytest
 
 from cascade_rl.learner import checkpoint_dirs
 from cascade_rl.orchestrator.books import audit
+from cascade_rl.protocol import exits
+from cascade_rl.protocol.messages import Ready
+from cascade_rl.protocol.sockets import RouterLink, WorkerLink
+from cascade_rl.supervisor import recovery
+from cascade_rl.supervisor.recovery import Failure
 
 CLI = [sys.executable, "-m", "cascade_rl.supervisor.cli"]
 
@@ -73,6 +78,54 @@ def new_pid(parent: int, marker: str, old: int, timeout_s: float = 30) -> int:
                 continue
         time.sleep(0.05)
     raise AssertionError(f"no new child of {parent} with {marker!r}")
+
+
+class Sup:  # the supervisor section's three fields the rules read
+    max_restarts, restart_window_s, restart_backoff_s = 3, 60.0, 1.0
+
+
+def test_the_budget_counts_failures_within_the_window_and_the_backoff_resets_after_it():
+    spaced = [Failure(t, 0.0, "killed by SIGKILL") for t in (0, 100, 200, 300)]  # each past the last's window
+    assert not recovery.crash_loop(spaced, 300, Sup) and recovery.backoff_s(spaced, 300, Sup) == 1.0
+    crowded = [Failure(t, 0.0, "killed by SIGKILL") for t in (400, 410, 420, 430)]
+    assert [recovery.backoff_s(crowded[:n], 400 + 10 * (n - 1), Sup) for n in (1, 2, 3)] == [1.0, 2.0, 4.0]
+    assert recovery.crash_loop(crowded, 430, Sup)
+    why = recovery.crash_loop_reason("verifier-0", spaced + crowded, 430, Sup)
+    assert why.startswith("verifier-0 failed 4 times within supervisor.restart_window_s=60 s") and "SIGKILL" in why
+    assert not recovery.crash_loop(crowded, 500, Sup)  # a minute later they have left the window
+
+
+def test_a_restart_resumes_from_the_newest_checkpoint_only_when_there_is_one():
+    args = ["--impl", "x", "--resume-from", "latest"]
+    assert recovery.with_resume(args, True) == ["--impl", "x", "--resume-from", "latest"]
+    assert recovery.with_resume(args, False) == ["--impl", "x"]
+
+
+def test_a_full_disk_is_told_apart_from_other_errors(tmp_path):
+    assert exits.disk_full(OSError(28, "No space left on device"))
+    assert exits.disk_full(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"))
+    try:
+        raise RuntimeError("unexpected pos 3361984") from OSError(122, "Disk quota exceeded")
+    except RuntimeError as e:
+        assert exits.disk_full(e)  # by its cause
+    assert not exits.disk_full(ValueError("bad row"), tmp_path)  # this disk has room
+
+
+def test_a_worker_sends_its_ready_again_to_an_orchestrator_that_restarted(tmp_path):
+    """The orchestrator's ROUTER closed and bound again on the same endpoint (a restarted process): the worker's
+    DEALER reconnects by itself and its IO thread sends the last Ready again, so the new one knows it."""
+    endpoint, hello = f"ipc://{tmp_path}/o", Ready("verifier-0", "verifier", 32, domains=["math"])
+    worker = WorkerLink("verifier-0", "verifier", endpoint, None, None, expect=(), status=dict).start()
+    worker.send(hello)  # once, as the runtime does at its start
+    try:
+        for _ in range(2):
+            router = RouterLink(endpoint, None, (Ready,), status=dict).start()
+            ident, msg = router.inbox.get(timeout=10)
+            assert ident == b"verifier-0" and msg == hello
+            router.close()
+        assert worker.reconnects == 1
+    finally:
+        worker.close()
 
 
 def version(t: dict) -> int:
