@@ -218,8 +218,11 @@ class Supervisor:
             if p.role not in recovery.REWOUND_ROLES or p.draining:
                 continue
             if p.handle is not None:
-                p.handle.kill()
-                p.handle.wait(30)
+                p.handle.kill()  # its whole process group: torchrun's ranks, an engine's children
+                try:
+                    p.handle.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass  # a process in uninterruptible sleep: it goes when it wakes; its successor binds anyway
                 p.handle, p.state = None, "rewinding"
             if p.role in recovery.REWINDS_ON_DEATH:
                 p.args = recovery.with_resume(p.args, resume)
