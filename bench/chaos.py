@@ -56,8 +56,9 @@ def overrides(model: Path, files: list[str], heldout: list[str], run_dir: Path) 
             f"data.eval_files=[{','.join(heldout)}]", "stage=mopd", f"+teacher.checkpoints.math={model}",
             f"+teacher.checkpoints.tool_use={model}", f"trainer.save_every={SAVE_EVERY}", "trainer.keep_checkpoints=2",
             "orchestrator.eval_n=1", "supervisor.progress=plain", "supervisor.restart_backoff_s=0.5",
-            # a run of days' budget, scaled to these minutes: the chaos here is not a crash loop
-            "supervisor.max_restarts=1000"]
+            # the budget scaled to this rate of faults (each role is killed every 6 x --every seconds, far above a
+            # week's): a crash loop is 4 deaths of one process within a minute
+            "supervisor.max_restarts=3", "supervisor.restart_window_s=60"]
 
 
 class Launch:

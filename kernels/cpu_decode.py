@@ -6,10 +6,12 @@
         o = cpu_decode.attend_decode(qkv, qk_norm, cos, sin, k_cache, v_cache, positions, heads, eps)
 
 Built with torch's ``cpp_extension`` (g++ and ninja) into the environment's own folder
-(``<sys.prefix>/torch_extensions``; ``TORCH_EXTENSIONS_DIR`` where it is set): the first
-build takes about half a minute, later processes load the built library. Not the user-wide
-``~/.cache/torch_extensions``: two checkouts on one machine would rebuild it in turn, each
-build minutes on a busy machine, and samplers starting meanwhile wait on its lock. The
+(``<sys.prefix>/torch_extensions``; ``TORCH_EXTENSIONS_DIR`` where it is set), in a subfolder named by
+the source's hash (``build_dir``): the first build takes about half a minute, later processes load the
+built library. Not the user-wide ``~/.cache/torch_extensions``, and not one folder for every source: two
+checkouts on one machine would rebuild it in turn, each build minutes on a busy machine, and samplers
+starting meanwhile wait on its lock. A builder killed midway leaves torch's lock file behind; the build
+holds a kernel lock too, and clears the stale file under it (``_build``). The
 ops register under ``torch.ops.cascade_rl_cpu``. fp32 only; the engine keeps
 its torch path for other dtypes and devices, and when no compiler is present
 (``available()`` is False and ``build_error()`` says why).
@@ -17,7 +19,9 @@ its torch path for other dtypes and devices, and when no compiler is present
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -30,17 +34,32 @@ log = logging.getLogger(__name__)
 _NO_ROUTES = torch.empty(0, dtype=torch.long)  # the ops' "no routes wanted"
 
 
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+def build_dir() -> Path:
+    """Where the library is built: named by what goes into it (the source, torch's version, the flags), so checkouts
+    with the same source share one build and different ones never rebuild each other's."""
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions")
+    return root / f"cascade_rl_cpu_decode_{key[:12]}"
+
+
 @functools.cache
 def _build() -> str | None:
-    """Build and load the library once per process; the error text if that fails."""
+    """Build and load the library once per process; the error text if that fails. Builds are serialised by an
+    advisory lock the kernel drops when its holder dies: torch's own lock is a file that a builder killed midway
+    (a SIGKILL, the OOM killer) leaves behind, and every process after it would wait on that file forever."""
     from torch.utils.cpp_extension import load
 
-    name = "cascade_rl_cpu_decode"
-    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions") / name
+    where = build_dir()
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        load(name=name, sources=[str(SOURCE)], is_python_module=False, build_directory=str(build_dir),
-             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        where.mkdir(parents=True, exist_ok=True)
+        with open(where / ".build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (where / "lock").unlink(missing_ok=True)  # torch's baton: no live builder holds it while we hold ours
+            load(name=where.name, sources=[str(SOURCE)], is_python_module=False, build_directory=str(where),
+                 extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a build failure: the torch path still works
         log.warning("C++ CPU decode kernels unavailable (%s); the torch engine uses its torch ops", e)
         return f"{type(e).__name__}: {e}"

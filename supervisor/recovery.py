@@ -5,7 +5,8 @@ Rules only (no processes, no sockets): supervisor/launch.py applies them.
 * **A budget over a window.** A worker fails the run only when it has failed more than ``supervisor.max_restarts``
   times within the last ``supervisor.restart_window_s`` seconds: a crash loop, not the odd OOM kill or preemption
   of a week-long run. Its restart waits ``supervisor.restart_backoff_s`` doubled for each earlier failure still in
-  the window, so the backoff resets once the worker has run healthy for a window.
+  the window (at most ``supervisor.restart_backoff_max_s``), so the backoff resets once the worker has run healthy
+  for a window.
 * **The data plane rewinds together.** The trainer's weights and the orchestrator's groups in flight live in
   memory; when either dies, the supervisor stops the trainer, the orchestrator and the samplers (which hold
   weights of versions the run is about to take back, and their servers: SGLang's), and starts them again from the
@@ -47,9 +48,10 @@ def crash_loop(failures: list[Failure], now: float, sup) -> bool:
 
 
 def backoff_s(failures: list[Failure], now: float, sup) -> float:
-    """The wait before the next start: ``restart_backoff_s`` doubled for each earlier failure in the window."""
+    """The wait before the next start: ``restart_backoff_s`` doubled for each earlier failure in the window, at most
+    ``restart_backoff_max_s``."""
     earlier = max(0, len(in_window(failures, now, sup.restart_window_s)) - 1)
-    return sup.restart_backoff_s * 2 ** earlier
+    return min(sup.restart_backoff_max_s, sup.restart_backoff_s * 2 ** min(earlier, 30))
 
 
 def crash_loop_reason(worker_id: str, failures: list[Failure], now: float, sup) -> str:

@@ -382,6 +382,8 @@ class SupervisorConfig:
     restart_backoff_s: float = 1.0
     """First restart delay; doubles with each earlier failure of the same worker still in ``restart_window_s``
     (so it resets once the worker has run a window without failing)."""
+    restart_backoff_max_s: float = 60.0
+    """The longest restart delay: a worker with many failures in a long window waits no longer than this."""
     progress: Progress = Progress.auto
     """auto | rich | plain | none: live display (auto: rich on a terminal, plain lines otherwise)."""
     timeout_s: float = 0.0

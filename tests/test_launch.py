@@ -207,7 +207,9 @@ def test_two_rank_trainer_then_resume_from_its_checkpoint(tiny_model, math_data,
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     second = json.loads((run_dir / "summary.json").read_text())
     assert second["resumed_from_step"] == 2 and second["policy_version"] == 4
-    assert second["books"]["trained"] == 2 * 8 * 4 and second["books"]["lost"] == 0  # steps 3 and 4 only
+    # the books of the whole run: the resumed launch read the ledger back (steps 1 and 2), then trained 3 and 4
+    assert second["books"]["trained"] == 4 * 8 * 4 and second["books"]["lost"] == 0
+    assert second["books"]["rolled_back"] == 0  # the checkpoint was the first launch's last step: nothing undone
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics if "version" in m] == [1, 2, 3, 4]
     assert all(m["staleness_mean"] == 0.0 for m in metrics if "version" in m)

@@ -80,15 +80,15 @@ def new_pid(parent: int, marker: str, old: int, timeout_s: float = 30) -> int:
     raise AssertionError(f"no new child of {parent} with {marker!r}")
 
 
-class Sup:  # the supervisor section's three fields the rules read
-    max_restarts, restart_window_s, restart_backoff_s = 3, 60.0, 1.0
+class Sup:  # the supervisor section's fields the rules read
+    max_restarts, restart_window_s, restart_backoff_s, restart_backoff_max_s = 3, 60.0, 1.0, 3.0
 
 
 def test_the_budget_counts_failures_within_the_window_and_the_backoff_resets_after_it():
     spaced = [Failure(t, 0.0, "killed by SIGKILL") for t in (0, 100, 200, 300)]  # each past the last's window
     assert not recovery.crash_loop(spaced, 300, Sup) and recovery.backoff_s(spaced, 300, Sup) == 1.0
     crowded = [Failure(t, 0.0, "killed by SIGKILL") for t in (400, 410, 420, 430)]
-    assert [recovery.backoff_s(crowded[:n], 400 + 10 * (n - 1), Sup) for n in (1, 2, 3)] == [1.0, 2.0, 4.0]
+    assert [recovery.backoff_s(crowded[:n], 400 + 10 * (n - 1), Sup) for n in (1, 2, 3)] == [1.0, 2.0, 3.0]  # capped
     assert recovery.crash_loop(crowded, 430, Sup)
     why = recovery.crash_loop_reason("verifier-0", spaced + crowded, 430, Sup)
     assert why.startswith("verifier-0 failed 4 times within supervisor.restart_window_s=60 s") and "SIGKILL" in why
