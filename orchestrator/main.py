@@ -117,7 +117,7 @@ class Orchestrator:
                       f"the trainer's weights of the checkpoint (version {self.start_step})")
         before = self.evaluate()
         per_question_before = dict(self.per_question)
-        self._log({"step": self.start_step, **before})  # a resumed run: the checkpoint's
+        self._log({"step": 0, **before})
         # max_staleness = k: the batch of step s is sampled once the trainer has finished every step before s - k
         # (its weights are then version >= s - k), so when it is trained, at version s, no rollout is more than k
         # versions old. k = 0: sample, train, repeat (the paper). docs/ARCHITECTURE.md §5.
