@@ -24,6 +24,8 @@ aside). Exits 1 when the books do not close.
 
 from __future__ import annotations
 
+import bisect
+import datetime
 import json
 import os
 import random
@@ -181,6 +183,40 @@ def lost_steps(run_dir: Path) -> float:
     return sum(f == ["trained", "rolled_back"] for f in fates.values()) / ROLLOUTS_PER_STEP
 
 
+def rewind_downtimes(run_dir: Path) -> list[float]:
+    """Per death of the trainer or the orchestrator: seconds from it (the supervisor's line in the dead one's log)
+    to the first rollout settled ``trained`` by the orchestrator started after it (its ``resuming at step`` line):
+    what one rewind stops training for."""
+    from cascade_rl.protocol import records
+
+    def when(line: str) -> float:
+        return datetime.datetime.strptime(line[:19], "%Y-%m-%d %H:%M:%S").timestamp() + (
+            float("0." + line[20:23]) if line[19:20] == "," else 0.0)
+
+    deaths, starts = [], []
+    for worker in ("trainer-0", "orchestrator"):
+        for line in open(run_dir / "logs" / f"{worker}.log", errors="replace"):
+            if f" supervisor: {worker} " in line:
+                deaths.append(when(line))
+            elif worker == "orchestrator" and "resuming at step" in line:
+                starts.append(when(line))
+    trained = sorted(r["t"] for r in records.read(run_dir / "ledger.jsonl") if r.get("fate") == "trained")
+    starts.sort()
+    out = []
+    for t in sorted(deaths):
+        s = bisect.bisect_right(starts, t)
+        i = bisect.bisect_right(trained, starts[s]) if s < len(starts) else len(trained)
+        if i < len(trained):
+            out.append(round(trained[i] - t, 1))
+    return out
+
+
+def _spread(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"n": len(xs), "median": xs[len(xs) // 2] if xs else None, "max": xs[-1] if xs else None,
+            "sum": round(sum(xs), 1)}
+
+
 def main() -> None:
     ap = bench_parser(__doc__, "5 minutes, a kill every 15 s", "2 minutes, a kill every 8 s")
     ap.add_argument("--minutes", type=float, default=60.0)
@@ -217,6 +253,7 @@ def main() -> None:
     record = {
         "machine": machine(), "undisturbed": base, "chaos": run, "closing_steps": args.close_steps,
         "steps": steps, "steps_lost_to_rewinds": lost_steps(work / "run"), "books": books,
+        "rewind_downtime_s": _spread(rewind_downtimes(work / "run")),
         "summary_books": summary_json["books"], "work": str(work),
         "summary": {
             "name": "chaos", "metric": "steps/min kept under chaos vs undisturbed", "value": run["steps_per_min"],
