@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cascade_rl.supervisor.faults import MemoryWatch, cgroup_oom_kills, own_memory_cgroup
+from cascade_rl.supervisor.faults import MemoryWatch, cgroup_oom_kills, human_bytes, own_memory_cgroup
 
 LIMIT = 64 << 20
 HOG = "x = bytearray(1 << 30)"  # a GiB, every page written (bytearray zero-fills): far over the limit
@@ -157,7 +157,7 @@ def test_sample_records_a_process_tree_rss_and_explain_quotes_it():
     watch.sample({"w": worker.pid})  # reaped: the last sample stands
     assert watch.last_rss("w") >= 100 << 20
     assert watch.last_rss("gone") is None
-    assert watch.explain("w", worker.returncode).endswith(f"; its last RSS {watch.last_rss('w') >> 20} MiB")
+    assert watch.explain("w", worker.returncode).endswith(f"; its last RSS {human_bytes(watch.last_rss('w'))}")
 
 
 def test_exits_and_other_signals():

@@ -132,14 +132,17 @@ def test_losing_the_trainers_node_stops_the_run_with_how_to_resume(cluster, tiny
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"))
     proc = launch(run_dir, [f"model.path={tiny_model}", *math_data, "run.steps=50", "trainer.save_every=1",
                             "supervisor.max_restarts=1", "supervisor.restart_backoff_s=0.5",
+                            "ray.placement_timeout_s=10",  # a try to place the trainer again gives up after 10 s
                             *ray_overrides(cluster), "ray.trainer.labels=[{pool: rollout}]"], env)
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.is_file() and any('"version"' in line for line in metrics.read_text().splitlines()),
              proc, 180, "a first training step")
     assert status(run_dir, env)["trainer-0"]["node"] == cluster.worker_ip
     cluster.kill_worker()
-    out, _ = proc.communicate(timeout=120)
-    cluster.start_worker()  # for the tests after this one
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        cluster.start_worker()  # for the tests after this one, whatever this one does
     assert proc.returncode == 1
     # the trainer's death rewinds the data plane; with no node to place it on, the run stops with how to go on
     assert "trainer-0 could not be placed again" in out.replace("\n", "") and f"run_dir={run_dir} resume=true" in \
