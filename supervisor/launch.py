@@ -203,8 +203,7 @@ class Supervisor:
         if self.inline and not p.cmd:  # inline: the traceback is the answer
             return f"{p.worker_id} failed (see logs/{p.worker_id}.log)"
         if recovery.crash_loop(p.failures, now, sup):
-            hint = f"; {resume_hint(self.run_dir)}" if p.role in recovery.REWOUND_ROLES else ""
-            return recovery.crash_loop_reason(p.worker_id, p.failures, now, sup) + hint
+            return recovery.crash_loop_reason(p.worker_id, p.failures, now, sup) + self._resume_hint(p)
         state = ("lost" if getattr(p.handle, "lost", "") else f"exited({rc})") if rc is not None else "hung"
         p.handle = None
         self._back_off(p, now, state)
@@ -239,10 +238,13 @@ class Supervisor:
         except LaunchError as e:  # no room on the cluster now (launcher=ray): retried with the backoff
             p.failures.append(recovery.Failure(now, time.time(), f"could not be placed: {e}"))
             if recovery.crash_loop(p.failures, now, self.cfg.supervisor):
-                hint = f"; {resume_hint(self.run_dir)}" if p.role in recovery.REWOUND_ROLES else ""
-                return f"{p.worker_id} could not be placed again: {e}{hint}"
+                return f"{p.worker_id} could not be placed again: {e}{self._resume_hint(p)}"
             self._back_off(p, now, "unplaced")
         return ""
+
+    def _resume_hint(self, p: Proc) -> str:
+        """What a failed run says after ``p``'s failure: the resume command when ``p`` is of the data plane."""
+        return f"; {resume_hint(self.run_dir)}" if p.role in recovery.REWOUND_ROLES else ""
 
     def _back_off(self, p: Proc, now: float, state: str) -> None:
         """``p`` is not running (``state`` says why): its next start after a wait that doubles with each failure
